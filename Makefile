@@ -1,0 +1,46 @@
+# Everything goes through a project-local virtual environment, so a fresh machine needs only
+# python3, pip and cargo (all on the image).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+export VIRTUAL_ENV := $(abspath $(VENV))
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+# The dev tools and the optional runtime extras the tests exercise.
+DEV_DEPS := "maturin>=1.7,<2" numpy pytest hypothesis pytest-benchmark orjson pybase64 mypy ruff
+
+.PHONY: run test build-dev build-release lint bench bench-rust bench-python clean
+
+$(VENV)/.deps:
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(DEV_DEPS)
+	touch $@
+
+# Release build: the tests and the demo exercise the optimised code users run.
+build-dev: $(VENV)/.deps
+	maturin develop --release -q
+
+run: build-dev
+	routed-experts demo
+
+test: build-dev
+	cargo test --quiet
+	$(PY) -m pytest -q
+
+lint: build-dev
+	cargo fmt --check
+	cargo clippy --all-targets --features python -- -D warnings
+	ruff check python tests benches
+	$(PY) -m mypy.stubtest routed_experts._core --allowlist stubtest-allowlist.txt
+	$(PY) -m mypy python/routed_experts
+
+bench: bench-rust bench-python
+
+bench-rust:
+	cargo bench --bench core
+
+bench-python: build-dev
+	$(PY) -m pytest benches -q --benchmark-only --benchmark-columns=min,median,mean,ops
+
+clean:
+	rm -rf $(VENV) target .pytest_cache .hypothesis .benchmarks

@@ -1,0 +1,28 @@
+"""Routed experts for MoE router replay: parse, merge, stitch and encode at memory speed.
+
+Every hop of MoE reinforcement learning (engine -> router -> orchestrator -> trainer) moves the
+per-token, per-layer top-k expert ids that router replay needs. This package does the hot path in
+Rust (GIL released) and hands numpy arrays over without copies.
+"""
+
+from __future__ import annotations
+
+from routed_experts._core import (
+    MergeError,
+    PayloadError,
+    RoutedExperts,
+    RoutedExpertsError,
+    get_max_bytes,
+    set_max_bytes,
+)
+
+__all__ = [
+    "MergeError",
+    "PayloadError",
+    "RoutedExperts",
+    "RoutedExpertsError",
+    "get_max_bytes",
+    "set_max_bytes",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,85 @@
+//! Standard base64 (RFC 4648, `=` padding, no whitespace) on the SIMD engine of `base64-simd`.
+
+use crate::error::{Error, Result};
+use base64_simd::{Out, STANDARD};
+
+/// The decoded length of `text`, from its length and padding alone (no decoding, no allocation).
+pub fn decoded_len(text: &[u8], field: &str) -> Result<usize> {
+    if text.len() % 4 != 0 {
+        return Err(Error::field(
+            field,
+            "padded base64 (a length that is a multiple of 4)",
+            format!("{} characters", text.len()),
+        ));
+    }
+    let pad = text
+        .iter()
+        .rev()
+        .take(2)
+        .take_while(|&&c| c == b'=')
+        .count();
+    Ok(text.len() / 4 * 3 - pad)
+}
+
+/// Decode `text` into `out`, whose length must be `decoded_len(text)`.
+pub fn decode_into(text: &[u8], out: &mut [u8], field: &str) -> Result<()> {
+    let want = out.len();
+    match STANDARD.decode(text, Out::from_slice(out)) {
+        Ok(written) if written.len() == want => Ok(()),
+        _ => Err(invalid(text, field)),
+    }
+}
+
+/// Name the first offending character, so the message says what was wrong.
+fn invalid(text: &[u8], field: &str) -> Error {
+    let body = text.len()
+        - text
+            .iter()
+            .rev()
+            .take(2)
+            .take_while(|&&c| c == b'=')
+            .count();
+    let bad = text[..body]
+        .iter()
+        .position(|c| !(c.is_ascii_alphanumeric() || *c == b'+' || *c == b'/'));
+    match bad {
+        Some(i) => Error::field(
+            field,
+            "base64 characters A-Z a-z 0-9 + /",
+            format!("{:?} at offset {i}", text[i] as char),
+        ),
+        None => Error::field(field, "canonical base64", "non-zero padding bits"),
+    }
+}
+
+pub fn encoded_len(n: usize) -> usize {
+    n.div_ceil(3) * 4
+}
+
+/// Encode `bytes` into `out`, whose length must be `encoded_len(bytes.len())`.
+pub fn encode_into(bytes: &[u8], out: &mut [u8]) {
+    let _ = STANDARD.encode(bytes, Out::from_slice(out));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_errors() {
+        for n in 0..20 {
+            let bytes: Vec<u8> = (0..n as u8).map(|b| b.wrapping_mul(37)).collect();
+            let mut text = vec![0; encoded_len(n)];
+            encode_into(&bytes, &mut text);
+            let mut back = vec![0; decoded_len(&text, "data").unwrap()];
+            decode_into(&text, &mut back, "data").unwrap();
+            assert_eq!(back, bytes);
+        }
+        assert!(decoded_len(b"abc", "data").is_err());
+        let mut out = [0u8; 3];
+        let e = decode_into(b"ab*d", &mut out, "data")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("'*' at offset 2"), "{e}");
+    }
+}

@@ -1,0 +1,39 @@
+//! The one error type of the core. The binding layer maps each kind to a Python exception
+//! (`PayloadError`, `MergeError`), both beneath `RoutedExpertsError(ValueError)`.
+
+use std::fmt::Display;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    /// Malformed input: bad JSON, bad base64, a shape that does not match the data, ...
+    #[error("{0}")]
+    Payload(String),
+    /// Inconsistent halves or turns: gaps, mismatched layers/top_k, overlap conflicts.
+    #[error("{0}")]
+    Merge(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    /// "`field`: expected X, got Y", the shape of every field-level message.
+    pub fn field(field: &str, expected: impl Display, actual: impl Display) -> Self {
+        Error::Payload(format!("`{field}`: expected {expected}, got {actual}"))
+    }
+
+    pub fn payload(msg: impl Into<String>) -> Self {
+        Error::Payload(msg.into())
+    }
+
+    pub fn merge(msg: impl Into<String>) -> Self {
+        Error::Merge(msg.into())
+    }
+
+    /// Prefix the message with where it happened (a format name, a choice index, ...).
+    pub fn context(self, ctx: impl Display) -> Self {
+        match self {
+            Error::Payload(m) => Error::Payload(format!("{ctx}: {m}")),
+            Error::Merge(m) => Error::Merge(format!("{ctx}: {m}")),
+        }
+    }
+}

@@ -1,0 +1,27 @@
+//! The process-wide cap on decoded bytes: oversized payloads are refused before allocating.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// 1 GiB: far above the largest real rollout (Kimi K2 at 128k tokens is 126 MB as uint16),
+/// far below what would take a trainer node down.
+pub const DEFAULT_MAX_BYTES: usize = 1 << 30;
+
+static MAX_BYTES: AtomicUsize = AtomicUsize::new(DEFAULT_MAX_BYTES);
+
+pub fn max_bytes() -> usize {
+    MAX_BYTES.load(Ordering::Relaxed)
+}
+
+pub fn set_max_bytes(n: usize) {
+    MAX_BYTES.store(n, Ordering::Relaxed);
+}
+
+pub fn check(nbytes: usize, limit: usize) -> crate::Result<()> {
+    if nbytes > limit {
+        return Err(crate::Error::payload(format!(
+            "payload of {nbytes} decoded bytes exceeds the limit of {limit} bytes \
+             (raise it with routed_experts.set_max_bytes or max_bytes=)"
+        )));
+    }
+    Ok(())
+}

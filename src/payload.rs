@@ -1,0 +1,336 @@
+//! The payload model (SPEC 2): the routing of a contiguous run of token positions, as an
+//! array of shape `(num_tokens, num_layers, top_k)` whose row 0 sits at absolute position `start`.
+
+use crate::buffer::AlignedBytes;
+use crate::dtype::{DType, Element};
+use crate::error::{Error, Result};
+use crate::with_element;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    pub tokens: usize,
+    pub layers: usize,
+    pub top_k: usize,
+}
+
+impl Shape {
+    pub fn new(tokens: usize, layers: usize, top_k: usize) -> Self {
+        Shape {
+            tokens,
+            layers,
+            top_k,
+        }
+    }
+
+    /// Elements in one token row (`layers * top_k`), or an error if that overflows.
+    pub fn row_elems(&self) -> Result<usize> {
+        self.layers
+            .checked_mul(self.top_k)
+            .ok_or_else(|| self.overflow())
+    }
+
+    pub fn elems(&self) -> Result<usize> {
+        self.row_elems()?
+            .checked_mul(self.tokens)
+            .ok_or_else(|| self.overflow())
+    }
+
+    /// Bytes the array needs in `dtype`, computed without overflow (checked before allocating).
+    pub fn nbytes(&self, dtype: DType) -> Result<usize> {
+        self.elems()?
+            .checked_mul(dtype.itemsize())
+            .ok_or_else(|| self.overflow())
+    }
+
+    fn overflow(&self) -> Error {
+        Error::field(
+            "shape",
+            "a size that fits in memory",
+            format!("{self} (overflows)"),
+        )
+    }
+}
+
+impl std::fmt::Display for Shape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "[{}, {}, {}]", self.tokens, self.layers, self.top_k)
+    }
+}
+
+/// How to pick the dtype of a payload built from values (SPEC 3.1, "compact dtype choice").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DTypeChoice {
+    /// The smallest of uint8/uint16 (int16/int32 with negatives) that holds the values.
+    Compact,
+    /// uint8 up to 256 experts, else uint16: one dtype for every payload of a model.
+    NumExperts(u64),
+    Exact(DType),
+}
+
+impl DTypeChoice {
+    pub fn resolve(self, min_max: Option<(i64, i64)>) -> Result<DType> {
+        match self {
+            DTypeChoice::Exact(d) => Ok(d),
+            DTypeChoice::NumExperts(n) => DType::for_num_experts(n),
+            DTypeChoice::Compact => match min_max {
+                Some((lo, hi)) => DType::compact_for_range(lo, hi),
+                None => Ok(DType::U8),
+            },
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Payload {
+    start: u64,
+    shape: Shape,
+    dtype: DType,
+    data: AlignedBytes,
+}
+
+impl Payload {
+    /// Wrap raw native-endian bytes; their length must match the shape exactly.
+    pub fn new(start: u64, shape: Shape, dtype: DType, data: AlignedBytes) -> Result<Self> {
+        let want = shape.nbytes(dtype)?;
+        if data.len() != want {
+            return Err(Error::field(
+                "data",
+                format!("{want} bytes for shape {shape} of {dtype}"),
+                format!("{} bytes", data.len()),
+            ));
+        }
+        start
+            .checked_add(shape.tokens as u64)
+            .ok_or_else(|| Error::field("start", "start + num_tokens below 2**64", start))?;
+        Ok(Payload {
+            start,
+            shape,
+            dtype,
+            data,
+        })
+    }
+
+    pub fn zeros(start: u64, shape: Shape, dtype: DType) -> Result<Self> {
+        Payload::new(
+            start,
+            shape,
+            dtype,
+            AlignedBytes::zeroed(shape.nbytes(dtype)?),
+        )
+    }
+
+    /// Build from values in C order, converting to the chosen dtype; a value that does not fit
+    /// is an error naming its position, never a silent wrap.
+    pub fn from_values<T: Element>(
+        values: &[T],
+        shape: Shape,
+        start: u64,
+        choice: DTypeChoice,
+    ) -> Result<Self> {
+        if values.len() != shape.elems()? {
+            return Err(Error::field(
+                "array",
+                format!("{} values for shape {shape}", shape.elems()?),
+                values.len(),
+            ));
+        }
+        let dtype = choice.resolve(min_max(values))?;
+        let mut out = Payload::zeros(start, shape, dtype)?;
+        with_element!(dtype, D => convert(values, out.data.as_mut_slice::<D>()))
+            .map_err(|i| out.value_error(i, values[i].into(), dtype))?;
+        Ok(out)
+    }
+
+    pub fn start(&self) -> u64 {
+        self.start
+    }
+    pub fn stop(&self) -> u64 {
+        self.start + self.shape.tokens as u64
+    }
+    pub fn shape(&self) -> Shape {
+        self.shape
+    }
+    pub fn num_tokens(&self) -> usize {
+        self.shape.tokens
+    }
+    pub fn num_layers(&self) -> usize {
+        self.shape.layers
+    }
+    pub fn top_k(&self) -> usize {
+        self.shape.top_k
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn bytes(&self) -> &[u8] {
+        self.data.as_bytes()
+    }
+    pub fn into_data(self) -> AlignedBytes {
+        self.data
+    }
+    pub fn values<T: Element>(&self) -> &[T] {
+        assert_eq!(
+            T::DTYPE,
+            self.dtype,
+            "payload viewed as the wrong element type"
+        );
+        self.data.as_slice()
+    }
+
+    /// Bytes of one token row.
+    pub fn row_bytes(&self) -> usize {
+        self.shape.layers * self.shape.top_k * self.dtype.itemsize()
+    }
+
+    /// The bytes of rows `[from, to)` (row indices, not absolute positions).
+    pub fn rows(&self, from: usize, to: usize) -> &[u8] {
+        &self.bytes()[from * self.row_bytes()..to * self.row_bytes()]
+    }
+
+    /// Rows for absolute positions `[start, stop)`, which must lie inside this payload.
+    pub fn slice(&self, start: u64, stop: u64) -> Result<Payload> {
+        if start > stop || start < self.start || stop > self.stop() {
+            return Err(Error::payload(format!(
+                "slice [{start}, {stop}) is not inside the payload's positions [{}, {})",
+                self.start,
+                self.stop()
+            )));
+        }
+        let (from, to) = ((start - self.start) as usize, (stop - self.start) as usize);
+        let shape = Shape {
+            tokens: to - from,
+            ..self.shape
+        };
+        Payload::new(
+            start,
+            shape,
+            self.dtype,
+            AlignedBytes::from_slice(self.rows(from, to)),
+        )
+    }
+
+    /// The same values in another dtype; a value that does not fit is an error.
+    pub fn astype(&self, dtype: DType) -> Result<Payload> {
+        if dtype == self.dtype {
+            return Ok(self.clone());
+        }
+        let mut out = Payload::zeros(self.start, self.shape, dtype)?;
+        with_element!(dtype, D => self.write_as::<D>(out.data.as_mut_slice()))?;
+        Ok(out)
+    }
+
+    /// Write the values, converted, into `dst` (which has exactly one slot per value): the
+    /// path by which a numpy-owned array is filled without an intermediate buffer.
+    pub fn write_as<D: Element>(&self, dst: &mut [D]) -> Result<()> {
+        with_element!(self.dtype, S => {
+            let src = self.data.as_slice::<S>();
+            convert(src, dst).map_err(|i| self.value_error(i, src[i].into(), D::DTYPE))
+        })
+    }
+
+    /// Smallest and largest value, `None` when empty.
+    pub fn min_max(&self) -> Option<(i64, i64)> {
+        with_element!(self.dtype, T => min_max(self.data.as_slice::<T>()))
+    }
+
+    /// Value `i` (flat C-order index) widened to i64.
+    pub fn value_at(&self, i: usize) -> i64 {
+        with_element!(self.dtype, T => self.data.as_slice::<T>()[i].into())
+    }
+
+    /// Same positions, shape and values, whatever the dtypes.
+    pub fn same_routing(&self, other: &Payload) -> bool {
+        if self.start != other.start || self.shape != other.shape {
+            return false;
+        }
+        if self.dtype == other.dtype {
+            return self.bytes() == other.bytes();
+        }
+        (0..self.shape.elems().unwrap_or(0)).all(|i| self.value_at(i) == other.value_at(i))
+    }
+
+    /// (absolute position, layer) of flat element index `i`.
+    pub fn locate(&self, i: usize) -> (u64, usize) {
+        let row = self.shape.layers * self.shape.top_k;
+        (self.start + (i / row) as u64, (i % row) / self.shape.top_k)
+    }
+
+    fn value_error(&self, i: usize, value: i64, dtype: DType) -> Error {
+        let (pos, layer) = self.locate(i);
+        Error::field(
+            "array",
+            format!(
+                "values that fit {dtype} (range {}..={})",
+                dtype.min(),
+                dtype.max()
+            ),
+            format!("{value} at position {pos}, layer {layer}"),
+        )
+    }
+}
+
+fn min_max<T: Element>(values: &[T]) -> Option<(i64, i64)> {
+    let (&first, rest) = values.split_first()?;
+    let (lo, hi) = rest.iter().fold((first, first), |(lo, hi), &v| {
+        (
+            if v.into() < lo.into() { v } else { lo },
+            if v.into() > hi.into() { v } else { hi },
+        )
+    });
+    Some((lo.into(), hi.into()))
+}
+
+/// Convert element-wise; `Err(i)` is the index of the first value `D` cannot hold.
+fn convert<S: Element, D: Element>(src: &[S], dst: &mut [D]) -> std::result::Result<(), usize> {
+    if D::DTYPE.holds(S::DTYPE.min()) && D::DTYPE.holds(S::DTYPE.max()) {
+        // Widening: every value fits, so the loop has no branch to stop vectorisation.
+        for (d, &s) in dst.iter_mut().zip(src) {
+            let v: i64 = s.into();
+            *d = D::try_from(v).unwrap_or_else(|_| unreachable!());
+        }
+        return Ok(());
+    }
+    for (i, (d, &s)) in dst.iter_mut().zip(src).enumerate() {
+        *d = D::try_from(s.into()).map_err(|_| i)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(values: &[i64], tokens: usize, start: u64) -> Payload {
+        let shape = Shape::new(tokens, 1, values.len() / tokens.max(1));
+        Payload::from_values(values, shape, start, DTypeChoice::Compact).unwrap()
+    }
+
+    #[test]
+    fn compact_choice_by_values() {
+        assert_eq!(p(&[1, 255], 1, 0).dtype(), DType::U8);
+        assert_eq!(p(&[1, 256], 1, 0).dtype(), DType::U16);
+        assert_eq!(p(&[-1, 3], 1, 0).dtype(), DType::I16);
+    }
+
+    #[test]
+    fn explicit_dtype_never_wraps() {
+        let shape = Shape::new(2, 1, 1);
+        let err = Payload::from_values(&[3i64, 300], shape, 10, DTypeChoice::Exact(DType::U8));
+        let msg = err.unwrap_err().to_string();
+        assert!(msg.contains("300 at position 11, layer 0"), "{msg}");
+    }
+
+    #[test]
+    fn slice_and_astype() {
+        let a = p(&[1, 2, 3, 4, 5, 6], 3, 10);
+        let s = a.slice(11, 13).unwrap();
+        assert_eq!((s.start(), s.bytes()), (11, &[3u8, 4, 5, 6][..]));
+        assert!(a.slice(9, 12).is_err());
+        assert!(a.slice(12, 11).is_err());
+        let w = a.astype(DType::U16).unwrap();
+        assert_eq!(w.values::<u16>(), &[1, 2, 3, 4, 5, 6]);
+        assert!(a.same_routing(&w));
+        let big = p(&[1, 300], 1, 0);
+        assert!(big.astype(DType::U8).is_err());
+    }
+}

@@ -1,0 +1,195 @@
+//! Python values -> core inputs: JSON text, sidecar dicts, dtype names, numpy arrays.
+
+use std::borrow::Cow;
+
+use numpy::{PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{
+    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PyString, PyTuple,
+};
+use serde_json::Value;
+
+use crate::sidecar::{DataField, SidecarFields};
+use crate::{DType, DTypeChoice, Payload, Shape};
+
+/// Text that JSON can be parsed from: borrowed from `bytes`/`str`, copied from mutable buffers
+/// (a `bytearray` could change while the GIL is released).
+pub fn text_arg<'a>(value: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u8]>> {
+    if let Ok(b) = value.cast::<PyBytes>() {
+        return Ok(Cow::Borrowed(b.as_bytes()));
+    }
+    if let Ok(s) = value.cast::<PyString>() {
+        return Ok(Cow::Borrowed(s.to_str()?.as_bytes()));
+    }
+    if let Ok(b) = value.cast::<PyByteArray>() {
+        return Ok(Cow::Owned(b.to_vec()));
+    }
+    if value.is_instance_of::<PyMemoryView>() {
+        let bytes = value.call_method0("tobytes")?;
+        return Ok(Cow::Owned(bytes.cast::<PyBytes>()?.as_bytes().to_vec()));
+    }
+    let kind = py_type_name(value);
+    if kind != NOT_JSON {
+        // Already parsed JSON, but not an object: malformed input, not a programming error.
+        return Err(crate::Error::field("sidecar", "a JSON object", kind).into());
+    }
+    Err(PyTypeError::new_err(format!(
+        "expected JSON as bytes, str or a dict, got {}",
+        value.get_type().name()?
+    )))
+}
+
+const NOT_JSON: &str = "a non-JSON Python object";
+
+/// The fields of a sidecar given as a Python dict. `data` is the dict's `data` item, fetched by
+/// the caller so that its text can be borrowed, not copied, for as long as the caller holds it.
+pub fn dict_fields<'a>(
+    d: &Bound<'_, PyDict>,
+    data: Option<&'a Bound<'_, PyAny>>,
+) -> PyResult<SidecarFields<'a>> {
+    let small = |key: &str| -> PyResult<Option<Value>> {
+        d.get_item(key)?.map(|v| to_json_value(&v, 0)).transpose()
+    };
+    Ok(SidecarFields {
+        data: data.map(data_field).transpose()?,
+        shape: small("shape")?,
+        start: small("start")?,
+        dtype: small("dtype")?,
+    })
+}
+
+fn data_field<'a>(v: &'a Bound<'_, PyAny>) -> PyResult<DataField<'a>> {
+    if let Ok(s) = v.cast::<PyString>() {
+        return Ok(DataField::Base64(Cow::Borrowed(s.to_str()?.as_bytes())));
+    }
+    if let Ok(b) = v.cast::<PyBytes>() {
+        return Ok(DataField::Base64(Cow::Borrowed(b.as_bytes())));
+    }
+    Ok(DataField::NotAString(py_type_name(v)))
+}
+
+fn py_type_name(v: &Bound<'_, PyAny>) -> &'static str {
+    if v.is_none() {
+        "null"
+    } else if v.is_instance_of::<PyBool>() {
+        "a boolean"
+    } else if v.is_instance_of::<PyInt>() || v.is_instance_of::<PyFloat>() {
+        "a number"
+    } else if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
+        "an array"
+    } else if v.is_instance_of::<PyDict>() {
+        "an object"
+    } else {
+        NOT_JSON
+    }
+}
+
+/// A small Python value (shape, start, dtype) as JSON, so dicts and JSON text share one validator.
+pub fn to_json_value(v: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
+    if v.is_none() {
+        return Ok(Value::Null);
+    }
+    if let Ok(b) = v.cast::<PyBool>() {
+        return Ok(Value::Bool(b.is_true()));
+    }
+    if let Ok(s) = v.cast::<PyString>() {
+        return Ok(Value::String(s.to_str()?.to_owned()));
+    }
+    if let Ok(f) = v.cast::<PyFloat>() {
+        return Ok(serde_json::Number::from_f64(f.value()).map_or(Value::Null, Value::Number));
+    }
+    if v.is_instance_of::<PyInt>() || v.hasattr("__index__")? {
+        let i = v.call_method0("__index__")?;
+        if let Ok(n) = i.extract::<u64>() {
+            return Ok(Value::from(n));
+        }
+        if let Ok(n) = i.extract::<i64>() {
+            return Ok(Value::from(n));
+        }
+        return Ok(Value::String(i.str()?.to_str()?.to_owned()));
+    }
+    if (v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>()) && depth < 4 {
+        let items: PyResult<Vec<Value>> = v
+            .try_iter()?
+            .map(|item| to_json_value(&item?, depth + 1))
+            .collect();
+        return Ok(Value::Array(items?));
+    }
+    Ok(Value::String(format!("<{}>", v.get_type().name()?)))
+}
+
+/// A dtype given as a name (`"uint8"`) or anything `numpy.dtype()` accepts (`np.uint16`).
+pub fn dtype_arg(v: &Bound<'_, PyAny>) -> PyResult<DType> {
+    if let Ok(s) = v.cast::<PyString>() {
+        return Ok(DType::parse(s.to_str()?)?);
+    }
+    let np_dtype = v.py().import("numpy")?.getattr("dtype")?.call1((v,))?;
+    Ok(DType::parse(
+        np_dtype.getattr("name")?.cast::<PyString>()?.to_str()?,
+    )?)
+}
+
+pub fn dtype_choice(
+    dtype: Option<&Bound<'_, PyAny>>,
+    num_experts: Option<u64>,
+) -> PyResult<DTypeChoice> {
+    Ok(match (dtype, num_experts) {
+        (Some(d), _) if !d.is_none() => DTypeChoice::Exact(dtype_arg(d)?),
+        (_, Some(n)) => DTypeChoice::NumExperts(n),
+        _ => DTypeChoice::Compact,
+    })
+}
+
+/// A numpy integer array (or anything `numpy.asarray` takes) of shape (tokens, layers, top_k)
+/// -> payload, converted to the chosen dtype with the GIL released.
+pub fn payload_from_array(
+    array: &Bound<'_, PyAny>,
+    start: u64,
+    choice: DTypeChoice,
+) -> PyResult<Payload> {
+    let py = array.py();
+    let arr = py.import("numpy")?.getattr("asarray")?.call1((array,))?;
+    macro_rules! try_element {
+        ($($t:ty),*) => {$(
+            if let Ok(a) = arr.cast::<PyArrayDyn<$t>>() {
+                let shape = shape3(a.shape())?;
+                let ro = a.readonly();
+                let owned;
+                let values: &[$t] = match ro.as_slice() {
+                    Ok(s) => s,
+                    Err(_) => { owned = ro.as_array().iter().copied().collect::<Vec<$t>>(); &owned }
+                };
+                return Ok(py.detach(|| Payload::from_values(values, shape, start, choice))?);
+            }
+        )*};
+    }
+    try_element!(u8, i8, u16, i16, u32, i32, i64);
+    if let Ok(a) = arr.cast::<PyArrayDyn<u64>>() {
+        // uint64 ids (some producers' default): checked into int64, never wrapped.
+        let shape = shape3(a.shape())?;
+        let values: Result<Vec<i64>, _> = a
+            .readonly()
+            .as_array()
+            .iter()
+            .map(|&v| i64::try_from(v).map_err(|_| v))
+            .collect();
+        let values =
+            values.map_err(|v| crate::Error::field("array", "values that fit int64", v))?;
+        return Ok(py.detach(|| Payload::from_values(&values, shape, start, choice))?);
+    }
+    let dt = arr.getattr("dtype")?.str()?.to_str()?.to_owned();
+    Err(crate::Error::field("array", "an integer array", format!("dtype {dt}")).into())
+}
+
+fn shape3(shape: &[usize]) -> PyResult<Shape> {
+    match shape {
+        [t, l, k] => Ok(Shape::new(*t, *l, *k)),
+        other => Err(crate::Error::field(
+            "array",
+            "3 dimensions (num_tokens, num_layers, top_k)",
+            format!("shape {other:?}"),
+        )
+        .into()),
+    }
+}

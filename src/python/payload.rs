@@ -1,0 +1,271 @@
+//! `RoutedExperts`: an immutable payload whose `array` is a read-only numpy view of the
+//! Rust-owned buffer (no copy).
+
+use numpy::ndarray::ArrayView3;
+use numpy::npyffi::flags::NPY_ARRAY_WRITEABLE;
+use numpy::npyffi::objects::_PyArray_GET_ITEM_DATA;
+use numpy::{PyArray3, PyArrayMethods, PyUntypedArrayMethods};
+use pyo3::basic::CompareOp;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyString, PyTuple};
+
+use super::convert;
+use crate::{limits, sidecar, with_element, DType, Payload, Shape};
+
+/// The routing of a contiguous run of token positions: an integer array of shape
+/// (num_tokens, num_layers, top_k) whose row 0 is absolute position `start`.
+///
+/// Immutable. `array` is a read-only zero-copy numpy view; `to_numpy(writable=True)` or
+/// `array.copy()` gives an array you may write to.
+#[pyclass(frozen, module = "routed_experts._core", name = "RoutedExperts")]
+pub struct RoutedExperts {
+    pub inner: Payload,
+}
+
+impl RoutedExperts {
+    pub fn new(inner: Payload) -> Self {
+        RoutedExperts { inner }
+    }
+}
+
+/// Decode a compact sidecar given as bytes, str or dict, with the GIL released.
+pub fn decode_sidecar_obj(value: &Bound<'_, PyAny>, max_bytes: Option<usize>) -> PyResult<Payload> {
+    let py = value.py();
+    let limit = max_bytes.unwrap_or_else(limits::max_bytes);
+    if let Ok(d) = value.cast::<PyDict>() {
+        let data = d.get_item("data")?;
+        let fields = convert::dict_fields(d, data.as_ref())?;
+        return Ok(py.detach(|| sidecar::decode_fields(fields, limit))?);
+    }
+    let text = convert::text_arg(value)?;
+    Ok(py.detach(|| sidecar::decode(&text, limit))?)
+}
+
+#[pymethods]
+impl RoutedExperts {
+    /// Decode a compact sidecar `{"data": ..., "shape": [T, L, K], "start": S, "dtype": ...}`
+    /// from JSON bytes, a JSON str or an already parsed dict.
+    #[staticmethod]
+    #[pyo3(signature = (value, *, max_bytes = None))]
+    fn from_json(value: &Bound<'_, PyAny>, max_bytes: Option<usize>) -> PyResult<Self> {
+        Ok(Self::new(decode_sidecar_obj(value, max_bytes)?))
+    }
+
+    /// Build from an integer array of shape (num_tokens, num_layers, top_k).
+    ///
+    /// The dtype is the smallest that holds the values (uint8, uint16; int16/int32 with
+    /// negatives), or uint8/uint16 by `num_experts`, or `dtype` exactly. A value that does not
+    /// fit is an error, never a silent wrap.
+    #[staticmethod]
+    #[pyo3(signature = (array, start = 0, dtype = None, num_experts = None))]
+    fn from_array(
+        array: &Bound<'_, PyAny>,
+        start: u64,
+        dtype: Option<&Bound<'_, PyAny>>,
+        num_experts: Option<u64>,
+    ) -> PyResult<Self> {
+        let choice = convert::dtype_choice(dtype, num_experts)?;
+        Ok(Self::new(convert::payload_from_array(
+            array, start, choice,
+        )?))
+    }
+
+    /// Read-only numpy view (no copy) of shape (num_tokens, num_layers, top_k).
+    #[getter]
+    fn array<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
+        readonly_view(slf)
+    }
+
+    /// A numpy array you own: `dtype` converts (checked), `writable=True` copies.
+    #[pyo3(signature = (dtype = None, *, writable = false))]
+    fn to_numpy<'py>(
+        slf: &Bound<'py, Self>,
+        dtype: Option<&Bound<'py, PyAny>>,
+        writable: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let p = &slf.get().inner;
+        let target = dtype
+            .map(convert::dtype_arg)
+            .transpose()?
+            .unwrap_or(p.dtype());
+        if target == p.dtype() && !writable {
+            return Ok(readonly_view(slf));
+        }
+        new_numpy(slf.py(), p, target)
+    }
+
+    #[getter]
+    fn start(&self) -> u64 {
+        self.inner.start()
+    }
+    #[getter]
+    fn stop(&self) -> u64 {
+        self.inner.stop()
+    }
+    #[getter]
+    fn num_tokens(&self) -> usize {
+        self.inner.num_tokens()
+    }
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.inner.num_layers()
+    }
+    #[getter]
+    fn top_k(&self) -> usize {
+        self.inner.top_k()
+    }
+    /// The numpy dtype name, e.g. "uint8".
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.inner.dtype().name()
+    }
+    #[getter]
+    fn shape(&self) -> (usize, usize, usize) {
+        let s = self.inner.shape();
+        (s.tokens, s.layers, s.top_k)
+    }
+    /// Bytes of the decoded array.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.bytes().len()
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.num_tokens()
+    }
+
+    /// Canonical compact sidecar as JSON bytes: key order data, shape, start, dtype; no spaces.
+    fn to_json<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let p = &self.inner;
+        PyBytes::new_with(py, sidecar::encoded_len(p), |out| {
+            py.detach(|| sidecar::encode_into(p, out));
+            Ok(())
+        })
+    }
+
+    /// The compact sidecar as a dict {"data": str, "shape": [T, L, K], "start": S, "dtype": str}.
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let p = &self.inner;
+        let d = PyDict::new(py);
+        let b64 = py.detach(|| {
+            let mut out = vec![0u8; crate::b64::encoded_len(p.bytes().len())];
+            crate::b64::encode_into(p.bytes(), &mut out);
+            out
+        });
+        // base64 output is ASCII, hence valid UTF-8.
+        let text = std::str::from_utf8(&b64).expect("base64 is ASCII");
+        d.set_item("data", PyString::new(py, text))?;
+        d.set_item("shape", vec![p.num_tokens(), p.num_layers(), p.top_k()])?;
+        d.set_item("start", p.start())?;
+        d.set_item("dtype", p.dtype().name())?;
+        Ok(d)
+    }
+
+    /// The rows for absolute positions [start, stop) (Python slice semantics are not used:
+    /// both bounds are positions in the request's token sequence and must lie inside).
+    fn slice(&self, py: Python<'_>, start: u64, stop: u64) -> PyResult<Self> {
+        let p = &self.inner;
+        Ok(Self::new(py.detach(|| p.slice(start, stop))?))
+    }
+
+    /// The same routing in another dtype; a value that does not fit raises PayloadError.
+    fn astype(&self, py: Python<'_>, dtype: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let d = convert::dtype_arg(dtype)?;
+        let p = &self.inner;
+        Ok(Self::new(py.detach(|| p.astype(d))?))
+    }
+
+    fn __richcmp__(&self, other: &Bound<'_, PyAny>, op: CompareOp) -> PyResult<Py<PyAny>> {
+        let py = other.py();
+        let Ok(other) = other.cast::<RoutedExperts>() else {
+            return Ok(py.NotImplemented());
+        };
+        let same = self.inner.same_routing(&other.get().inner);
+        match op {
+            CompareOp::Eq => Ok(same.into_pyobject(py)?.to_owned().into_any().unbind()),
+            CompareOp::Ne => Ok((!same).into_pyobject(py)?.to_owned().into_any().unbind()),
+            _ => Ok(py.NotImplemented()),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        let p = &self.inner;
+        format!(
+            "RoutedExperts(start={}, stop={}, shape=({}, {}, {}), dtype='{}')",
+            p.start(),
+            p.stop(),
+            p.num_tokens(),
+            p.num_layers(),
+            p.top_k(),
+            p.dtype()
+        )
+    }
+
+    /// Pickle: the raw bytes travel as a PickleBuffer under protocol 5 (out of band for Ray's
+    /// object store), as bytes otherwise.
+    fn __reduce_ex__<'py>(slf: &Bound<'py, Self>, protocol: u32) -> PyResult<Bound<'py, PyTuple>> {
+        let py = slf.py();
+        let p = &slf.get().inner;
+        let data: Bound<'py, PyAny> = if protocol >= 5 {
+            let flat = readonly_view(slf).call_method1("reshape", (-1,))?;
+            let view = flat.call_method1("view", ("uint8",))?;
+            py.import("pickle")?
+                .getattr("PickleBuffer")?
+                .call1((view,))?
+        } else {
+            PyBytes::new(py, p.bytes()).into_any()
+        };
+        let rebuild = py.import("routed_experts._core")?.getattr("_from_raw")?;
+        let args = (
+            data,
+            (p.num_tokens(), p.num_layers(), p.top_k()),
+            p.start(),
+            p.dtype().name(),
+        );
+        PyTuple::new(py, [rebuild, args.into_pyobject(py)?.into_any()])
+    }
+}
+
+/// Rebuild a payload from raw native bytes (pickle's constructor).
+#[pyfunction]
+pub fn _from_raw(
+    py: Python<'_>,
+    data: pyo3::buffer::PyBuffer<u8>,
+    shape: (usize, usize, usize),
+    start: u64,
+    dtype: &str,
+) -> PyResult<RoutedExperts> {
+    let dtype = DType::parse(dtype)?;
+    let bytes = data.to_vec(py)?;
+    let buf = crate::buffer::AlignedBytes::from_slice(&bytes);
+    let shape = Shape::new(shape.0, shape.1, shape.2);
+    Ok(RoutedExperts::new(Payload::new(start, shape, dtype, buf)?))
+}
+
+/// A numpy view of `slf`'s buffer that keeps `slf` alive, marked read-only.
+fn readonly_view<'py>(slf: &Bound<'py, RoutedExperts>) -> Bound<'py, PyAny> {
+    let p = &slf.get().inner;
+    let s = p.shape();
+    with_element!(p.dtype(), T => {
+        let view = ArrayView3::from_shape((s.tokens, s.layers, s.top_k), p.values::<T>())
+            .expect("payload length matches its shape");
+        // SAFETY: the payload is frozen (never mutated or freed while `slf` lives), and the
+        // array holds a reference to `slf` as its base.
+        let arr = unsafe { PyArray3::<T>::borrow_from_array(&view, slf.clone().into_any()) };
+        unsafe { (*_PyArray_GET_ITEM_DATA(arr.as_array_ptr())).flags &= !NPY_ARRAY_WRITEABLE };
+        arr.into_any()
+    })
+}
+
+/// A new writable numpy array (numpy owns it) filled with `p`'s values as `dtype`, converted
+/// straight into numpy's buffer with the GIL released.
+pub fn new_numpy<'py>(py: Python<'py>, p: &Payload, dtype: DType) -> PyResult<Bound<'py, PyAny>> {
+    let s = p.shape();
+    with_element!(dtype, D => {
+        let arr = PyArray3::<D>::zeros(py, (s.tokens, s.layers, s.top_k), false);
+        // SAFETY: the array was just created here; nothing else can see it yet.
+        let dst = unsafe { arr.as_slice_mut() }.expect("a new array is contiguous");
+        py.detach(|| p.write_as::<D>(dst))?;
+        Ok(arr.into_any())
+    })
+}

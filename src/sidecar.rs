@@ -1,0 +1,289 @@
+//! The compact sidecar (SPEC 3.1): `{"data":"<base64>","shape":[T,L,K],"start":S,"dtype":"uint8"}`.
+
+use std::borrow::Cow;
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use serde_json::Value;
+
+use crate::b64;
+use crate::buffer::AlignedBytes;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::limits;
+use crate::payload::{Payload, Shape};
+
+/// The `data` field as found: base64 text, or the JSON type it had instead.
+#[derive(Debug)]
+pub enum DataField<'a> {
+    Base64(Cow<'a, [u8]>),
+    NotAString(&'static str),
+}
+
+/// The four fields of a sidecar, from JSON text or from a Python dict.
+#[derive(Debug, Default)]
+pub struct SidecarFields<'a> {
+    pub data: Option<DataField<'a>>,
+    pub shape: Option<Value>,
+    pub start: Option<Value>,
+    pub dtype: Option<Value>,
+}
+
+/// `None` only when the key is absent: an explicit `null` is kept, to be reported as such.
+#[derive(Deserialize)]
+struct RawSidecar<'a> {
+    #[serde(borrow, default, deserialize_with = "present")]
+    data: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "present")]
+    shape: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "present")]
+    start: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "present")]
+    dtype: Option<&'a RawValue>,
+}
+
+fn present<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Option<&'de RawValue>, D::Error> {
+    <&RawValue>::deserialize(d).map(Some)
+}
+
+/// Decode a sidecar from JSON text.
+pub fn decode(json: &[u8], max_bytes: usize) -> Result<Payload> {
+    decode_fields(parse_fields(json)?, max_bytes)
+}
+
+/// Split JSON text into the sidecar's fields, borrowing the (large) data string.
+pub fn parse_fields(json: &[u8]) -> Result<SidecarFields<'_>> {
+    match json.iter().find(|c| !c.is_ascii_whitespace()) {
+        Some(b'{') => {}
+        Some(&c) => {
+            return Err(Error::field("sidecar", "a JSON object", json_type_name(c)));
+        }
+        None => return Err(Error::field("sidecar", "a JSON object", "empty input")),
+    }
+    let raw: RawSidecar = serde_json::from_slice(json)
+        .map_err(|e| Error::payload(format!("sidecar: invalid JSON: {e}")))?;
+    let small = |v: Option<&RawValue>| -> Result<Option<Value>> {
+        v.map(|r| serde_json::from_str(r.get()))
+            .transpose()
+            .map_err(|e| Error::payload(format!("sidecar: invalid JSON: {e}")))
+    };
+    Ok(SidecarFields {
+        data: raw.data.map(data_field).transpose()?,
+        shape: small(raw.shape)?,
+        start: small(raw.start)?,
+        dtype: small(raw.dtype)?,
+    })
+}
+
+/// A raw JSON value (quotes included) as base64 bytes, borrowed unless it has escapes.
+pub fn data_field(raw: &RawValue) -> Result<DataField<'_>> {
+    let text = raw.get().as_bytes();
+    if text.first() != Some(&b'"') {
+        return Ok(DataField::NotAString(json_type_name(text[0])));
+    }
+    let inner = &text[1..text.len() - 1];
+    if memchr::memchr(b'\\', inner).is_none() {
+        return Ok(DataField::Base64(Cow::Borrowed(inner)));
+    }
+    // Escapes (`\/` from some encoders) are legal JSON: take the slow path.
+    let unescaped: String = serde_json::from_str(raw.get())
+        .map_err(|e| Error::payload(format!("sidecar: invalid JSON string in `data`: {e}")))?;
+    Ok(DataField::Base64(Cow::Owned(unescaped.into_bytes())))
+}
+
+pub fn json_type_name(first: u8) -> &'static str {
+    match first {
+        b'{' => "an object",
+        b'[' => "an array",
+        b'"' => "a string",
+        b't' | b'f' => "a boolean",
+        b'n' => "null",
+        _ => "a number",
+    }
+}
+
+fn value_type_name(v: &Value) -> String {
+    match v {
+        Value::String(_) => "a string".into(),
+        Value::Null => "null".into(),
+        Value::Bool(_) => "a boolean".into(),
+        other => other.to_string(),
+    }
+}
+
+/// Validate the fields and decode: every check SPEC 3.1 lists happens before the allocation.
+pub fn decode_fields(fields: SidecarFields<'_>, max_bytes: usize) -> Result<Payload> {
+    let shape = parse_shape(fields.shape.as_ref())?;
+    let start = match &fields.start {
+        None => 0,
+        Some(v) => v
+            .as_u64()
+            .ok_or_else(|| Error::field("start", "a non-negative integer", value_type_name(v)))?,
+    };
+    let dtype = match &fields.dtype {
+        None => DType::U8,
+        Some(Value::String(s)) => DType::parse(s)?,
+        Some(v) => return Err(Error::field("dtype", "a dtype name", value_type_name(v))),
+    };
+    let text = match fields.data {
+        Some(DataField::Base64(t)) => t,
+        Some(DataField::NotAString(kind)) => {
+            return Err(Error::field("data", "a base64 string", kind))
+        }
+        None => return Err(Error::field("data", "a base64 string", "no `data` key")),
+    };
+    decode_base64(&text, start, shape, dtype, max_bytes, "data")
+}
+
+/// Base64 of raw little-endian bytes -> payload, checking the length against the shape and the
+/// size limit before allocating.
+pub fn decode_base64(
+    text: &[u8],
+    start: u64,
+    shape: Shape,
+    dtype: DType,
+    max_bytes: usize,
+    field: &str,
+) -> Result<Payload> {
+    let want = shape.nbytes(dtype)?;
+    let have = b64::decoded_len(text, field)?;
+    if have != want {
+        return Err(Error::field(
+            field,
+            format!("{want} bytes for shape {shape} of {dtype}"),
+            format!("{have} bytes"),
+        ));
+    }
+    limits::check(want, max_bytes)?;
+    let mut data = AlignedBytes::zeroed(want);
+    b64::decode_into(text, data.as_mut_bytes(), field)?;
+    Payload::new(start, shape, dtype, data)
+}
+
+fn parse_shape(v: Option<&Value>) -> Result<Shape> {
+    const WANT: &str = "three non-negative integers [num_tokens, num_layers, top_k]";
+    let v = v.ok_or_else(|| Error::field("shape", WANT, "no `shape` key"))?;
+    let dims = match v.as_array() {
+        Some(a) if a.len() == 3 => a,
+        _ => return Err(Error::field("shape", WANT, value_type_name(v))),
+    };
+    let mut out = [0usize; 3];
+    for (o, d) in out.iter_mut().zip(dims) {
+        *o = d
+            .as_u64()
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or_else(|| Error::field("shape", WANT, v.to_string()))?;
+    }
+    Ok(Shape::new(out[0], out[1], out[2]))
+}
+
+const DATA_KEY: &[u8] = b"{\"data\":\"";
+
+/// Exact length of the canonical encoding.
+pub fn encoded_len(p: &Payload) -> usize {
+    DATA_KEY.len() + b64::encoded_len(p.bytes().len()) + tail(p).len()
+}
+
+/// The part after the base64 text: `","shape":[T,L,K],"start":S,"dtype":"D"}`.
+fn tail(p: &Payload) -> String {
+    let s = p.shape();
+    format!(
+        "\",\"shape\":[{},{},{}],\"start\":{},\"dtype\":\"{}\"}}",
+        s.tokens,
+        s.layers,
+        s.top_k,
+        p.start(),
+        p.dtype()
+    )
+}
+
+/// Write the canonical encoding (key order data, shape, start, dtype; no spaces) into `out`,
+/// which must be `encoded_len(p)` bytes long.
+pub fn encode_into(p: &Payload, out: &mut [u8]) {
+    let b64_len = b64::encoded_len(p.bytes().len());
+    let (head, rest) = out.split_at_mut(DATA_KEY.len());
+    head.copy_from_slice(DATA_KEY);
+    let (body, end) = rest.split_at_mut(b64_len);
+    b64::encode_into(p.bytes(), body);
+    end.copy_from_slice(tail(p).as_bytes());
+}
+
+pub fn encode(p: &Payload) -> Vec<u8> {
+    let mut out = vec![0u8; encoded_len(p)];
+    encode_into(p, &mut out);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMIT: usize = limits::DEFAULT_MAX_BYTES;
+
+    #[test]
+    fn spec_worked_example() {
+        let text = br#"{"data":"CgsUFR4f","shape":[3,1,2],"start":0,"dtype":"uint8"}"#;
+        let p = decode(text, LIMIT).unwrap();
+        assert_eq!(p.bytes(), &[10, 11, 20, 21, 30, 31]);
+        assert_eq!(encode(&p), text.to_vec());
+        let u16 = br#"{"data":"LAEHAA==","shape":[1,1,2],"start":0,"dtype":"uint16"}"#;
+        assert_eq!(decode(u16, LIMIT).unwrap().values::<u16>(), &[300, 7]);
+    }
+
+    #[test]
+    fn escapes_defaults_and_extra_keys() {
+        let p = decode(
+            br#"{"x":[1,{"y":2}],"data":"Cgs\/FA==","shape":[2,1,2]}"#,
+            LIMIT,
+        )
+        .unwrap();
+        assert_eq!(
+            (p.start(), p.dtype(), p.bytes()),
+            (0, DType::U8, &[10, 11, 63, 20][..])
+        );
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases: &[(&[u8], &str)] = &[
+            (br#"{"data":"CgsUFR4f","shape":[3,1]}"#, "`shape`"),
+            (
+                br#"{"data":"CgsUFR4f","shape":[4,1,2]}"#,
+                "8 bytes for shape [4, 1, 2] of uint8",
+            ),
+            (
+                br#"{"data":"CgsUFR4f","shape":[3,1,2],"start":-1}"#,
+                "`start`",
+            ),
+            (
+                br#"{"data":"CgsUFR4f","shape":[3,1,2],"dtype":7}"#,
+                "`dtype`",
+            ),
+            (br#"{"data":5,"shape":[3,1,2]}"#, "got a number"),
+            (br#"{"shape":[3,1,2]}"#, "no `data` key"),
+            (br#"[1]"#, "got an array"),
+            (b"", "empty input"),
+            (
+                br#"{"data":"","shape":[18446744073709551615,2,2]}"#,
+                "overflows",
+            ),
+        ];
+        for (text, needle) in cases {
+            let e = decode(text, LIMIT).unwrap_err();
+            assert!(matches!(e, Error::Payload(_)));
+            assert!(e.to_string().contains(needle), "{e} lacks {needle}");
+        }
+    }
+
+    #[test]
+    fn limit_is_checked_before_allocating() {
+        let text = br#"{"data":"CgsUFR4f","shape":[3,1,2]}"#;
+        assert!(decode(text, 5)
+            .unwrap_err()
+            .to_string()
+            .contains("exceeds the limit"));
+        assert!(decode(text, 6).is_ok());
+    }
+}

@@ -1,0 +1,49 @@
+"""Shared test helpers: the golden vectors from ../shared/vectors and array builders."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import routed_experts as rx
+
+REPO = Path(__file__).resolve().parent.parent
+VECTORS = Path(os.environ.get("ROUTED_EXPERTS_VECTORS", REPO.parent / "shared" / "vectors"))
+
+
+def load_vectors(name: str) -> list[dict[str, Any]]:
+    """Every case of one golden-vector file. A missing file fails the run: CI has them."""
+    path = VECTORS / f"{name}.json"
+    if not path.exists():
+        pytest.fail(f"golden vectors not found at {path} (set ROUTED_EXPERTS_VECTORS)")
+    cases: list[dict[str, Any]] = json.loads(path.read_text())
+    assert cases, f"{path} has no cases"
+    return cases
+
+
+def vector_params(name: str) -> list[Any]:
+    return [pytest.param(case, id=case["name"]) for case in load_vectors(name)]
+
+
+def expected_array(expect: dict[str, Any]) -> np.ndarray:
+    return np.array(expect["array"], dtype=expect["dtype"]).reshape(expect["shape"])
+
+
+def assert_payload(p: rx.RoutedExperts, expect: dict[str, Any]) -> None:
+    """`p` equals an `expect` block of the vectors: shape, dtype, start and every value."""
+    assert list(p.shape) == expect["shape"]
+    assert p.dtype == expect["dtype"]
+    assert p.start == expect["start"]
+    assert p.array.dtype == np.dtype(expect["dtype"])
+    np.testing.assert_array_equal(p.array, expected_array(expect))
+
+
+def error_class(name: str) -> type[Exception]:
+    cls = getattr(rx, name)
+    assert issubclass(cls, rx.RoutedExpertsError)
+    return cls  # type: ignore[no-any-return]
