@@ -30,6 +30,12 @@ pub fn decode_into(text: &[u8], out: &mut [u8], field: &str) -> Result<()> {
     }
 }
 
+/// Check that `text` would decode, without decoding it (for splicing base64 text as is).
+pub fn check(text: &[u8], field: &str) -> Result<()> {
+    decoded_len(text, field)?;
+    STANDARD.check(text).map_err(|_| invalid(text, field))
+}
+
 /// Name the first offending character, so the message says what was wrong.
 fn invalid(text: &[u8], field: &str) -> Error {
     let body = text.len()

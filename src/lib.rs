@@ -9,7 +9,9 @@ pub mod buffer;
 pub mod dtype;
 pub mod error;
 pub mod limits;
+pub mod merge;
 pub mod payload;
+pub mod response;
 pub mod sidecar;
 
 pub use dtype::{DType, Element};
@@ -26,6 +28,8 @@ mod _core {
 
     #[pymodule_export]
     use crate::python::payload::{_from_raw, RoutedExperts};
+    #[pymodule_export]
+    use crate::python::functions::{from_response, merge, merge_response};
     #[pymodule_export]
     use crate::python::{MergeError, PayloadError, RoutedExpertsError};
 

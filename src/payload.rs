@@ -80,6 +80,24 @@ impl DTypeChoice {
     }
 }
 
+/// Everything about a payload but its values: enough to plan a merge before decoding anything.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    pub start: u64,
+    pub shape: Shape,
+    pub dtype: DType,
+}
+
+impl Header {
+    pub fn stop(&self) -> u64 {
+        self.start + self.shape.tokens as u64
+    }
+
+    pub fn row_bytes(&self) -> usize {
+        self.shape.layers * self.shape.top_k * self.dtype.itemsize()
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct Payload {
     start: u64,
@@ -141,6 +159,13 @@ impl Payload {
         Ok(out)
     }
 
+    pub fn header(&self) -> Header {
+        Header {
+            start: self.start,
+            shape: self.shape,
+            dtype: self.dtype,
+        }
+    }
     pub fn start(&self) -> u64 {
         self.start
     }
@@ -222,10 +247,26 @@ impl Payload {
     /// Write the values, converted, into `dst` (which has exactly one slot per value): the
     /// path by which a numpy-owned array is filled without an intermediate buffer.
     pub fn write_as<D: Element>(&self, dst: &mut [D]) -> Result<()> {
+        self.write_rows_as(0, self.shape.tokens, dst)
+    }
+
+    /// `write_as` for rows `[from, to)` only; `dst` has one slot per value of those rows.
+    pub fn write_rows_as<D: Element>(&self, from: usize, to: usize, dst: &mut [D]) -> Result<()> {
+        let row = self.shape.layers * self.shape.top_k;
         with_element!(self.dtype, S => {
-            let src = self.data.as_slice::<S>();
-            convert(src, dst).map_err(|i| self.value_error(i, src[i].into(), D::DTYPE))
+            let src = &self.data.as_slice::<S>()[from * row..to * row];
+            convert(src, dst).map_err(|i| self.value_error(from * row + i, src[i].into(), D::DTYPE))
         })
+    }
+
+    /// Mutable values, for the core's own builders (merge, stitch) that fill a fresh payload.
+    pub(crate) fn values_mut<T: Element>(&mut self) -> &mut [T] {
+        assert_eq!(
+            T::DTYPE,
+            self.dtype,
+            "payload viewed as the wrong element type"
+        );
+        self.data.as_mut_slice()
     }
 
     /// Smallest and largest value, `None` when empty.
@@ -282,6 +323,15 @@ fn min_max<T: Element>(values: &[T]) -> Option<(i64, i64)> {
 
 /// Convert element-wise; `Err(i)` is the index of the first value `D` cannot hold.
 fn convert<S: Element, D: Element>(src: &[S], dst: &mut [D]) -> std::result::Result<(), usize> {
+    assert_eq!(
+        src.len(),
+        dst.len(),
+        "conversion between slices of different lengths"
+    );
+    if S::DTYPE == D::DTYPE {
+        bytemuck::cast_slice_mut::<D, u8>(dst).copy_from_slice(bytemuck::cast_slice(src));
+        return Ok(());
+    }
     if D::DTYPE.holds(S::DTYPE.min()) && D::DTYPE.holds(S::DTYPE.max()) {
         // Widening: every value fits, so the loop has no branch to stop vectorisation.
         for (d, &s) in dst.iter_mut().zip(src) {

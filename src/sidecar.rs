@@ -11,7 +11,7 @@ use crate::buffer::AlignedBytes;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::limits;
-use crate::payload::{Payload, Shape};
+use crate::payload::{Header, Payload, Shape};
 
 /// The `data` field as found: base64 text, or the JSON type it had instead.
 #[derive(Debug)]
@@ -113,8 +113,34 @@ fn value_type_name(v: &Value) -> String {
     }
 }
 
+/// A sidecar whose fields are validated and whose base64 length matches its shape, not yet
+/// decoded: what a merge needs to plan, and to splice base64 text without decoding it.
+#[derive(Debug)]
+pub struct SidecarText<'a> {
+    pub header: Header,
+    pub data: Cow<'a, [u8]>,
+}
+
+impl SidecarText<'_> {
+    pub fn decode(&self) -> Result<Payload> {
+        let mut data = AlignedBytes::zeroed(self.header.shape.nbytes(self.header.dtype)?);
+        b64::decode_into(&self.data, data.as_mut_bytes(), "data")?;
+        Payload::new(
+            self.header.start,
+            self.header.shape,
+            self.header.dtype,
+            data,
+        )
+    }
+}
+
 /// Validate the fields and decode: every check SPEC 3.1 lists happens before the allocation.
 pub fn decode_fields(fields: SidecarFields<'_>, max_bytes: usize) -> Result<Payload> {
+    validate(fields, max_bytes)?.decode()
+}
+
+/// Check every field, the data length against the shape and the size limit; decode nothing.
+pub fn validate(fields: SidecarFields<'_>, max_bytes: usize) -> Result<SidecarText<'_>> {
     let shape = parse_shape(fields.shape.as_ref())?;
     let start = match &fields.start {
         None => 0,
@@ -127,14 +153,45 @@ pub fn decode_fields(fields: SidecarFields<'_>, max_bytes: usize) -> Result<Payl
         Some(Value::String(s)) => DType::parse(s)?,
         Some(v) => return Err(Error::field("dtype", "a dtype name", value_type_name(v))),
     };
-    let text = match fields.data {
+    let data = match fields.data {
         Some(DataField::Base64(t)) => t,
         Some(DataField::NotAString(kind)) => {
             return Err(Error::field("data", "a base64 string", kind))
         }
         None => return Err(Error::field("data", "a base64 string", "no `data` key")),
     };
-    decode_base64(&text, start, shape, dtype, max_bytes, "data")
+    check_length(&data, shape, dtype, max_bytes, "data")?;
+    start
+        .checked_add(shape.tokens as u64)
+        .ok_or_else(|| Error::field("start", "start + num_tokens below 2**64", start))?;
+    Ok(SidecarText {
+        header: Header {
+            start,
+            shape,
+            dtype,
+        },
+        data,
+    })
+}
+
+/// The decoded length of base64 `text` must be exactly the shape's size, within the limit.
+fn check_length(
+    text: &[u8],
+    shape: Shape,
+    dtype: DType,
+    max_bytes: usize,
+    field: &str,
+) -> Result<()> {
+    let want = shape.nbytes(dtype)?;
+    let have = b64::decoded_len(text, field)?;
+    if have != want {
+        return Err(Error::field(
+            field,
+            format!("{want} bytes for shape {shape} of {dtype}"),
+            format!("{have} bytes"),
+        ));
+    }
+    limits::check(want, max_bytes)
 }
 
 /// Base64 of raw little-endian bytes -> payload, checking the length against the shape and the
@@ -147,16 +204,8 @@ pub fn decode_base64(
     max_bytes: usize,
     field: &str,
 ) -> Result<Payload> {
+    check_length(text, shape, dtype, max_bytes, field)?;
     let want = shape.nbytes(dtype)?;
-    let have = b64::decoded_len(text, field)?;
-    if have != want {
-        return Err(Error::field(
-            field,
-            format!("{want} bytes for shape {shape} of {dtype}"),
-            format!("{have} bytes"),
-        ));
-    }
-    limits::check(want, max_bytes)?;
     let mut data = AlignedBytes::zeroed(want);
     b64::decode_into(text, data.as_mut_bytes(), field)?;
     Payload::new(start, shape, dtype, data)
@@ -183,19 +232,15 @@ const DATA_KEY: &[u8] = b"{\"data\":\"";
 
 /// Exact length of the canonical encoding.
 pub fn encoded_len(p: &Payload) -> usize {
-    DATA_KEY.len() + b64::encoded_len(p.bytes().len()) + tail(p).len()
+    DATA_KEY.len() + b64::encoded_len(p.bytes().len()) + tail(&p.header()).len()
 }
 
 /// The part after the base64 text: `","shape":[T,L,K],"start":S,"dtype":"D"}`.
-fn tail(p: &Payload) -> String {
-    let s = p.shape();
+fn tail(h: &Header) -> String {
+    let s = h.shape;
     format!(
         "\",\"shape\":[{},{},{}],\"start\":{},\"dtype\":\"{}\"}}",
-        s.tokens,
-        s.layers,
-        s.top_k,
-        p.start(),
-        p.dtype()
+        s.tokens, s.layers, s.top_k, h.start, h.dtype
     )
 }
 
@@ -207,12 +252,26 @@ pub fn encode_into(p: &Payload, out: &mut [u8]) {
     head.copy_from_slice(DATA_KEY);
     let (body, end) = rest.split_at_mut(b64_len);
     b64::encode_into(p.bytes(), body);
-    end.copy_from_slice(tail(p).as_bytes());
+    end.copy_from_slice(tail(&p.header()).as_bytes());
 }
 
 pub fn encode(p: &Payload) -> Vec<u8> {
     let mut out = vec![0u8; encoded_len(p)];
     encode_into(p, &mut out);
+    out
+}
+
+/// The canonical encoding of `header` around base64 text that is already encoded, given in
+/// pieces (the splice path of a merge: no decode, no re-encode).
+pub fn encode_from_base64(header: &Header, pieces: &[&[u8]]) -> Vec<u8> {
+    let tail = tail(header);
+    let len = DATA_KEY.len() + pieces.iter().map(|p| p.len()).sum::<usize>() + tail.len();
+    let mut out = Vec::with_capacity(len);
+    out.extend_from_slice(DATA_KEY);
+    for piece in pieces {
+        out.extend_from_slice(piece);
+    }
+    out.extend_from_slice(tail.as_bytes());
     out
 }
 

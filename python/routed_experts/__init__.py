@@ -12,7 +12,10 @@ from routed_experts._core import (
     PayloadError,
     RoutedExperts,
     RoutedExpertsError,
+    from_response,
     get_max_bytes,
+    merge,
+    merge_response,
     set_max_bytes,
 )
 
@@ -21,7 +24,10 @@ __all__ = [
     "PayloadError",
     "RoutedExperts",
     "RoutedExpertsError",
+    "from_response",
     "get_max_bytes",
+    "merge",
+    "merge_response",
     "set_max_bytes",
 ]
 

@@ -1,6 +1,7 @@
 //! The PyO3 binding layer: conversions between Python objects and the core, nothing more.
 
 pub mod convert;
+pub mod functions;
 pub mod payload;
 
 use pyo3::create_exception;

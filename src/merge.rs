@@ -1,0 +1,151 @@
+//! Prefill/decode merge by absolute position (SPEC 4), and the row concatenation it shares with
+//! multi-turn stitching.
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::payload::{Header, Payload, Shape};
+use crate::with_element;
+
+/// How two halves combine: all of prefill's rows, then decode's rows from `skip` on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Plan {
+    pub skip: usize,
+    pub header: Header,
+}
+
+/// Check that the halves fit together and say how. Only headers are needed, so a router can
+/// validate before decoding anything.
+pub fn plan(prefill: &Header, decode: &Header) -> Result<Plan> {
+    check_same_rows(prefill.shape, decode.shape, "prefill", "decode")?;
+    if decode.start > prefill.stop() {
+        return Err(Error::merge(format!(
+            "gap: prefill covers positions [{}, {}) but decode starts at {}, so rows [{}, {}) are missing",
+            prefill.start,
+            prefill.stop(),
+            decode.start,
+            prefill.stop(),
+            decode.start
+        )));
+    }
+    if decode.stop() < prefill.stop() {
+        return Err(Error::merge(format!(
+            "inconsistent halves: decode covers positions [{}, {}), ending before prefill's end at {}",
+            decode.start,
+            decode.stop(),
+            prefill.stop()
+        )));
+    }
+    // The rows decode holds for positions prefill already covers; `decode.start` counts, not
+    // `prefill.seq_len` (skipping the latter is the bug this library exists to avoid).
+    let skip = (prefill.stop() - decode.start) as usize;
+    let tokens = prefill.shape.tokens + (decode.shape.tokens - skip);
+    Ok(Plan {
+        skip,
+        header: Header {
+            start: prefill.start,
+            shape: Shape {
+                tokens,
+                ..prefill.shape
+            },
+            dtype: DType::promote(prefill.dtype, decode.dtype),
+        },
+    })
+}
+
+/// `num_layers` and `top_k` must agree for rows of two payloads to be joined.
+pub fn check_same_rows(a: Shape, b: Shape, a_name: &str, b_name: &str) -> Result<()> {
+    if (a.layers, a.top_k) != (b.layers, b.top_k) {
+        return Err(Error::merge(format!(
+            "{a_name} has {} layers x top_k {} but {b_name} has {} layers x top_k {}: they must match",
+            a.layers, a.top_k, b.layers, b.top_k
+        )));
+    }
+    Ok(())
+}
+
+/// The merged payload: prefill's rows, then decode's rows from `skip` on, in the promoted dtype.
+pub fn merge(prefill: &Payload, decode: &Payload) -> Result<Payload> {
+    let plan = plan(&prefill.header(), &decode.header())?;
+    concat(
+        plan.header.start,
+        &[
+            (prefill, 0, prefill.num_tokens()),
+            (decode, plan.skip, decode.num_tokens()),
+        ],
+    )
+}
+
+/// Rows `[from, to)` of each piece, one after the other, starting at position `start`, in the
+/// dtype that holds every piece (never truncated). Pieces must agree on layers and top_k.
+pub fn concat(start: u64, pieces: &[(&Payload, usize, usize)]) -> Result<Payload> {
+    let Some(&(first, _, _)) = pieces.first() else {
+        return Err(Error::merge("nothing to concatenate"));
+    };
+    let dtype = pieces
+        .iter()
+        .fold(first.dtype(), |d, (p, _, _)| DType::promote(d, p.dtype()));
+    let tokens = pieces.iter().map(|(_, from, to)| to - from).sum();
+    let mut out = Payload::zeros(
+        start,
+        Shape {
+            tokens,
+            ..first.shape()
+        },
+        dtype,
+    )?;
+    let row = first.num_layers() * first.top_k();
+    with_element!(dtype, D => {
+        let mut dst = out.values_mut::<D>();
+        for &(p, from, to) in pieces {
+            check_same_rows(first.shape(), p.shape(), "the first payload", "a later payload")?;
+            let (head, rest) = dst.split_at_mut((to - from) * row);
+            p.write_rows_as::<D>(from, to, head)?;
+            dst = rest;
+        }
+    });
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::payload::DTypeChoice;
+
+    fn rows(start: u64, values: &[i64]) -> Payload {
+        let shape = Shape::new(values.len(), 1, 1);
+        Payload::from_values(values, shape, start, DTypeChoice::Compact).unwrap()
+    }
+
+    #[test]
+    fn spec_forms_of_decode_all_merge_to_the_truth() {
+        // prompt of 3 tokens (positions 0..3), 2 generated -> rows for 0..4.
+        let prefill = rows(0, &[10, 20, 30]);
+        let truth = rows(0, &[10, 20, 30, 40]);
+        for decode in [rows(0, &[0, 0, 0, 40]), rows(2, &[30, 40]), rows(3, &[40])] {
+            assert_eq!(merge(&prefill, &decode).unwrap(), truth);
+        }
+    }
+
+    #[test]
+    fn errors_give_positions() {
+        let prefill = rows(0, &[1, 2, 3]);
+        let gap = merge(&prefill, &rows(4, &[5])).unwrap_err();
+        assert!(gap.to_string().contains("rows [3, 4) are missing"), "{gap}");
+        let short = merge(&prefill, &rows(0, &[0, 0])).unwrap_err();
+        assert!(
+            short
+                .to_string()
+                .contains("ending before prefill's end at 3"),
+            "{short}"
+        );
+        let wide = Payload::zeros(3, Shape::new(1, 2, 1), DType::U8).unwrap();
+        assert!(matches!(merge(&prefill, &wide), Err(Error::Merge(_))));
+    }
+
+    #[test]
+    fn dtypes_promote() {
+        let merged = merge(&rows(0, &[1, 2]), &rows(2, &[300])).unwrap();
+        assert_eq!(merged.dtype(), DType::U16);
+        assert_eq!(merged.values::<u16>(), &[1, 2, 300]);
+    }
+}

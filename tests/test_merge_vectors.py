@@ -1,0 +1,76 @@
+"""Every case of ../shared/vectors/merge.json and responses.json."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+import routed_experts as rx
+
+from conftest import assert_payload, error_class, vector_params
+
+
+@pytest.mark.parametrize("case", vector_params("merge"))
+def test_merge_vector(case: dict[str, Any]) -> None:
+    prefill = rx.RoutedExperts.from_json(case["prefill"])
+    decode = rx.RoutedExperts.from_json(case["decode"])
+    if "error" in case:
+        with pytest.raises(error_class(case["error"])):
+            rx.merge(prefill, decode)
+        return
+    assert_payload(rx.merge(prefill, decode), case["expect"])
+    # Sidecars given directly (dict / JSON) merge the same way.
+    assert_payload(rx.merge(case["prefill"], json.dumps(case["decode"])), case["expect"])
+
+
+def _routing_by_index(body: bytes) -> dict[int, Any]:
+    choices = json.loads(body)["choices"]
+    return {c.get("index", i): c.get("routed_experts") for i, c in enumerate(choices)}
+
+
+def _strip_routing(body: bytes) -> Any:
+    doc = json.loads(body)
+    for c in doc["choices"]:
+        c.pop("routed_experts", None)
+    return doc
+
+
+@pytest.mark.parametrize("splice", [True, False], ids=["splice", "general"])
+@pytest.mark.parametrize("case", vector_params("responses"))
+def test_response_vector(case: dict[str, Any], splice: bool) -> None:
+    prefill, decode = case["prefill_body"].encode(), case["decode_body"].encode()
+    if "error" in case:
+        with pytest.raises(error_class(case["error"])):
+            rx.merge_response(prefill, decode, splice=splice)
+        return
+    merged = rx.merge_response(prefill, decode, splice=splice)
+    routing = _routing_by_index(merged)
+    for want in case["expect_choices"]:
+        i = want["index"]
+        if want.get("absent"):
+            assert routing[i] is None
+            assert rx.from_response(merged, choice=i) is None
+            continue
+        assert_payload(rx.RoutedExperts.from_json(routing[i]), want)
+        assert_payload(rx.from_response(merged, choice=i), want)  # type: ignore[arg-type]
+    if all(w.get("absent") for w in case["expect_choices"]):
+        assert merged == decode  # no routing anywhere: the body comes back as it was
+    # Outside the routing values, the merged body is the decode body byte for byte.
+    _assert_same_outside_routing(merged, decode)
+
+
+def _assert_same_outside_routing(merged: bytes, decode: bytes) -> None:
+    assert _strip_routing(merged) == _strip_routing(decode)
+    # Byte level: cut every routing object out of both and compare what is left.
+    def cut(body: bytes) -> bytes:
+        out, at = bytearray(), 0
+        key = b'"routed_experts": '
+        while (i := body.find(key, at)) != -1:
+            j = body.index(b"}", i) + 1
+            out += body[at : i + len(key)]
+            at = j
+        return bytes(out + body[at:])
+
+    assert cut(merged) == cut(decode)
