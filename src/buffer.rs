@@ -64,8 +64,15 @@ impl AlignedBytes {
 
     /// Append bytes, growing geometrically (amortised O(1) per byte).
     pub fn extend_from_slice(&mut self, bytes: &[u8]) {
-        let new_len = self.len + bytes.len();
-        let need_words = new_len.div_ceil(8);
+        self.grow(bytes.len()).copy_from_slice(bytes);
+    }
+
+    /// Lengthen by `n` bytes and return them for the caller to overwrite in full (their previous
+    /// contents are unspecified). Capacity at least doubles when it runs out, so a run of
+    /// appends costs about one copy of the final size.
+    pub fn grow(&mut self, n: usize) -> &mut [u8] {
+        let old = self.len;
+        let need_words = (old + n).div_ceil(8);
         if need_words > self.words.len() {
             if need_words > self.words.capacity() {
                 let target = need_words.max(self.words.capacity() * 2);
@@ -73,9 +80,8 @@ impl AlignedBytes {
             }
             self.words.resize(need_words, 0);
         }
-        let old = self.len;
-        self.len = new_len;
-        self.as_mut_bytes()[old..].copy_from_slice(bytes);
+        self.len = old + n;
+        &mut self.as_mut_bytes()[old..]
     }
 
     /// Shorten to `len` bytes (keeps the allocation).

@@ -10,9 +10,12 @@ pub mod dtype;
 pub mod error;
 pub mod limits;
 pub mod merge;
+pub mod pack;
 pub mod payload;
 pub mod response;
 pub mod sidecar;
+pub mod trajectory;
+pub mod validate;
 
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
@@ -27,9 +30,11 @@ mod _core {
     use pyo3::prelude::*;
 
     #[pymodule_export]
+    use crate::python::functions::{from_response, merge, merge_response, pack};
+    #[pymodule_export]
     use crate::python::payload::{_from_raw, RoutedExperts};
     #[pymodule_export]
-    use crate::python::functions::{from_response, merge, merge_response};
+    use crate::python::trajectory::Trajectory;
     #[pymodule_export]
     use crate::python::{MergeError, PayloadError, RoutedExpertsError};
 

@@ -259,6 +259,25 @@ impl Payload {
         })
     }
 
+    /// Append rows `[from, to)` of `other` (same layers and top_k; its dtype must fit ours).
+    pub(crate) fn append_rows(&mut self, other: &Payload, from: usize, to: usize) -> Result<()> {
+        let row = self.shape.layers * self.shape.top_k;
+        let tail = self.data.grow((to - from) * self.row_bytes());
+        with_element!(self.dtype, D => other.write_rows_as::<D>(from, to, bytemuck::cast_slice_mut(tail)))?;
+        self.shape.tokens += to - from;
+        debug_assert_eq!(
+            self.data.len(),
+            self.shape.tokens * row * self.dtype.itemsize()
+        );
+        Ok(())
+    }
+
+    /// Keep the first `tokens` rows.
+    pub(crate) fn truncate_rows(&mut self, tokens: usize) {
+        self.data.truncate(tokens * self.row_bytes());
+        self.shape.tokens = tokens;
+    }
+
     /// Mutable values, for the core's own builders (merge, stitch) that fill a fresh payload.
     pub(crate) fn values_mut<T: Element>(&mut self) -> &mut [T] {
         assert_eq!(

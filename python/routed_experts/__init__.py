@@ -12,10 +12,12 @@ from routed_experts._core import (
     PayloadError,
     RoutedExperts,
     RoutedExpertsError,
+    Trajectory,
     from_response,
     get_max_bytes,
     merge,
     merge_response,
+    pack,
     set_max_bytes,
 )
 
@@ -24,10 +26,12 @@ __all__ = [
     "PayloadError",
     "RoutedExperts",
     "RoutedExpertsError",
+    "Trajectory",
     "from_response",
     "get_max_bytes",
     "merge",
     "merge_response",
+    "pack",
     "set_max_bytes",
 ]
 

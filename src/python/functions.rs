@@ -28,7 +28,10 @@ pub fn merge(
     decode: &Bound<'_, PyAny>,
 ) -> PyResult<RoutedExperts> {
     // Borrow in place when both are payloads already (the common case): no clone.
-    if let (Ok(p), Ok(d)) = (prefill.cast::<RoutedExperts>(), decode.cast::<RoutedExperts>()) {
+    if let (Ok(p), Ok(d)) = (
+        prefill.cast::<RoutedExperts>(),
+        decode.cast::<RoutedExperts>(),
+    ) {
         let (p, d) = (&p.get().inner, &d.get().inner);
         return Ok(RoutedExperts::new(py.detach(|| core_merge::merge(p, d))?));
     }
@@ -66,7 +69,47 @@ pub fn merge_response<'py>(
     max_bytes: Option<usize>,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let (p, d) = (text_arg(prefill_body)?, text_arg(decode_body)?);
-    let opts = MergeOptions { max_bytes: max_bytes.unwrap_or_else(limits::max_bytes), splice };
+    let opts = MergeOptions {
+        max_bytes: max_bytes.unwrap_or_else(limits::max_bytes),
+        splice,
+    };
     let out = py.detach(|| response::merge_response(&p, &d, opts))?;
     Ok(PyBytes::new(py, &out))
+}
+
+/// Pack samples into one batch: every sample converted to `dtype` (default int32; None for the
+/// smallest dtype that holds them all) and concatenated, plus `cu_seqlens` (int32,
+/// `[0, n0, n0+n1, ...]`). With `pad_to_multiple`, zero rows follow the last sample up to a
+/// multiple of that many rows; they are not counted in `cu_seqlens`.
+#[pyfunction]
+#[pyo3(signature = (samples, dtype = Some("int32"), pad_to_multiple = None))]
+pub fn pack<'py>(
+    py: Python<'py>,
+    samples: Vec<Bound<'py, RoutedExperts>>,
+    dtype: Option<&str>,
+    pad_to_multiple: Option<usize>,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    use numpy::{PyArray1, PyArray3, PyArrayMethods};
+    let payloads: Vec<&Payload> = samples.iter().map(|s| &s.get().inner).collect();
+    let Some(first) = payloads.first() else {
+        return Err(crate::Error::field("samples", "at least one sample", "an empty list").into());
+    };
+    let dtype = match dtype {
+        Some(name) => crate::DType::parse(name)?,
+        None => payloads
+            .iter()
+            .fold(first.dtype(), |d, p| crate::DType::promote(d, p.dtype())),
+    };
+    let (rows, cu) = crate::pack::layout(&payloads, pad_to_multiple)?;
+    let cu: Vec<i64> = cu.into_iter().map(|c| c as i64).collect();
+    let cu_seqlens = PyArray1::from_vec(py, cu).call_method1("astype", ("int32",))?;
+    let dims = (rows, first.num_layers(), first.top_k());
+    let packed = crate::with_element!(dtype, D => {
+        let arr = PyArray3::<D>::zeros(py, dims, false);
+        // SAFETY: the array was just created here; nothing else can see it yet.
+        let dst = unsafe { arr.as_slice_mut() }.expect("a new array is contiguous");
+        py.detach(|| crate::pack::pack_into::<D>(&payloads, dst))?;
+        arr.into_any()
+    });
+    Ok((packed, cu_seqlens))
 }

@@ -3,6 +3,7 @@
 pub mod convert;
 pub mod functions;
 pub mod payload;
+pub mod trajectory;
 
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;

@@ -10,7 +10,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString, PyTuple};
 
 use super::convert;
-use crate::{limits, sidecar, with_element, DType, Payload, Shape};
+use crate::{limits, sidecar, validate, with_element, DType, Payload, Shape};
+use pyo3::exceptions::PyImportError;
 
 /// The routing of a contiguous run of token positions: an integer array of shape
 /// (num_tokens, num_layers, top_k) whose row 0 is absolute position `start`.
@@ -175,6 +176,122 @@ impl RoutedExperts {
         Ok(Self::new(py.detach(|| p.astype(d))?))
     }
 
+    /// Raise PayloadError at the first failing check, naming its position and layer: ids
+    /// negative or `>= num_experts`; an expert twice in one token's top_k (`duplicates`); a
+    /// token row that is zero in every layer (`zero_rows`: lost prompt rows in P/D serving).
+    #[pyo3(signature = (num_experts = None, duplicates = true, zero_rows = true))]
+    fn validate(
+        &self,
+        py: Python<'_>,
+        num_experts: Option<u64>,
+        duplicates: bool,
+        zero_rows: bool,
+    ) -> PyResult<()> {
+        let checks = validate::Checks {
+            num_experts,
+            duplicates,
+            zero_rows,
+        };
+        let p = &self.inner;
+        Ok(py.detach(|| validate::validate(p, &checks))?)
+    }
+
+    /// The same checks as `validate`, counted instead of raised: a dict of counts and the first
+    /// (position, layer, value) of each kind (None where there is none).
+    #[pyo3(signature = (num_experts = None, duplicates = true, zero_rows = true))]
+    fn validation_report<'py>(
+        &self,
+        py: Python<'py>,
+        num_experts: Option<u64>,
+        duplicates: bool,
+        zero_rows: bool,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let checks = validate::Checks {
+            num_experts,
+            duplicates,
+            zero_rows,
+        };
+        let p = &self.inner;
+        let r = py.detach(|| validate::report(p, &checks));
+        let d = PyDict::new(py);
+        d.set_item("ok", r.is_clean())?;
+        d.set_item("out_of_range", r.out_of_range)?;
+        d.set_item("first_out_of_range", r.first_out_of_range)?;
+        d.set_item("duplicates", r.duplicates)?;
+        d.set_item("first_duplicate", r.first_duplicate)?;
+        d.set_item("zero_rows", r.zero_rows)?;
+        d.set_item("first_zero_row", r.first_zero_row)?;
+        Ok(d)
+    }
+
+    /// A torch tensor the trainer may write to (its own memory, never a read-only view),
+    /// `torch.int32` unless `dtype` says otherwise. Needs the `torch` extra.
+    #[pyo3(signature = (dtype = None))]
+    fn to_torch<'py>(
+        slf: &Bound<'py, Self>,
+        dtype: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let torch = py.import("torch").map_err(|_| {
+            PyImportError::new_err(
+                "RoutedExperts.to_torch needs PyTorch: pip install 'routed_experts[torch]'",
+            )
+        })?;
+        let target = match dtype {
+            None => DType::I32,
+            // torch dtypes print as "torch.int32": the part after the dot is numpy's name.
+            Some(d) => {
+                let name = d.str()?.to_str()?.trim_start_matches("torch.").to_owned();
+                DType::parse(&name)?
+            }
+        };
+        let arr = new_numpy(py, &slf.get().inner, target)?;
+        torch.getattr("from_numpy")?.call1((arr,))
+    }
+
+    /// The positional transport tuple `(data: bytes, shape: [T, L, K], dtype: str)` of
+    /// prime-rl's msgspec `RoutedExperts` struct (raw little-endian bytes, no base64).
+    fn to_transport<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        let p = &self.inner;
+        let shape = vec![p.num_tokens(), p.num_layers(), p.top_k()];
+        (PyBytes::new(py, p.bytes()), shape, p.dtype().name()).into_pyobject(py)
+    }
+
+    /// From the transport tuple `(data, shape, dtype)`; `start` supplies the position it does
+    /// not carry. `data` is any buffer (bytes, memoryview, numpy array), copied once into
+    /// aligned memory.
+    #[staticmethod]
+    #[pyo3(signature = (value, start = 0))]
+    fn from_transport(py: Python<'_>, value: &Bound<'_, PyAny>, start: u64) -> PyResult<Self> {
+        let (data, shape, dtype): (Bound<'_, PyAny>, Vec<usize>, String) =
+            value.extract().map_err(|_| {
+                crate::Error::field(
+                    "transport",
+                    "a tuple (data: bytes, shape: [T, L, K], dtype: str)",
+                    value.repr().map(|r| r.to_string()).unwrap_or_default(),
+                )
+            })?;
+        let [t, l, k] = shape[..] else {
+            return Err(crate::Error::field(
+                "shape",
+                "three integers [num_tokens, num_layers, top_k]",
+                format!("{shape:?}"),
+            )
+            .into());
+        };
+        // Any contiguous buffer, whatever its item format, read as bytes.
+        let bytes = match pyo3::buffer::PyBuffer::<u8>::get(&data) {
+            Ok(b) => b,
+            Err(_) => pyo3::buffer::PyBuffer::<u8>::get(
+                &py.import("builtins")?
+                    .getattr("memoryview")?
+                    .call1((&data,))?
+                    .call_method1("cast", ("B",))?,
+            )?,
+        };
+        _from_raw(py, bytes, (t, l, k), start, &dtype)
+    }
+
     fn __richcmp__(&self, other: &Bound<'_, PyAny>, op: CompareOp) -> PyResult<Py<PyAny>> {
         let py = other.py();
         let Ok(other) = other.cast::<RoutedExperts>() else {
@@ -226,7 +343,8 @@ impl RoutedExperts {
     }
 }
 
-/// Rebuild a payload from raw native bytes (pickle's constructor).
+/// Rebuild a payload from raw native bytes (pickle's constructor): one copy, into aligned memory,
+/// after the length is checked against the shape.
 #[pyfunction]
 pub fn _from_raw(
     py: Python<'_>,
@@ -236,9 +354,15 @@ pub fn _from_raw(
     dtype: &str,
 ) -> PyResult<RoutedExperts> {
     let dtype = DType::parse(dtype)?;
-    let bytes = data.to_vec(py)?;
-    let buf = crate::buffer::AlignedBytes::from_slice(&bytes);
     let shape = Shape::new(shape.0, shape.1, shape.2);
+    let want = shape.nbytes(dtype)?;
+    if data.len_bytes() != want {
+        let msg = format!("{want} bytes for shape {shape} of {dtype}");
+        return Err(crate::Error::field("data", msg, format!("{} bytes", data.len_bytes())).into());
+    }
+    limits::check(want, limits::max_bytes())?;
+    let mut buf = crate::buffer::AlignedBytes::zeroed(want);
+    data.copy_to_slice(py, buf.as_mut_bytes())?;
     Ok(RoutedExperts::new(Payload::new(start, shape, dtype, buf)?))
 }
 

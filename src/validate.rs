@@ -1,0 +1,136 @@
+//! Opt-in checks a trainer runs before a step (SPEC 7): ids out of range, duplicate experts in
+//! one token's top_k, all-zero token rows (the signature of lost prompt rows in P/D serving).
+
+use crate::error::{Error, Result};
+use crate::payload::Payload;
+use crate::with_element;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Checks {
+    /// Ids must be `< num_experts` (and never negative, which is checked always).
+    pub num_experts: Option<u64>,
+    pub duplicates: bool,
+    pub zero_rows: bool,
+}
+
+/// Counts of each failure, with the first (position, layer) of each.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Report {
+    pub out_of_range: usize,
+    pub first_out_of_range: Option<(u64, usize, i64)>,
+    /// (token, layer) groups whose top_k holds an expert twice.
+    pub duplicates: usize,
+    pub first_duplicate: Option<(u64, usize, i64)>,
+    /// Token rows that are zero in every layer.
+    pub zero_rows: usize,
+    pub first_zero_row: Option<u64>,
+}
+
+impl Report {
+    pub fn is_clean(&self) -> bool {
+        self.out_of_range == 0 && self.duplicates == 0 && self.zero_rows == 0
+    }
+
+    /// The first failure as an error, in the order out-of-range, duplicate, zero row.
+    pub fn into_result(self, checks: &Checks) -> Result<()> {
+        if let Some((pos, layer, v)) = self.first_out_of_range {
+            let range = match checks.num_experts {
+                Some(n) => format!("ids in 0..{n}"),
+                None => "non-negative ids".to_string(),
+            };
+            return Err(Error::payload(format!(
+                "expected {range}, got {v} at position {pos}, layer {layer} ({} out of range in all)",
+                self.out_of_range
+            )));
+        }
+        if let Some((pos, layer, v)) = self.first_duplicate {
+            return Err(Error::payload(format!(
+                "expected distinct experts in each top_k, got expert {v} twice at position {pos}, layer {layer} \
+                 ({} duplicated groups in all)",
+                self.duplicates
+            )));
+        }
+        if let Some(pos) = self.first_zero_row {
+            return Err(Error::payload(format!(
+                "expected routing in every row, got an all-zero row at position {pos} ({} in all: \
+                 prompt rows lost in prefill/decode serving?)",
+                self.zero_rows
+            )));
+        }
+        Ok(())
+    }
+}
+
+pub fn report(p: &Payload, checks: &Checks) -> Report {
+    with_element!(p.dtype(), T => scan(p, p.values::<T>(), checks))
+}
+
+pub fn validate(p: &Payload, checks: &Checks) -> Result<()> {
+    report(p, checks).into_result(checks)
+}
+
+fn scan<T: crate::Element>(p: &Payload, values: &[T], checks: &Checks) -> Report {
+    let (k, row) = (p.top_k(), p.num_layers() * p.top_k());
+    let limit = checks
+        .num_experts
+        .map_or(i64::MAX, |n| i64::try_from(n).unwrap_or(i64::MAX));
+    let mut r = Report::default();
+    if row == 0 {
+        return r;
+    }
+    for (t, token) in values.chunks_exact(row).enumerate() {
+        let pos = p.start() + t as u64;
+        for (layer, group) in token.chunks_exact(k).enumerate() {
+            for &v in group {
+                let v: i64 = v.into();
+                if v < 0 || v >= limit {
+                    r.out_of_range += 1;
+                    r.first_out_of_range.get_or_insert((pos, layer, v));
+                }
+            }
+            if checks.duplicates {
+                // top_k is small (8 in practice): pairwise comparison beats hashing.
+                let dup = (1..group.len()).find_map(|j| {
+                    group[..j]
+                        .iter()
+                        .any(|&x| x.into() == group[j].into())
+                        .then(|| group[j].into())
+                });
+                if let Some(v) = dup {
+                    r.duplicates += 1;
+                    r.first_duplicate.get_or_insert((pos, layer, v));
+                }
+            }
+        }
+        if checks.zero_rows && token.iter().all(|&v| v.into() == 0) {
+            r.zero_rows += 1;
+            r.first_zero_row.get_or_insert(pos);
+        }
+    }
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::payload::{DTypeChoice, Shape};
+
+    #[test]
+    fn finds_each_failure() {
+        let values = [1, 2, 3, 4, 0, 0, 0, 0, 5, 5, 9, 1];
+        let p = Payload::from_values(&values[..], Shape::new(3, 2, 2), 10, DTypeChoice::Compact)
+            .unwrap();
+        let all = Checks {
+            num_experts: Some(8),
+            duplicates: true,
+            zero_rows: true,
+        };
+        let r = report(&p, &all);
+        assert_eq!(r.out_of_range, 1);
+        assert_eq!(r.first_out_of_range, Some((12, 1, 9)));
+        assert_eq!(r.duplicates, 3); // (11, 0), (11, 1), (12, 0)
+        assert_eq!(r.first_duplicate, Some((11, 0, 0)));
+        assert_eq!((r.zero_rows, r.first_zero_row), (1, Some(11)));
+        assert!(validate(&p, &Checks::default()).is_ok());
+    }
+}
