@@ -8,8 +8,10 @@ pub mod b64;
 pub mod buffer;
 pub mod dtype;
 pub mod error;
+pub mod formats;
 pub mod limits;
 pub mod merge;
+pub mod npy;
 pub mod pack;
 pub mod payload;
 pub mod response;
@@ -30,7 +32,9 @@ mod _core {
     use pyo3::prelude::*;
 
     #[pymodule_export]
-    use crate::python::functions::{from_response, merge, merge_response, pack};
+    use crate::python::functions::{
+        decode, detect_format, encode, from_response, merge, merge_response, pack,
+    };
     #[pymodule_export]
     use crate::python::payload::{_from_raw, RoutedExperts};
     #[pymodule_export]

@@ -1,13 +1,16 @@
 //! Routing inside whole response bodies: find it without building the rest of the body, and
 //! merge prefill and decode bodies by replacing only the routing values' bytes (SPEC 4).
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use crate::b64;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::formats::{self, Format, Hints};
 use crate::merge;
 use crate::payload::Payload;
 use crate::sidecar::{self, SidecarText};
@@ -18,6 +21,8 @@ pub struct Found<'a> {
     pub index: u64,
     pub span: Range<usize>,
     pub raw: &'a RawValue,
+    /// `meta_info.routed_experts_dtype` (SGLang), when the body names one.
+    pub dtype: Option<DType>,
 }
 
 // Only the keys that can lead to routing are named; serde skips everything else without
@@ -26,33 +31,91 @@ pub struct Found<'a> {
 struct Body<'a> {
     #[serde(borrow, default)]
     choices: Option<Vec<Choice<'a>>>,
+    /// SGLang `/generate`.
+    #[serde(borrow, default)]
+    meta_info: Option<Holder<'a>>,
+    /// NVIDIA Dynamo.
+    #[serde(borrow, default)]
+    nvext: Option<Holder<'a>>,
 }
 
 #[derive(Deserialize)]
 struct Choice<'a> {
     #[serde(default)]
     index: Option<u64>,
+    /// vLLM, prime-rl.
     #[serde(borrow, default)]
     routed_experts: Option<&'a RawValue>,
+    /// SGLang chat/completions.
+    #[serde(borrow, default)]
+    sgl_ext: Option<Holder<'a>>,
 }
 
-/// Every routing value in `body`, in body order, with the index of its choice (a choice with no
-/// `index` key takes its position in `choices`).
+#[derive(Deserialize)]
+struct Holder<'a> {
+    #[serde(borrow, default)]
+    routed_experts: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    routed_experts_dtype: Option<Cow<'a, str>>,
+}
+
+/// Every routing value in `body`, in body order, with the index of its choice. Locations:
+/// `choices[i].routed_experts`, `choices[i].sgl_ext.routed_experts`, `meta_info.routed_experts`
+/// and `nvext.routed_experts` (choice 0, or the position in a top-level array of SGLang batch
+/// results). A choice with no `index` key takes its position in `choices`.
 pub fn find_routing(body: &[u8]) -> Result<Vec<Found<'_>>> {
-    let parsed: Body = serde_json::from_slice(body)
-        .map_err(|e| Error::payload(format!("response body: invalid JSON or layout: {e}")))?;
+    let bad = |e: serde_json::Error| {
+        Error::payload(format!("response body: invalid JSON or layout: {e}"))
+    };
+    let bodies: Vec<Body> = match body.iter().find(|c| !c.is_ascii_whitespace()) {
+        Some(b'[') => serde_json::from_slice(body).map_err(bad)?,
+        _ => vec![serde_json::from_slice(body).map_err(bad)?],
+    };
     let mut found = Vec::new();
-    for (pos, choice) in parsed.choices.unwrap_or_default().into_iter().enumerate() {
-        if let Some(raw) = choice.routed_experts {
-            found.push(Found {
-                index: choice.index.unwrap_or(pos as u64),
-                span: span_of(body, raw),
-                raw,
-            });
+    for (pos, b) in bodies.into_iter().enumerate() {
+        for h in [b.meta_info, b.nvext].into_iter().flatten() {
+            push_holder(&mut found, body, pos as u64, h)?;
+        }
+        for (i, choice) in b.choices.unwrap_or_default().into_iter().enumerate() {
+            let index = choice.index.unwrap_or(i as u64);
+            if let Some(raw) = choice.routed_experts {
+                found.push(Found {
+                    index,
+                    span: span_of(body, raw),
+                    raw,
+                    dtype: None,
+                });
+            }
+            if let Some(h) = choice.sgl_ext {
+                push_holder(&mut found, body, index, h)?;
+            }
         }
     }
+    found.retain(|f| f.raw.get() != "null");
     found.sort_by_key(|f| f.span.start);
     Ok(found)
+}
+
+fn push_holder<'a>(
+    found: &mut Vec<Found<'a>>,
+    body: &[u8],
+    index: u64,
+    h: Holder<'a>,
+) -> Result<()> {
+    if let Some(raw) = h.routed_experts {
+        let dtype = h
+            .routed_experts_dtype
+            .as_deref()
+            .map(DType::parse)
+            .transpose()?;
+        found.push(Found {
+            index,
+            span: span_of(body, raw),
+            raw,
+            dtype,
+        });
+    }
+    Ok(())
 }
 
 /// Byte range of a raw value inside the body it was borrowed from.
@@ -61,22 +124,31 @@ fn span_of(body: &[u8], raw: &RawValue) -> Range<usize> {
     start..start + raw.get().len()
 }
 
-/// Decode one routing value (a compact sidecar object).
-pub fn decode_value(raw: &RawValue, max_bytes: usize) -> Result<Payload> {
-    value_text(raw, max_bytes)?.decode()
-}
-
-fn value_text(raw: &RawValue, max_bytes: usize) -> Result<SidecarText<'_>> {
-    sidecar::validate(sidecar::parse_fields(raw.get().as_bytes())?, max_bytes)
+/// Decode one routing value, whatever its format.
+pub fn decode_found(f: &Found, hints: &Hints, max_bytes: usize) -> Result<(Format, Payload)> {
+    let hints = Hints {
+        dtype: hints.dtype.or(f.dtype),
+        ..*hints
+    };
+    formats::decode_json_value(f.raw, &hints, max_bytes)
 }
 
 /// The routing of the choice whose index is `choice`, or `None` when it carries none.
-pub fn from_response(body: &[u8], choice: u64, max_bytes: usize) -> Result<Option<Payload>> {
+pub fn from_response(
+    body: &[u8],
+    choice: u64,
+    hints: &Hints,
+    max_bytes: usize,
+) -> Result<Option<Payload>> {
     let found = find_routing(body)?;
     found
         .iter()
         .find(|f| f.index == choice)
-        .map(|f| decode_value(f.raw, max_bytes).map_err(|e| e.context(format!("choice {choice}"))))
+        .map(|f| {
+            decode_found(f, hints, max_bytes)
+                .map(|(_, p)| p)
+                .map_err(|e| e.context(format!("choice {choice}")))
+        })
         .transpose()
 }
 
@@ -85,6 +157,24 @@ pub struct MergeOptions {
     pub max_bytes: usize,
     /// Join base64 text directly when the cut falls on a 3-byte boundary (same result, faster).
     pub splice: bool,
+    /// Hints for the prefill values (and the decode values, unless `decode_start` is given).
+    pub hints: Hints,
+    /// The start of the decode values, for formats that carry none (a delta from `P-1`).
+    pub decode_start: Option<u64>,
+    /// Write the merged value in the decode value's format instead of a compact sidecar.
+    pub keep_format: bool,
+}
+
+impl MergeOptions {
+    pub fn new(max_bytes: usize) -> Self {
+        MergeOptions {
+            max_bytes,
+            splice: true,
+            hints: Hints::default(),
+            decode_start: None,
+            keep_format: false,
+        }
+    }
 }
 
 /// The decode body with each routing value replaced by its merge with the prefill routing of the
@@ -112,15 +202,44 @@ pub fn merge_response(
                     d.index
                 ))
             })?;
-        let merged = merge_values(p.raw, d.raw, opts)
-            .map_err(|e| e.context(format!("choice {}", d.index)))?;
+        let merged =
+            merge_found(p, d, &opts).map_err(|e| e.context(format!("choice {}", d.index)))?;
         replacements.push((d.span.clone(), merged));
     }
     Ok(splice_body(decode_body, &replacements))
 }
 
-/// Merge two routing values into the canonical sidecar text.
-pub fn merge_values(prefill: &RawValue, decode: &RawValue, opts: MergeOptions) -> Result<Vec<u8>> {
+/// Merge two routing values into the JSON text that replaces the decode value.
+fn merge_found(p: &Found, d: &Found, opts: &MergeOptions) -> Result<Vec<u8>> {
+    let both_compact = [p, d].iter().all(|f| f.raw.get().starts_with('{'));
+    if both_compact
+        && !opts.keep_format
+        && opts.hints == Hints::default()
+        && opts.decode_start.is_none()
+    {
+        return merge_values(p.raw, d.raw, opts);
+    }
+    let decode_hints = Hints {
+        start: opts.decode_start.or(opts.hints.start),
+        ..opts.hints
+    };
+    let (_, prefill) =
+        decode_found(p, &opts.hints, opts.max_bytes).map_err(|e| e.context("prefill"))?;
+    let (format, decode) =
+        decode_found(d, &decode_hints, opts.max_bytes).map_err(|e| e.context("decode"))?;
+    let merged = merge::merge(&prefill, &decode)?;
+    formats::encode_json(
+        &merged,
+        if opts.keep_format {
+            format
+        } else {
+            Format::Compact
+        },
+    )
+}
+
+/// Merge two compact sidecar values into the canonical sidecar text.
+pub fn merge_values(prefill: &RawValue, decode: &RawValue, opts: &MergeOptions) -> Result<Vec<u8>> {
     let p = value_text(prefill, opts.max_bytes).map_err(|e| e.context("prefill"))?;
     let d = value_text(decode, opts.max_bytes).map_err(|e| e.context("decode"))?;
     let plan = merge::plan(&p.header, &d.header)?;
@@ -133,6 +252,10 @@ pub fn merge_values(prefill: &RawValue, decode: &RawValue, opts: MergeOptions) -
     let decode = d.decode().map_err(|e| e.context("decode"))?;
     let merged = merge::merge(&prefill, &decode)?;
     Ok(sidecar::encode(&merged))
+}
+
+fn value_text(raw: &RawValue, max_bytes: usize) -> Result<SidecarText<'_>> {
+    sidecar::validate(sidecar::parse_fields(raw.get().as_bytes())?, max_bytes)
 }
 
 /// When both halves share a dtype and both cuts fall on 3-byte boundaries, base64 text can be
@@ -176,6 +299,14 @@ mod tests {
     const OPTS: MergeOptions = MergeOptions {
         max_bytes: DEFAULT_MAX_BYTES,
         splice: true,
+        hints: Hints {
+            start: None,
+            num_layers: None,
+            top_k: None,
+            dtype: None,
+        },
+        decode_start: None,
+        keep_format: false,
     };
 
     fn body(routing: &str) -> String {
@@ -216,14 +347,16 @@ mod tests {
     fn from_response_finds_by_index() {
         let b = r#"{"choices":[{"index":1,"routed_experts":{"data":"Hh8oKQ==","shape":[2,1,2],"start":2}},{"index":0}]}"#;
         assert_eq!(
-            from_response(b.as_bytes(), 1, DEFAULT_MAX_BYTES)
+            from_response(b.as_bytes(), 1, &Hints::default(), DEFAULT_MAX_BYTES)
                 .unwrap()
                 .unwrap()
                 .start(),
             2
         );
-        assert!(from_response(b.as_bytes(), 0, DEFAULT_MAX_BYTES)
-            .unwrap()
-            .is_none());
+        assert!(
+            from_response(b.as_bytes(), 0, &Hints::default(), DEFAULT_MAX_BYTES)
+                .unwrap()
+                .is_none()
+        );
     }
 }

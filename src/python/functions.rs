@@ -1,12 +1,13 @@
 //! Module-level functions: merge, response bodies.
 
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
-use super::convert::text_arg;
+use super::convert::{self, text_arg};
 use super::payload::{decode_sidecar_obj, RoutedExperts};
+use crate::formats::{self, Format, Hints};
 use crate::response::{self, MergeOptions};
-use crate::{limits, merge as core_merge, Payload};
+use crate::{limits, merge as core_merge, DTypeChoice, Payload};
 
 /// A payload argument: a `RoutedExperts`, or a compact sidecar (bytes, str or dict).
 pub fn payload_arg(value: &Bound<'_, PyAny>) -> PyResult<Payload> {
@@ -39,32 +40,70 @@ pub fn merge(
     Ok(RoutedExperts::new(py.detach(|| core_merge::merge(&p, &d))?))
 }
 
+fn hints(
+    start: Option<u64>,
+    num_layers: Option<usize>,
+    top_k: Option<usize>,
+    dtype: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Hints> {
+    let dtype = dtype
+        .filter(|d| !d.is_none())
+        .map(convert::dtype_arg)
+        .transpose()?;
+    Ok(Hints {
+        start,
+        num_layers,
+        top_k,
+        dtype,
+    })
+}
+
 /// The routing of the choice whose `index` is `choice` in a response body, or None when that
 /// choice carries none. Only the routing value is decoded; the rest of the body is skipped.
+/// Routing is found at `choices[i].routed_experts`, `choices[i].sgl_ext.routed_experts`,
+/// `meta_info.routed_experts` and `nvext.routed_experts`, in any format `decode` reads; the
+/// hints supply what a format does not carry.
 #[pyfunction]
-#[pyo3(signature = (body, choice = 0, *, max_bytes = None))]
+#[pyo3(signature = (body, choice = 0, *, start = None, num_layers = None, top_k = None, dtype = None, max_bytes = None))]
+#[allow(clippy::too_many_arguments)]
 pub fn from_response(
     py: Python<'_>,
     body: &Bound<'_, PyAny>,
     choice: u64,
+    start: Option<u64>,
+    num_layers: Option<usize>,
+    top_k: Option<usize>,
+    dtype: Option<&Bound<'_, PyAny>>,
     max_bytes: Option<usize>,
 ) -> PyResult<Option<RoutedExperts>> {
     let text = text_arg(body)?;
+    let hints = hints(start, num_layers, top_k, dtype)?;
     let limit = max_bytes.unwrap_or_else(limits::max_bytes);
-    let found = py.detach(|| response::from_response(&text, choice, limit))?;
+    let found = py.detach(|| response::from_response(&text, choice, &hints, limit))?;
     Ok(found.map(RoutedExperts::new))
 }
 
 /// The decode body with every routing value merged with the prefill routing of the same choice
 /// index (a one-choice prefill body serves every decode choice). Every other byte of the decode
-/// body is returned unchanged. `splice=False` forces the decode/concat/encode path (the result
-/// is the same; the flag exists to compare the two).
+/// body is returned unchanged; the merged value is a compact sidecar unless `keep_format`.
+///
+/// `start`, `num_layers`, `top_k`, `dtype` supply what a format does not carry (vLLM's .npy
+/// has no start; SGLang's flat values no shape); `decode_start` gives the decode values' start
+/// when it differs from prefill's (a delta). `splice=False` forces the decode/concat/encode path
+/// (same result; the flag exists to compare the two).
 #[pyfunction]
-#[pyo3(signature = (prefill_body, decode_body, *, splice = true, max_bytes = None))]
+#[pyo3(signature = (prefill_body, decode_body, *, start = None, decode_start = None, num_layers = None, top_k = None, dtype = None, keep_format = false, splice = true, max_bytes = None))]
+#[allow(clippy::too_many_arguments)]
 pub fn merge_response<'py>(
     py: Python<'py>,
     prefill_body: &Bound<'py, PyAny>,
     decode_body: &Bound<'py, PyAny>,
+    start: Option<u64>,
+    decode_start: Option<u64>,
+    num_layers: Option<usize>,
+    top_k: Option<usize>,
+    dtype: Option<&Bound<'py, PyAny>>,
+    keep_format: bool,
     splice: bool,
     max_bytes: Option<usize>,
 ) -> PyResult<Bound<'py, PyBytes>> {
@@ -72,9 +111,109 @@ pub fn merge_response<'py>(
     let opts = MergeOptions {
         max_bytes: max_bytes.unwrap_or_else(limits::max_bytes),
         splice,
+        hints: hints(start, num_layers, top_k, dtype)?,
+        decode_start,
+        keep_format,
     };
     let out = py.detach(|| response::merge_response(&p, &d, opts))?;
     Ok(PyBytes::new(py, &out))
+}
+
+/// Any routing format of the wild, detected, as a payload: a dict or JSON text of a compact
+/// sidecar; `nrlre1:<dtype>:<T>x<L>x<K>:<base64>` (NeMo-RL); base64 of an `.npy` file (vLLM);
+/// any other base64 string as SGLang flat values (needs `num_layers` and `top_k`; int32 unless
+/// `dtype`); nested lists (lmdeploy); a numpy array. `start` supplies the position a format
+/// does not carry; a hint that contradicts the payload is an error, not a guess.
+#[pyfunction]
+#[pyo3(signature = (value, *, start = None, num_layers = None, top_k = None, dtype = None, max_bytes = None))]
+pub fn decode(
+    py: Python<'_>,
+    value: &Bound<'_, PyAny>,
+    start: Option<u64>,
+    num_layers: Option<usize>,
+    top_k: Option<usize>,
+    dtype: Option<&Bound<'_, PyAny>>,
+    max_bytes: Option<usize>,
+) -> PyResult<RoutedExperts> {
+    Ok(RoutedExperts::new(
+        decode_any(
+            py,
+            value,
+            &hints(start, num_layers, top_k, dtype)?,
+            max_bytes,
+        )?
+        .1,
+    ))
+}
+
+/// Decode a Python value of any format, with the format found.
+pub fn decode_any(
+    py: Python<'_>,
+    value: &Bound<'_, PyAny>,
+    hints: &Hints,
+    max_bytes: Option<usize>,
+) -> PyResult<(Format, Payload)> {
+    let limit = max_bytes.unwrap_or_else(limits::max_bytes);
+    if let Ok(p) = value.cast::<RoutedExperts>() {
+        let p = p.get().inner.clone();
+        formats::check_hints(Format::Compact, &p.header(), hints)?;
+        return Ok((Format::Compact, p));
+    }
+    if let Ok(d) = value.cast::<PyDict>() {
+        let data = d.get_item("data")?;
+        let fields = convert::dict_fields(d, data.as_ref())?;
+        let p = py.detach(|| formats::decode_compact_fields(fields, hints, limit))?;
+        return Ok((Format::Compact, p));
+    }
+    if value.is_instance_of::<PyList>() || value.is_instance_of::<PyTuple>() {
+        // Nested lists (lmdeploy) go through JSON text so that one parser checks them.
+        let json = py.import("json")?.getattr("dumps")?.call1((value,))?;
+        let text = json.cast::<PyString>()?.to_str()?.as_bytes();
+        return Ok(py.detach(|| formats::decode_text(text, hints, limit))?);
+    }
+    if value.hasattr("__array__")? {
+        let choice = hints.dtype.map_or(DTypeChoice::Compact, DTypeChoice::Exact);
+        let p = convert::payload_from_array(value, hints.start.unwrap_or(0), choice)?;
+        formats::check_hints(Format::Lists, &p.header(), hints)?;
+        return Ok((Format::Lists, p));
+    }
+    let text = text_arg(value)?;
+    Ok(py.detach(|| formats::decode_text(&text, hints, limit))?)
+}
+
+/// The payload in `format`: "compact" gives the sidecar dict; "vllm_npy", "sglang" and "nemo"
+/// give the str those producers emit; "lists" gives nested lists.
+#[pyfunction]
+#[pyo3(signature = (payload, format = "compact"))]
+pub fn encode<'py>(
+    py: Python<'py>,
+    payload: &Bound<'py, RoutedExperts>,
+    format: &str,
+) -> PyResult<Bound<'py, PyAny>> {
+    let format = Format::parse(format)?;
+    let p = &payload.get().inner;
+    let text = py.detach(|| formats::encode(p, format))?;
+    // base64, the nemo envelope and JSON digits are ASCII.
+    let s = PyString::new(
+        py,
+        std::str::from_utf8(&text).expect("encoded formats are ASCII"),
+    );
+    match format {
+        Format::Compact | Format::Lists => py.import("json")?.getattr("loads")?.call1((s,)),
+        _ => Ok(s.into_any()),
+    }
+}
+
+/// The format `decode` would detect for a value: "compact", "vllm_npy", "sglang", "nemo", "lists".
+#[pyfunction]
+pub fn detect_format(value: &Bound<'_, PyAny>) -> PyResult<&'static str> {
+    if value.is_instance_of::<PyDict>() || value.cast::<RoutedExperts>().is_ok() {
+        return Ok(Format::Compact.name());
+    }
+    if value.is_instance_of::<PyList>() || value.is_instance_of::<PyTuple>() {
+        return Ok(Format::Lists.name());
+    }
+    Ok(formats::detect(&text_arg(value)?).name())
 }
 
 /// Pack samples into one batch: every sample converted to `dtype` (default int32; None for the

@@ -1,0 +1,453 @@
+//! Every routing format in the wild (SPEC 3.2), detected and decoded to one payload type, and
+//! encoded back byte-compatibly with each producer.
+
+use std::borrow::Cow;
+
+use serde_json::value::RawValue;
+use serde_json::Value;
+
+use crate::b64;
+use crate::buffer::AlignedBytes;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::npy;
+use crate::payload::{DTypeChoice, Header, Payload, Shape};
+use crate::sidecar::{self, SidecarFields};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// `{"data": base64, "shape": [T, L, K], "start": S, "dtype": name}` (prime-rl, Dynamo).
+    Compact,
+    /// base64 of a whole `.npy` file (vLLM); no start.
+    VllmNpy,
+    /// base64 of flat little-endian values, int32 unless told (SGLang); no shape, no start.
+    Sglang,
+    /// `nrlre1:<dtype>:<T>x<L>x<K>:<base64>` (NeMo-RL); no start.
+    Nemo,
+    /// Nested integer lists `[[[...]]]` (lmdeploy); no start.
+    Lists,
+}
+
+impl Format {
+    pub const ALL: [Format; 5] = [
+        Format::Compact,
+        Format::VllmNpy,
+        Format::Sglang,
+        Format::Nemo,
+        Format::Lists,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Compact => "compact",
+            Format::VllmNpy => "vllm_npy",
+            Format::Sglang => "sglang",
+            Format::Nemo => "nemo",
+            Format::Lists => "lists",
+        }
+    }
+
+    pub fn parse(name: &str) -> Result<Format> {
+        Format::ALL
+            .into_iter()
+            .find(|f| f.name() == name)
+            .ok_or_else(|| {
+                Error::field(
+                    "format",
+                    "one of compact, vllm_npy, sglang, nemo, lists",
+                    format!("{name:?}"),
+                )
+            })
+    }
+}
+
+/// What the caller knows that a format may not carry. A hint that contradicts what the payload
+/// does carry is an error, never silently preferred.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Hints {
+    pub start: Option<u64>,
+    pub num_layers: Option<usize>,
+    pub top_k: Option<usize>,
+    pub dtype: Option<DType>,
+}
+
+const NEMO_PREFIX: &[u8] = b"nrlre1:";
+/// base64 of the `.npy` magic `\x93NUMPY`.
+const NPY_B64_PREFIX: &[u8] = b"k05VTVBZ";
+
+/// The format of a text value: JSON text, or the content of a JSON string.
+pub fn detect(text: &[u8]) -> Format {
+    match text.iter().find(|c| !c.is_ascii_whitespace()) {
+        Some(b'{') => Format::Compact,
+        Some(b'[') => Format::Lists,
+        _ if text.starts_with(NEMO_PREFIX) => Format::Nemo,
+        _ if text.starts_with(NPY_B64_PREFIX) => Format::VllmNpy,
+        _ => Format::Sglang,
+    }
+}
+
+/// Decode a value of any format given as text, detecting which.
+pub fn decode_text(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<(Format, Payload)> {
+    let format = detect(text);
+    let p = match format {
+        Format::Compact => decode_compact(text, hints, max_bytes),
+        Format::Lists => decode_lists(text, hints),
+        Format::Nemo => decode_nemo(text, hints, max_bytes),
+        Format::VllmNpy => decode_vllm_npy(text, hints, max_bytes),
+        Format::Sglang => decode_sglang(text, hints, max_bytes),
+    }?;
+    Ok((format, p))
+}
+
+/// Decode a raw JSON value from a body: an object, a list, or a string holding any format.
+pub fn decode_json_value(
+    raw: &RawValue,
+    hints: &Hints,
+    max_bytes: usize,
+) -> Result<(Format, Payload)> {
+    decode_text(&json_string_content(raw)?, hints, max_bytes)
+}
+
+/// The content of a JSON string value (borrowed unless it has escapes), or the raw JSON text
+/// of any other value.
+pub fn json_string_content(raw: &RawValue) -> Result<Cow<'_, [u8]>> {
+    let text = raw.get().as_bytes();
+    if text.first() != Some(&b'"') {
+        return Ok(Cow::Borrowed(text));
+    }
+    let inner = &text[1..text.len() - 1];
+    if memchr::memchr(b'\\', inner).is_none() {
+        return Ok(Cow::Borrowed(inner));
+    }
+    let s: String = serde_json::from_str(raw.get())
+        .map_err(|e| Error::payload(format!("invalid JSON string: {e}")))?;
+    Ok(Cow::Owned(s.into_bytes()))
+}
+
+pub fn check_hints(format: Format, h: &Header, hints: &Hints) -> Result<()> {
+    let name = format.name();
+    let mismatch = |field: &str, given: String, found: String| {
+        Err(Error::field(
+            field,
+            format!("{given} (as given)"),
+            format!("{found} in the {name} payload"),
+        ))
+    };
+    if let Some(l) = hints.num_layers.filter(|&l| l != h.shape.layers) {
+        return mismatch("num_layers", l.to_string(), h.shape.layers.to_string());
+    }
+    if let Some(k) = hints.top_k.filter(|&k| k != h.shape.top_k) {
+        return mismatch("top_k", k.to_string(), h.shape.top_k.to_string());
+    }
+    if let Some(d) = hints.dtype.filter(|&d| d != h.dtype) {
+        return mismatch("dtype", d.to_string(), h.dtype.to_string());
+    }
+    if let Some(s) = hints.start.filter(|&s| s != h.start) {
+        return mismatch("start", s.to_string(), h.start.to_string());
+    }
+    Ok(())
+}
+
+fn decode_compact(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Payload> {
+    decode_compact_fields(sidecar::parse_fields(text)?, hints, max_bytes)
+}
+
+/// A compact sidecar's fields (from JSON or a dict) with the caller's hints applied.
+pub fn decode_compact_fields(
+    mut fields: SidecarFields<'_>,
+    hints: &Hints,
+    max_bytes: usize,
+) -> Result<Payload> {
+    if fields.start.is_none() {
+        // Older producers wrote no start: the caller's hint supplies it (else 0).
+        fields.start = hints.start.map(Value::from);
+    }
+    let sidecar = sidecar::validate(fields, max_bytes)?;
+    check_hints(Format::Compact, &sidecar.header, hints)?;
+    sidecar.decode()
+}
+
+fn decode_lists(text: &[u8], hints: &Hints) -> Result<Payload> {
+    let err = |what: String| {
+        Error::payload(format!(
+            "lists: expected a rectangular 3-level nested list of integers, {what}"
+        ))
+    };
+    let value: Value =
+        serde_json::from_slice(text).map_err(|e| err(format!("got invalid JSON: {e}")))?;
+    let tokens = value
+        .as_array()
+        .ok_or_else(|| err("got a non-list".into()))?;
+    let (mut layers, mut top_k) = (hints.num_layers, hints.top_k);
+    let mut values = Vec::new();
+    for (t, token) in tokens.iter().enumerate() {
+        let token = token
+            .as_array()
+            .ok_or_else(|| err(format!("got a non-list at token {t}")))?;
+        if *layers.get_or_insert(token.len()) != token.len() {
+            return Err(err(format!(
+                "got {} layers at token {t}, {} before",
+                token.len(),
+                layers.unwrap_or(0)
+            )));
+        }
+        for (l, group) in token.iter().enumerate() {
+            let group = group
+                .as_array()
+                .ok_or_else(|| err(format!("got a non-list at token {t}, layer {l}")))?;
+            if *top_k.get_or_insert(group.len()) != group.len() {
+                return Err(err(format!(
+                    "got top_k {} at token {t}, layer {l}, {} before",
+                    group.len(),
+                    top_k.unwrap_or(0)
+                )));
+            }
+            for v in group {
+                values.push(
+                    v.as_i64()
+                        .ok_or_else(|| err(format!("got {v} at token {t}, layer {l}")))?,
+                );
+            }
+        }
+    }
+    let shape = Shape::new(tokens.len(), layers.unwrap_or(0), top_k.unwrap_or(0));
+    let choice = hints.dtype.map_or(DTypeChoice::Compact, DTypeChoice::Exact);
+    let p = Payload::from_values(&values, shape, hints.start.unwrap_or(0), choice)?;
+    check_hints(Format::Lists, &p.header(), hints)?;
+    Ok(p)
+}
+
+fn decode_nemo(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Payload> {
+    let err = |what: String| {
+        Error::payload(format!(
+            "nemo: expected nrlre1:<dtype>:<T>x<L>x<K>:<base64>, {what}"
+        ))
+    };
+    let rest = &text[NEMO_PREFIX.len()..];
+    let mut parts = rest.splitn(3, |&c| c == b':');
+    let (Some(dtype), Some(dims), Some(data)) = (parts.next(), parts.next(), parts.next()) else {
+        return Err(err("got fewer than 4 ':'-separated parts".into()));
+    };
+    let dtype = std::str::from_utf8(dtype).unwrap_or("?");
+    let dtype = match dtype {
+        "int8" => DType::I8,
+        "int16" => DType::I16,
+        "int32" => DType::I32,
+        other => return Err(err(format!("got dtype {other:?} (int8, int16 or int32)"))),
+    };
+    let dims: Vec<usize> = std::str::from_utf8(dims)
+        .unwrap_or("?")
+        .split('x')
+        .map(|d| d.parse::<usize>())
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| {
+            err(format!(
+                "got dimensions {:?}",
+                String::from_utf8_lossy(dims)
+            ))
+        })?;
+    let [t, l, k] = dims[..] else {
+        return Err(err(format!("got {} dimensions", dims.len())));
+    };
+    let p = sidecar::decode_base64(
+        data,
+        hints.start.unwrap_or(0),
+        Shape::new(t, l, k),
+        dtype,
+        max_bytes,
+        "nemo data",
+    )?;
+    check_hints(Format::Nemo, &p.header(), hints)?;
+    Ok(p)
+}
+
+fn decode_vllm_npy(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Payload> {
+    let len = b64::decoded_len(text, "vllm_npy").map_err(|e| e.context("vllm_npy"))?;
+    crate::limits::check(len, max_bytes.saturating_add(4096))?;
+    // Decode the whole file once, then move the data to the front of the same buffer.
+    let mut file = AlignedBytes::zeroed(len);
+    b64::decode_into(text, file.as_mut_bytes(), "vllm_npy")?;
+    let h = npy::parse_header(file.as_bytes())?;
+    let want = h.shape.nbytes(h.dtype)?;
+    let have = len - h.data_offset;
+    if have != want {
+        return Err(Error::payload(format!(
+            "vllm_npy: expected {want} data bytes for shape {} of {}, got {have}",
+            h.shape, h.dtype
+        )));
+    }
+    crate::limits::check(want, max_bytes)?;
+    file.as_mut_bytes().copy_within(h.data_offset.., 0);
+    file.truncate(want);
+    let p = Payload::new(hints.start.unwrap_or(0), h.shape, h.dtype, file)?;
+    check_hints(Format::VllmNpy, &p.header(), hints)?;
+    Ok(p)
+}
+
+fn decode_sglang(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Payload> {
+    let (Some(layers), Some(top_k)) = (hints.num_layers, hints.top_k) else {
+        return Err(Error::payload(
+            "sglang: flat base64 values carry no shape: give num_layers and top_k".to_string(),
+        ));
+    };
+    let dtype = hints.dtype.unwrap_or(DType::I32);
+    let bytes = b64::decoded_len(text, "sglang").map_err(|e| e.context("sglang"))?;
+    let row = layers
+        .checked_mul(top_k)
+        .and_then(|r| r.checked_mul(dtype.itemsize()))
+        .filter(|&r| r > 0);
+    let row = row.ok_or_else(|| {
+        Error::field(
+            "num_layers x top_k",
+            "a positive product",
+            format!("{layers} x {top_k}"),
+        )
+    })?;
+    if bytes % row != 0 {
+        return Err(Error::payload(format!(
+            "sglang: {bytes} bytes is not a whole number of rows of {layers} layers x top_k {top_k} of {dtype} ({row} bytes)"
+        )));
+    }
+    let shape = Shape::new(bytes / row, layers, top_k);
+    sidecar::decode_base64(
+        text,
+        hints.start.unwrap_or(0),
+        shape,
+        dtype,
+        max_bytes,
+        "sglang data",
+    )
+}
+
+/// The value in `format`, as the text its producer emits (a compact sidecar's JSON object;
+/// the content of the JSON string for the string formats; a JSON array for lists).
+pub fn encode(p: &Payload, format: Format) -> Result<Vec<u8>> {
+    Ok(match format {
+        Format::Compact => sidecar::encode(p),
+        Format::VllmNpy => {
+            let mut file = npy::write_header(p.dtype(), p.shape());
+            file.extend_from_slice(p.bytes());
+            base64_of(&file)
+        }
+        Format::Sglang => base64_of(p.astype(DType::I32)?.bytes()),
+        Format::Nemo => {
+            let dtype = match p.dtype() {
+                d @ (DType::I8 | DType::I16 | DType::I32) => d,
+                _ => {
+                    let (lo, hi) = p.min_max().unwrap_or((0, 0));
+                    [DType::I8, DType::I16, DType::I32]
+                        .into_iter()
+                        .find(|d| d.holds(lo) && d.holds(hi))
+                        .ok_or_else(|| {
+                            Error::field(
+                                "array",
+                                "values that fit int32 for the nemo format",
+                                format!("values in [{lo}, {hi}]"),
+                            )
+                        })?
+                }
+            };
+            let s = p.shape();
+            let mut out =
+                format!("nrlre1:{dtype}:{}x{}x{}:", s.tokens, s.layers, s.top_k).into_bytes();
+            out.extend_from_slice(&base64_of(p.astype(dtype)?.bytes()));
+            out
+        }
+        Format::Lists => {
+            let s = p.shape();
+            let mut out = Vec::with_capacity(p.bytes().len() * 4 + 2);
+            out.push(b'[');
+            let mut itoa = itoa::Buffer::new();
+            for t in 0..s.tokens {
+                out.extend_from_slice(if t == 0 { b"[" } else { b",[" });
+                for l in 0..s.layers {
+                    out.extend_from_slice(if l == 0 { b"[" } else { b",[" });
+                    for k in 0..s.top_k {
+                        if k > 0 {
+                            out.push(b',');
+                        }
+                        out.extend_from_slice(
+                            itoa.format(p.value_at((t * s.layers + l) * s.top_k + k))
+                                .as_bytes(),
+                        );
+                    }
+                    out.push(b']');
+                }
+                out.push(b']');
+            }
+            out.push(b']');
+            out
+        }
+    })
+}
+
+/// The value in `format` as JSON text: strings quoted (base64 and the nemo envelope need no
+/// escaping), objects and arrays as they are.
+pub fn encode_json(p: &Payload, format: Format) -> Result<Vec<u8>> {
+    let text = encode(p, format)?;
+    Ok(match format {
+        Format::Compact | Format::Lists => text,
+        _ => {
+            let mut out = Vec::with_capacity(text.len() + 2);
+            out.push(b'"');
+            out.extend_from_slice(&text);
+            out.push(b'"');
+            out
+        }
+    })
+}
+
+fn base64_of(bytes: &[u8]) -> Vec<u8> {
+    let mut out = vec![0u8; b64::encoded_len(bytes.len())];
+    b64::encode_into(bytes, &mut out);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limits::DEFAULT_MAX_BYTES;
+
+    fn sample() -> Payload {
+        let values: Vec<i64> = (0..24).map(|v| v * 3).collect();
+        Payload::from_values(&values, Shape::new(4, 3, 2), 0, DTypeChoice::Compact).unwrap()
+    }
+
+    #[test]
+    fn every_format_round_trips() {
+        let p = sample();
+        let hints = Hints {
+            num_layers: Some(3),
+            top_k: Some(2),
+            ..Hints::default()
+        };
+        for f in Format::ALL {
+            let text = encode(&p, f).unwrap();
+            let (found, back) = decode_text(&text, &hints, DEFAULT_MAX_BYTES).unwrap();
+            assert_eq!(found, f);
+            assert!(back.same_routing(&p), "{f:?}");
+        }
+    }
+
+    #[test]
+    fn wrong_hints_and_missing_hints_are_errors() {
+        let p = sample();
+        let text = encode(&p, Format::Nemo).unwrap();
+        let wrong = Hints {
+            num_layers: Some(4),
+            ..Hints::default()
+        };
+        let e = decode_text(&text, &wrong, DEFAULT_MAX_BYTES)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`num_layers`: expected 4 (as given), got 3 in the nemo payload"),
+            "{e}"
+        );
+        let sglang = encode(&p, Format::Sglang).unwrap();
+        let e = decode_text(&sglang, &Hints::default(), DEFAULT_MAX_BYTES)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("give num_layers and top_k"), "{e}");
+    }
+}

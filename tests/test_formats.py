@@ -1,0 +1,232 @@
+"""Every format in the wild (SPEC 3.2): interop vectors, round trips, malformed input, bodies."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import struct
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import routed_experts as rx
+
+from conftest import assert_payload, vector_params
+
+HINT_KEYS = ("start", "num_layers", "top_k")
+
+
+@pytest.mark.parametrize("case", vector_params("interop"))
+def test_interop_vector(case: dict[str, Any]) -> None:
+    hints = {k: case[k] for k in HINT_KEYS if k in case}
+    assert rx.detect_format(case["input"]) == case["format"]
+    p = rx.decode(case["input"], **hints)
+    assert_payload(p, case["expect"])
+    # Encoding back gives the producer's bytes (lists: the same lists).
+    if case["format"] == "lists":
+        assert rx.encode(p, "lists") == case["input"]
+    elif case["format"] == "sglang":
+        assert rx.encode(p, "sglang") == case["input"]  # SGLang emits int32
+    else:
+        assert rx.encode(p, case["format"]) == case["input"]
+
+
+def npy_base64(arr: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@st.composite
+def arrays(draw: st.DrawFn, dtypes: list[str]) -> np.ndarray:
+    dtype = np.dtype(draw(st.sampled_from(dtypes)))
+    shape = draw(st.tuples(st.integers(0, 6), st.integers(1, 4), st.integers(1, 4)))
+    return draw(hnp.arrays(dtype, shape))
+
+
+@settings(max_examples=200, deadline=None)
+@given(arr=arrays(["uint8", "int8", "uint16", "int16", "uint32", "int32", "int64"]), start=st.integers(0, 10**6))
+def test_vllm_npy_is_byte_compatible_with_np_save(arr: np.ndarray, start: int) -> None:
+    text = npy_base64(arr)
+    p = rx.decode(text, start=start)
+    assert p.start == start and p.dtype == str(arr.dtype)
+    np.testing.assert_array_equal(p.array, arr)
+    assert rx.encode(p, "vllm_npy") == text
+
+
+@settings(max_examples=200, deadline=None)
+@given(arr=arrays(["uint8", "uint16", "int16", "int32"]), start=st.integers(0, 10**6))
+def test_every_format_round_trips(arr: np.ndarray, start: int) -> None:
+    p = rx.RoutedExperts.from_array(arr, start=start, dtype=arr.dtype)
+    _, layers, top_k = arr.shape
+    for fmt in ("compact", "vllm_npy", "sglang", "nemo", "lists"):
+        encoded = rx.encode(p, fmt)
+        back = rx.decode(encoded, start=start, num_layers=layers, top_k=top_k)
+        assert back == p, fmt
+        assert (back.start, back.shape) == (start, arr.shape), fmt
+    # SGLang carries int32; hints pick another dtype.
+    flat16 = base64.b64encode(arr.astype("<u2").tobytes()).decode() if arr.min(initial=0) >= 0 else None
+    if flat16 is not None:
+        p16 = rx.decode(flat16, num_layers=layers, top_k=top_k, dtype="uint16", start=start)
+        assert p16 == p
+
+
+def test_nemo_matches_the_envelope_layout() -> None:
+    p = rx.RoutedExperts.from_array(np.array([[[1, 2, 3]], [[4, 5, 6]]]))
+    text = rx.encode(p, "nemo")
+    assert text == "nrlre1:int8:2x1x3:" + base64.b64encode(bytes([1, 2, 3, 4, 5, 6])).decode()
+    wide = rx.RoutedExperts.from_array(np.array([[[300]]]))
+    assert rx.encode(wide, "nemo").startswith("nrlre1:int16:1x1x1:")
+
+
+@pytest.mark.parametrize(
+    ("value", "hints", "needle"),
+    [
+        ("nrlre1:int8:2x1:AAAA", {}, "nemo: expected nrlre1:<dtype>:<T>x<L>x<K>:<base64>, got 2 dimensions"),
+        ("nrlre1:uint8:1x1x3:AAAA", {}, 'nemo: expected .*, got dtype "uint8"'),
+        ("nrlre1:int8:1x1x3", {}, "fewer than 4"),
+        ("nrlre1:int8:1x1x4:AAAA", {}, "nemo data"),
+        ("AAAAAAAA", {}, "sglang: flat base64 values carry no shape"),
+        ("AAAAAAAA", {"num_layers": 4, "top_k": 2}, "sglang: 6 bytes is not a whole number of rows"),
+        ("AAAA*AAA", {"num_layers": 1, "top_k": 1, "dtype": "uint8"}, "sglang"),
+        ("k05VTVBZAQB2", {}, "vllm_npy"),
+        ("k05VTVBZAQB2AHsnZGVzY3I=", {}, "vllm_npy: header says 118 bytes"),
+        ([[[1, 2]], [[3]]], {}, "lists: expected a rectangular .* got top_k 1 at token 1, layer 0"),
+        ([[[1, 2.5]]], {}, "lists: .* got 2.5 at token 0, layer 0"),
+        ([[1, 2]], {}, "lists: .* got a non-list at token 0, layer 0"),
+    ],
+)
+def test_malformed_inputs_name_the_format(value: Any, hints: dict[str, Any], needle: str) -> None:
+    with pytest.raises(rx.PayloadError, match=needle):
+        rx.decode(value, **hints)
+
+
+def npy_with_header(header: str, data: bytes = b"", version: int = 1) -> str:
+    head = header.encode()
+    size = struct.pack("<H", len(head)) if version == 1 else struct.pack("<I", len(head))
+    return base64.b64encode(b"\x93NUMPY" + bytes([version, 0]) + size + head + data).decode()
+
+
+@pytest.mark.parametrize(
+    ("header", "needle"),
+    [
+        ("{'descr': '|O', 'fortran_order': False, 'shape': (1, 1, 1), }", "pickled object arrays"),
+        ("{'descr': '>u2', 'fortran_order': False, 'shape': (1, 1, 1), }", "big-endian"),
+        ("{'descr': '<u2', 'fortran_order': True, 'shape': (1, 1, 1), }", "Fortran-ordered"),
+        ("{'descr': '<f4', 'fortran_order': False, 'shape': (1, 1, 1), }", "integer dtype"),
+        ("{'descr': '|u1', 'fortran_order': False, 'shape': (4,), }", "3-dimensional"),
+        ("{'descr': '|u1', 'fortran_order': False, 'shape': (1, 1, 2), }", "expected 2 data bytes"),
+    ],
+)
+def test_npy_rejections(header: str, needle: str) -> None:
+    with pytest.raises(rx.PayloadError, match=needle):
+        rx.decode(npy_with_header(header, b"\x01"))
+
+
+def test_npy_version_2_header() -> None:
+    header = "{'descr': '<i2', 'fortran_order': False, 'shape': (1, 1, 2), }"
+    p = rx.decode(npy_with_header(header, struct.pack("<hh", -1, 7), version=2))
+    assert p.dtype == "int16" and p.array.tolist() == [[[-1, 7]]]
+
+
+@settings(max_examples=1000, deadline=None)
+@given(header=st.text(max_size=120), data=st.binary(max_size=40), version=st.sampled_from([1, 2, 3, 4]))
+def test_npy_parser_never_crashes_on_arbitrary_headers(header: str, data: bytes, version: int) -> None:
+    try:
+        rx.decode(npy_with_header(header, data, version=version))
+    except rx.PayloadError:
+        pass
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    descr=st.sampled_from(["|u1", "<u2", "<i4", "<i8", ">i4", "|O", "<f8", "u1", "'"]),
+    fortran=st.sampled_from(["False", "True", "0", ""]),
+    dims=st.lists(st.integers(-2, 2**40), max_size=4),
+    data=st.binary(max_size=64),
+)
+def test_npy_parser_never_crashes_on_structured_headers(descr: str, fortran: str, dims: list[int], data: bytes) -> None:
+    shape = "(" + ", ".join(map(str, dims)) + ("," if len(dims) == 1 else "") + ")"
+    header = f"{{'descr': '{descr}', 'fortran_order': {fortran}, 'shape': {shape}, }}"
+    try:
+        rx.decode(npy_with_header(header, data))
+    except rx.PayloadError:
+        pass
+
+
+def test_wrong_hints_are_errors_not_guesses() -> None:
+    p = rx.RoutedExperts.from_array(np.ones((2, 3, 4), dtype=np.int64), start=5)
+    with pytest.raises(rx.PayloadError, match=r"`start`: expected 6 \(as given\), got 5 in the compact payload"):
+        rx.decode(p.to_json(), start=6)
+    with pytest.raises(rx.PayloadError, match="`top_k`: expected 2"):
+        rx.decode(rx.encode(p, "vllm_npy"), top_k=2)
+    with pytest.raises(rx.PayloadError, match="`dtype`: expected uint16"):
+        rx.decode(rx.encode(p, "nemo"), dtype="uint16")
+    # A sidecar without `start` (older producers) takes the hint.
+    old = {k: v for k, v in p.to_dict().items() if k != "start"}
+    assert rx.decode(old, start=9).start == 9
+    assert rx.decode(old).start == 0
+
+
+def test_decode_accepts_payloads_arrays_and_json_strings() -> None:
+    p = rx.RoutedExperts.from_array(np.arange(6, dtype=np.int64).reshape(1, 2, 3), start=2)
+    assert rx.decode(p) == p
+    assert rx.decode(p.array, start=2) == p
+    assert rx.decode(p.to_json().decode()) == p
+    assert rx.decode(p.to_json()) == p
+
+
+def _body(location: str, value: Any, index: int = 0, extra: Any = None) -> bytes:
+    if location == "choices":
+        doc: Any = {"choices": [{"index": index, "text": "x", "routed_experts": value}]}
+    elif location == "sgl_ext":
+        doc = {"choices": [{"index": index, "message": {}, "sgl_ext": {"routed_experts": value}}]}
+    elif location == "meta_info":
+        doc = {"text": "x", "meta_info": {"id": "r", "routed_experts": value, **(extra or {})}}
+    else:
+        doc = {"id": "x", "nvext": {"routed_experts": value}}
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize("location", ["choices", "sgl_ext", "meta_info", "nvext"])
+@pytest.mark.parametrize("fmt", ["compact", "vllm_npy", "nemo", "sglang"])
+def test_bodies_carry_routing_in_every_location_and_format(location: str, fmt: str) -> None:
+    truth = np.random.default_rng(1).integers(0, 128, size=(9, 3, 2))
+    prefill = rx.RoutedExperts.from_array(truth[:5])
+    decode = rx.RoutedExperts.from_array(truth, num_experts=128)
+    hints = {"num_layers": 3, "top_k": 2} if fmt == "sglang" else {}
+    pb, db = _body(location, rx.encode(prefill, fmt)), _body(location, rx.encode(decode, fmt))
+    got = rx.from_response(db, **hints)
+    assert got == decode
+    merged = rx.merge_response(pb, db, **hints)
+    assert rx.from_response(merged) == rx.RoutedExperts.from_array(truth)
+    assert rx.detect_format(json.dumps(json.loads(merged))) == "compact"
+    kept = rx.merge_response(pb, db, keep_format=True, **hints)
+    assert rx.from_response(kept, **hints) == rx.RoutedExperts.from_array(truth)
+
+
+def test_sglang_meta_info_names_its_dtype_and_batches_are_lists() -> None:
+    arr = np.arange(12, dtype=np.uint16).reshape(2, 3, 2) * 100
+    flat = base64.b64encode(arr.tobytes()).decode()
+    body = _body("meta_info", flat, extra={"routed_experts_dtype": "uint16"})
+    p = rx.from_response(body, num_layers=3, top_k=2)
+    assert p is not None and p.dtype == "uint16" and p.array.tolist() == arr.tolist()
+    batch = json.dumps([json.loads(body), {"text": "y", "meta_info": {}}, json.loads(body)])
+    assert rx.from_response(batch, choice=2, num_layers=3, top_k=2) == p
+    assert rx.from_response(batch, choice=1, num_layers=3, top_k=2) is None
+
+
+def test_vllm_npy_delta_decode_needs_its_start() -> None:
+    # vLLM's .npy carries no start: the router supplies the prompt start and the delta's start.
+    truth = np.random.default_rng(2).integers(0, 128, size=(9, 3, 2))
+    pb = _body("choices", rx.encode(rx.RoutedExperts.from_array(truth[2:5], start=2), "vllm_npy"))
+    db = _body("choices", rx.encode(rx.RoutedExperts.from_array(truth[4:], start=4), "vllm_npy"))
+    merged = rx.merge_response(pb, db, start=2, decode_start=4)
+    out = rx.from_response(merged)
+    assert out is not None and out.start == 2
+    np.testing.assert_array_equal(out.array, truth[2:])
