@@ -3,13 +3,13 @@
 
 use std::borrow::Cow;
 
-use serde_json::value::RawValue;
 use serde_json::Value;
 
 use crate::b64;
 use crate::buffer::AlignedBytes;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::jsonscan::Scanner;
 use crate::npy;
 use crate::payload::{DTypeChoice, Header, Payload, Shape};
 use crate::sidecar::{self, SidecarFields};
@@ -100,28 +100,20 @@ pub fn decode_text(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<(Form
 }
 
 /// Decode a raw JSON value from a body: an object, a list, or a string holding any format.
-pub fn decode_json_value(
-    raw: &RawValue,
-    hints: &Hints,
-    max_bytes: usize,
-) -> Result<(Format, Payload)> {
+pub fn decode_json_value(raw: &[u8], hints: &Hints, max_bytes: usize) -> Result<(Format, Payload)> {
     decode_text(&json_string_content(raw)?, hints, max_bytes)
 }
 
 /// The content of a JSON string value (borrowed unless it has escapes), or the raw JSON text
 /// of any other value.
-pub fn json_string_content(raw: &RawValue) -> Result<Cow<'_, [u8]>> {
-    let text = raw.get().as_bytes();
-    if text.first() != Some(&b'"') {
-        return Ok(Cow::Borrowed(text));
+pub fn json_string_content(raw: &[u8]) -> Result<Cow<'_, [u8]>> {
+    if raw.first() != Some(&b'"') {
+        return Ok(Cow::Borrowed(raw));
     }
-    let inner = &text[1..text.len() - 1];
-    if memchr::memchr(b'\\', inner).is_none() {
-        return Ok(Cow::Borrowed(inner));
-    }
-    let s: String = serde_json::from_str(raw.get())
-        .map_err(|e| Error::payload(format!("invalid JSON string: {e}")))?;
-    Ok(Cow::Owned(s.into_bytes()))
+    let mut s = Scanner::new(raw, "routing string");
+    let st = s.string()?;
+    s.end()?;
+    s.string_value(&st)
 }
 
 pub fn check_hints(format: Format, h: &Header, hints: &Hints) -> Result<()> {

@@ -9,6 +9,7 @@ pub mod buffer;
 pub mod dtype;
 pub mod error;
 pub mod formats;
+pub mod jsonscan;
 pub mod limits;
 pub mod merge;
 pub mod npy;

@@ -1,16 +1,13 @@
 //! Routing inside whole response bodies: find it without building the rest of the body, and
 //! merge prefill and decode bodies by replacing only the routing values' bytes (SPEC 4).
 
-use std::borrow::Cow;
 use std::ops::Range;
-
-use serde::Deserialize;
-use serde_json::value::RawValue;
 
 use crate::b64;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::formats::{self, Format, Hints};
+use crate::jsonscan::Scanner;
 use crate::merge;
 use crate::payload::Payload;
 use crate::sidecar::{self, SidecarText};
@@ -20,108 +17,119 @@ use crate::sidecar::{self, SidecarText};
 pub struct Found<'a> {
     pub index: u64,
     pub span: Range<usize>,
-    pub raw: &'a RawValue,
+    /// The value's raw JSON text (an object, a string or a list).
+    pub text: &'a [u8],
     /// `meta_info.routed_experts_dtype` (SGLang), when the body names one.
     pub dtype: Option<DType>,
 }
 
-// Only the keys that can lead to routing are named; serde skips everything else without
-// building it. The routing values stay raw JSON borrowed from the body.
-#[derive(Deserialize)]
-struct Body<'a> {
-    #[serde(borrow, default)]
-    choices: Option<Vec<Choice<'a>>>,
-    /// SGLang `/generate`.
-    #[serde(borrow, default)]
-    meta_info: Option<Holder<'a>>,
-    /// NVIDIA Dynamo.
-    #[serde(borrow, default)]
-    nvext: Option<Holder<'a>>,
-}
-
-#[derive(Deserialize)]
-struct Choice<'a> {
-    #[serde(default)]
-    index: Option<u64>,
-    /// vLLM, prime-rl.
-    #[serde(borrow, default)]
-    routed_experts: Option<&'a RawValue>,
-    /// SGLang chat/completions.
-    #[serde(borrow, default)]
-    sgl_ext: Option<Holder<'a>>,
-}
-
-#[derive(Deserialize)]
-struct Holder<'a> {
-    #[serde(borrow, default)]
-    routed_experts: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    routed_experts_dtype: Option<Cow<'a, str>>,
-}
-
 /// Every routing value in `body`, in body order, with the index of its choice. Locations:
-/// `choices[i].routed_experts`, `choices[i].sgl_ext.routed_experts`, `meta_info.routed_experts`
-/// and `nvext.routed_experts` (choice 0, or the position in a top-level array of SGLang batch
-/// results). A choice with no `index` key takes its position in `choices`.
+/// `choices[i].routed_experts` (vLLM, prime-rl), `choices[i].sgl_ext.routed_experts` (SGLang
+/// chat), `meta_info.routed_experts` (SGLang `/generate`) and `nvext.routed_experts` (Dynamo),
+/// the last two as choice 0, or as the position in a top-level array of SGLang batch results.
+/// A choice with no `index` key takes its position in `choices`; `null` routing is no routing.
+///
+/// One pass, no DOM: everything but these keys is skipped (strings at memchr speed).
 pub fn find_routing(body: &[u8]) -> Result<Vec<Found<'_>>> {
-    let bad = |e: serde_json::Error| {
-        Error::payload(format!("response body: invalid JSON or layout: {e}"))
-    };
-    let bodies: Vec<Body> = match body.iter().find(|c| !c.is_ascii_whitespace()) {
-        Some(b'[') => serde_json::from_slice(body).map_err(bad)?,
-        _ => vec![serde_json::from_slice(body).map_err(bad)?],
-    };
+    let mut s = Scanner::new(body, "response body");
     let mut found = Vec::new();
-    for (pos, b) in bodies.into_iter().enumerate() {
-        for h in [b.meta_info, b.nvext].into_iter().flatten() {
-            push_holder(&mut found, body, pos as u64, h)?;
-        }
-        for (i, choice) in b.choices.unwrap_or_default().into_iter().enumerate() {
-            let index = choice.index.unwrap_or(i as u64);
-            if let Some(raw) = choice.routed_experts {
-                found.push(Found {
-                    index,
-                    span: span_of(body, raw),
-                    raw,
-                    dtype: None,
-                });
-            }
-            if let Some(h) = choice.sgl_ext {
-                push_holder(&mut found, body, index, h)?;
-            }
-        }
+    if s.peek() == Some(b'[') {
+        s.array(|s, i| top_object(s, i as u64, &mut found))?;
+    } else {
+        top_object(&mut s, 0, &mut found)?;
     }
-    found.retain(|f| f.raw.get() != "null");
-    found.sort_by_key(|f| f.span.start);
+    s.end()?;
     Ok(found)
 }
 
-fn push_holder<'a>(
-    found: &mut Vec<Found<'a>>,
-    body: &[u8],
-    index: u64,
-    h: Holder<'a>,
-) -> Result<()> {
-    if let Some(raw) = h.routed_experts {
-        let dtype = h
-            .routed_experts_dtype
-            .as_deref()
-            .map(DType::parse)
-            .transpose()?;
-        found.push(Found {
-            index,
-            span: span_of(body, raw),
-            raw,
-            dtype,
-        });
+fn top_object<'a>(s: &mut Scanner<'a>, position: u64, found: &mut Vec<Found<'a>>) -> Result<()> {
+    s.object(|s, key| match key {
+        b"choices" => match s.peek() {
+            Some(b'[') => s.array(|s, i| choice(s, i as u64, found)),
+            Some(b'n') => s.value().map(drop),
+            _ => Err(s.error("a list of choices").context("`choices`")),
+        },
+        b"meta_info" | b"nvext" => holder(s, position, found),
+        _ => s.value().map(drop),
+    })
+}
+
+fn choice<'a>(s: &mut Scanner<'a>, position: u64, found: &mut Vec<Found<'a>>) -> Result<()> {
+    if s.peek() != Some(b'{') {
+        return Err(s
+            .error("a choice object")
+            .context(format!("`choices[{position}]`")));
+    }
+    let (mut index, first) = (None, found.len());
+    s.object(|s, key| match key {
+        b"index" => {
+            let r = s.value()?;
+            let n = serde_json::from_slice::<u64>(&s.buf()[r.clone()]).map_err(|_| {
+                Error::field(
+                    "index",
+                    "a non-negative integer",
+                    String::from_utf8_lossy(&s.buf()[r]),
+                )
+                .context("response body")
+            })?;
+            index = Some(n);
+            Ok(())
+        }
+        b"routed_experts" => routing_value(s, position, None, found),
+        b"sgl_ext" => holder(s, position, found),
+        _ => s.value().map(drop),
+    })?;
+    // The index key may come after the routing: fix up what this choice added.
+    for f in &mut found[first..] {
+        f.index = index.unwrap_or(position);
     }
     Ok(())
 }
 
-/// Byte range of a raw value inside the body it was borrowed from.
-fn span_of(body: &[u8], raw: &RawValue) -> Range<usize> {
-    let start = raw.get().as_ptr() as usize - body.as_ptr() as usize;
-    start..start + raw.get().len()
+/// An object whose `routed_experts` key holds routing (`sgl_ext`, `meta_info`, `nvext`).
+fn holder<'a>(s: &mut Scanner<'a>, index: u64, found: &mut Vec<Found<'a>>) -> Result<()> {
+    match s.peek() {
+        Some(b'{') => {}
+        Some(b'n') => return s.value().map(drop),
+        _ => return Err(s.error("an object or null")),
+    }
+    let (mut dtype, first) = (None, found.len());
+    s.object(|s, key| match key {
+        b"routed_experts" => routing_value(s, index, None, found),
+        b"routed_experts_dtype" if s.peek() == Some(b'"') => {
+            let st = s.string()?;
+            let name = s.string_value(&st)?;
+            dtype = Some(
+                DType::parse(&String::from_utf8_lossy(&name))
+                    .map_err(|e| e.context("routed_experts_dtype"))?,
+            );
+            Ok(())
+        }
+        _ => s.value().map(drop),
+    })?;
+    for f in &mut found[first..] {
+        f.dtype = f.dtype.or(dtype);
+    }
+    Ok(())
+}
+
+fn routing_value<'a>(
+    s: &mut Scanner<'a>,
+    index: u64,
+    dtype: Option<DType>,
+    found: &mut Vec<Found<'a>>,
+) -> Result<()> {
+    let span = s.value()?;
+    let text = &s.buf()[span.clone()];
+    if text != b"null" {
+        found.push(Found {
+            index,
+            span,
+            text,
+            dtype,
+        });
+    }
+    Ok(())
 }
 
 /// Decode one routing value, whatever its format.
@@ -130,7 +138,7 @@ pub fn decode_found(f: &Found, hints: &Hints, max_bytes: usize) -> Result<(Forma
         dtype: hints.dtype.or(f.dtype),
         ..*hints
     };
-    formats::decode_json_value(f.raw, &hints, max_bytes)
+    formats::decode_json_value(f.text, &hints, max_bytes)
 }
 
 /// The routing of the choice whose index is `choice`, or `None` when it carries none.
@@ -211,13 +219,13 @@ pub fn merge_response(
 
 /// Merge two routing values into the JSON text that replaces the decode value.
 fn merge_found(p: &Found, d: &Found, opts: &MergeOptions) -> Result<Vec<u8>> {
-    let both_compact = [p, d].iter().all(|f| f.raw.get().starts_with('{'));
+    let both_compact = [p, d].iter().all(|f| f.text.first() == Some(&b'{'));
     if both_compact
         && !opts.keep_format
         && opts.hints == Hints::default()
         && opts.decode_start.is_none()
     {
-        return merge_values(p.raw, d.raw, opts);
+        return merge_values(p.text, d.text, opts);
     }
     let decode_hints = Hints {
         start: opts.decode_start.or(opts.hints.start),
@@ -239,7 +247,7 @@ fn merge_found(p: &Found, d: &Found, opts: &MergeOptions) -> Result<Vec<u8>> {
 }
 
 /// Merge two compact sidecar values into the canonical sidecar text.
-pub fn merge_values(prefill: &RawValue, decode: &RawValue, opts: &MergeOptions) -> Result<Vec<u8>> {
+pub fn merge_values(prefill: &[u8], decode: &[u8], opts: &MergeOptions) -> Result<Vec<u8>> {
     let p = value_text(prefill, opts.max_bytes).map_err(|e| e.context("prefill"))?;
     let d = value_text(decode, opts.max_bytes).map_err(|e| e.context("decode"))?;
     let plan = merge::plan(&p.header, &d.header)?;
@@ -254,8 +262,8 @@ pub fn merge_values(prefill: &RawValue, decode: &RawValue, opts: &MergeOptions) 
     Ok(sidecar::encode(&merged))
 }
 
-fn value_text(raw: &RawValue, max_bytes: usize) -> Result<SidecarText<'_>> {
-    sidecar::validate(sidecar::parse_fields(raw.get().as_bytes())?, max_bytes)
+fn value_text(text: &[u8], max_bytes: usize) -> Result<SidecarText<'_>> {
+    sidecar::validate(sidecar::parse_fields(text)?, max_bytes)
 }
 
 /// When both halves share a dtype and both cuts fall on 3-byte boundaries, base64 text can be

@@ -2,14 +2,13 @@
 
 use std::borrow::Cow;
 
-use serde::Deserialize;
-use serde_json::value::RawValue;
 use serde_json::Value;
 
 use crate::b64;
 use crate::buffer::AlignedBytes;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::jsonscan::Scanner;
 use crate::limits;
 use crate::payload::{Header, Payload, Shape};
 
@@ -29,68 +28,58 @@ pub struct SidecarFields<'a> {
     pub dtype: Option<Value>,
 }
 
-/// `None` only when the key is absent: an explicit `null` is kept, to be reported as such.
-#[derive(Deserialize)]
-struct RawSidecar<'a> {
-    #[serde(borrow, default, deserialize_with = "present")]
-    data: Option<&'a RawValue>,
-    #[serde(borrow, default, deserialize_with = "present")]
-    shape: Option<&'a RawValue>,
-    #[serde(borrow, default, deserialize_with = "present")]
-    start: Option<&'a RawValue>,
-    #[serde(borrow, default, deserialize_with = "present")]
-    dtype: Option<&'a RawValue>,
-}
-
-fn present<'de, D: serde::Deserializer<'de>>(
-    d: D,
-) -> std::result::Result<Option<&'de RawValue>, D::Error> {
-    <&RawValue>::deserialize(d).map(Some)
-}
-
 /// Decode a sidecar from JSON text.
 pub fn decode(json: &[u8], max_bytes: usize) -> Result<Payload> {
     decode_fields(parse_fields(json)?, max_bytes)
 }
 
-/// Split JSON text into the sidecar's fields, borrowing the (large) data string.
+/// Split JSON text into the sidecar's fields in one pass, borrowing the (large) data string.
+/// A key given as `null` is kept (and reported as null); only an absent key takes the default.
 pub fn parse_fields(json: &[u8]) -> Result<SidecarFields<'_>> {
-    match json.iter().find(|c| !c.is_ascii_whitespace()) {
+    let mut s = Scanner::new(json, "sidecar");
+    match s.peek() {
         Some(b'{') => {}
-        Some(&c) => {
-            return Err(Error::field("sidecar", "a JSON object", json_type_name(c)));
-        }
+        Some(c) => return Err(Error::field("sidecar", "a JSON object", json_type_name(c))),
         None => return Err(Error::field("sidecar", "a JSON object", "empty input")),
     }
-    let raw: RawSidecar = serde_json::from_slice(json)
-        .map_err(|e| Error::payload(format!("sidecar: invalid JSON: {e}")))?;
-    let small = |v: Option<&RawValue>| -> Result<Option<Value>> {
-        v.map(|r| serde_json::from_str(r.get()))
-            .transpose()
-            .map_err(|e| Error::payload(format!("sidecar: invalid JSON: {e}")))
-    };
-    Ok(SidecarFields {
-        data: raw.data.map(data_field).transpose()?,
-        shape: small(raw.shape)?,
-        start: small(raw.start)?,
-        dtype: small(raw.dtype)?,
-    })
-}
-
-/// A raw JSON value (quotes included) as base64 bytes, borrowed unless it has escapes.
-pub fn data_field(raw: &RawValue) -> Result<DataField<'_>> {
-    let text = raw.get().as_bytes();
-    if text.first() != Some(&b'"') {
-        return Ok(DataField::NotAString(json_type_name(text[0])));
-    }
-    let inner = &text[1..text.len() - 1];
-    if memchr::memchr(b'\\', inner).is_none() {
-        return Ok(DataField::Base64(Cow::Borrowed(inner)));
-    }
-    // Escapes (`\/` from some encoders) are legal JSON: take the slow path.
-    let unescaped: String = serde_json::from_str(raw.get())
-        .map_err(|e| Error::payload(format!("sidecar: invalid JSON string in `data`: {e}")))?;
-    Ok(DataField::Base64(Cow::Owned(unescaped.into_bytes())))
+    let mut fields = SidecarFields::default();
+    s.object(|s, key| {
+        let duplicate = || {
+            Error::payload(format!(
+                "sidecar: duplicate key `{}`",
+                String::from_utf8_lossy(key)
+            ))
+        };
+        if key == b"data" {
+            if fields.data.is_some() {
+                return Err(duplicate());
+            }
+            fields.data = Some(if s.peek() == Some(b'"') {
+                let st = s.string()?;
+                DataField::Base64(s.string_value(&st)?)
+            } else {
+                let r = s.value()?;
+                DataField::NotAString(json_type_name(json[r.start]))
+            });
+            return Ok(());
+        }
+        let slot = match key {
+            b"shape" => &mut fields.shape,
+            b"start" => &mut fields.start,
+            b"dtype" => &mut fields.dtype,
+            _ => return s.value().map(drop), // unknown keys are ignored
+        };
+        if slot.is_some() {
+            return Err(duplicate());
+        }
+        let r = s.value()?;
+        let v = serde_json::from_slice(&json[r])
+            .map_err(|e| Error::payload(format!("sidecar: invalid JSON: {e}")))?;
+        *slot = Some(v);
+        Ok(())
+    })?;
+    s.end()?;
+    Ok(fields)
 }
 
 pub fn json_type_name(first: u8) -> &'static str {

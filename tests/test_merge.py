@@ -162,3 +162,34 @@ def test_invalid_base64_fails_the_same_way_on_both_paths() -> None:
     for splice in (True, False):
         with pytest.raises(rx.PayloadError, match="decode"):
             rx.merge_response(pb, db, splice=splice)
+
+
+@settings(max_examples=500, deadline=None)
+@given(data=st.data())
+def test_mutated_bodies_only_raise_library_errors(data: st.DataObject) -> None:
+    p = payload(np.arange(12, dtype=np.int64).reshape(6, 1, 2), 0)
+    good = body(p)
+    wire = bytearray(good)
+    for _ in range(data.draw(st.integers(1, 3))):
+        i = data.draw(st.integers(0, len(wire) - 1))
+        wire[i : i + 1] = data.draw(st.sampled_from([b"", b"{", b"}", b"[", b"]", b'"', b"\\", b",", b":", b"0", b"n", b"\x00"]))
+    try:
+        out = rx.merge_response(good, bytes(wire))
+        got = rx.from_response(bytes(wire))
+    except rx.RoutedExpertsError:
+        return
+    # What parses must agree with Python's own JSON parser on where the routing is.
+    # strict=False: raw control characters inside strings are tolerated, as by the scanner.
+    doc = json.loads(bytes(wire), strict=False)
+    assert out is not None
+    if got is not None:
+        assert got == rx.RoutedExperts.from_json(doc["choices"][0]["routed_experts"])
+
+
+def test_trailing_garbage_and_deep_nesting_are_rejected() -> None:
+    good = body(payload(np.ones((1, 1, 1), dtype=np.int64), 0))
+    with pytest.raises(rx.PayloadError, match="the end of the document"):
+        rx.from_response(good + b"x")
+    deep = b'{"a":' + b"[" * 500 + b"]" * 500 + b"}"
+    with pytest.raises(rx.PayloadError, match="nested deeper than 128"):
+        rx.from_response(deep)

@@ -1,14 +1,16 @@
-"""The `routed-experts` command: demo (default), inspect."""
+"""The `routed-experts` command: demo (default), inspect, merge, convert, bench."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+import routed_experts as rx
 from routed_experts import RoutedExperts, RoutedExpertsError
 
 # Model dimensions: (MoE layers, top_k, experts). Sources: the models' config.json.
@@ -71,9 +73,40 @@ def _read_input(path: str) -> bytes:
         return f.read()
 
 
+def _write_output(path: str | None, data: bytes) -> None:
+    if path is None or path == "-":
+        sys.stdout.buffer.write(data + b"\n")
+    else:
+        with open(path, "wb") as f:
+            f.write(data)
+
+
+def _hints(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ("start", "num_layers", "top_k") if getattr(args, k) is not None}
+
+
+def _is_response_body(text: bytes) -> bool:
+    """A response body (routing inside choices/meta_info/nvext), not a bare routing value."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return False
+    if isinstance(doc, list):
+        return bool(doc) and isinstance(doc[0], dict) and "data" not in doc[0]
+    return isinstance(doc, dict) and any(k in doc for k in ("choices", "meta_info", "nvext"))
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
-    p = RoutedExperts.from_json(_read_input(args.file))
-    print(f"format: compact sidecar")
+    text = _read_input(args.file).strip()
+    if _is_response_body(text):
+        print("format: response body")
+        p = rx.from_response(text, args.choice, **_hints(args))
+        if p is None:
+            print(f"choice {args.choice}: no routing")
+            return 0
+    else:
+        print(f"format: {rx.detect_format(text)}")
+        p = rx.decode(text, **_hints(args))
     print(f"shape: {p.shape} (tokens, layers, top_k)")
     print(f"dtype: {p.dtype}")
     print(f"positions: [{p.start}, {p.stop})")
@@ -82,6 +115,39 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         arr = p.array
         print(f"values: min {int(arr.min())}, max {int(arr.max())}")
     return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    prefill, decode = _read_input(args.prefill), _read_input(args.decode)
+    if _is_response_body(decode):
+        out = rx.merge_response(prefill, decode, **_hints(args))
+    else:
+        hints = _hints(args)
+        merged = rx.merge(rx.decode(prefill, **hints), rx.decode(decode, **hints))
+        out = merged.to_json()
+    _write_output(args.output, out)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    p = rx.decode(_read_input(args.file).strip(), **_hints(args))
+    value = rx.encode(p, args.to)
+    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    _write_output(args.output, text.encode())
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from routed_experts.bench import run
+
+    run(models=args.model, token_counts=args.tokens, repeat=args.repeat, out=sys.stdout)
+    return 0
+
+
+def _add_hints(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--start", type=int, help="start position, for formats that carry none")
+    p.add_argument("--num-layers", type=int, help="layers, for SGLang flat values")
+    p.add_argument("--top-k", type=int, help="top_k, for SGLang flat values")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,9 +159,28 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b")
     demo.add_argument("--tokens", type=int, default=4096)
     demo.set_defaults(func=cmd_demo)
-    inspect = sub.add_parser("inspect", help="print a payload's shape, dtype, positions, size")
-    inspect.add_argument("file", help="a file, or - for standard input")
+    inspect = sub.add_parser("inspect", help="print a payload's format, shape, dtype, positions, size")
+    inspect.add_argument("file", help="a routing value or response body file, or - for stdin")
+    inspect.add_argument("--choice", type=int, default=0, help="choice index in a response body")
+    _add_hints(inspect)
     inspect.set_defaults(func=cmd_inspect)
+    merge = sub.add_parser("merge", help="merge prefill and decode routing (sidecars or response bodies)")
+    merge.add_argument("prefill")
+    merge.add_argument("decode")
+    merge.add_argument("-o", "--output", help="output file (default: stdout)")
+    _add_hints(merge)
+    merge.set_defaults(func=cmd_merge)
+    convert = sub.add_parser("convert", help="convert a routing value to another format")
+    convert.add_argument("file")
+    convert.add_argument("--to", required=True, choices=["compact", "vllm_npy", "sglang", "nemo", "lists"])
+    convert.add_argument("-o", "--output", help="output file (default: stdout)")
+    _add_hints(convert)
+    convert.set_defaults(func=cmd_convert)
+    bench = sub.add_parser("bench", help="side-by-side timings against the Python alternatives")
+    bench.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["qwen3-235b-a22b"])
+    bench.add_argument("--tokens", nargs="+", type=int, default=[32768])
+    bench.add_argument("--repeat", type=int, default=7, help="runs per measurement (best is kept)")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

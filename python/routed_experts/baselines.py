@@ -1,0 +1,76 @@
+"""What a user would write instead of this library, for side-by-side benchmarks.
+
+`stdlib_*` need only the standard library and numpy; `fast_*` use orjson and pybase64 (the
+`bench` extra), the fastest pure-Python-ecosystem route.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any, Callable
+
+import numpy as np
+
+
+def _loads_b64(fast: bool) -> tuple[Callable[[Any], Any], Callable[[Any], bytes], Callable[[bytes], bytes]]:
+    if fast:
+        import orjson
+        import pybase64
+
+        return orjson.loads, lambda s: pybase64.b64decode(s, validate=True), pybase64.b64encode
+    return json.loads, base64.b64decode, base64.b64encode
+
+
+def _array(routing: dict[str, Any], b64decode: Callable[[Any], bytes]) -> np.ndarray:
+    raw = b64decode(routing["data"])
+    return np.frombuffer(raw, dtype=routing.get("dtype", "uint8")).reshape(routing["shape"])
+
+
+def decode_sidecar(wire: bytes, fast: bool = True) -> np.ndarray:
+    loads, b64decode, _ = _loads_b64(fast)
+    return _array(loads(wire), b64decode)
+
+
+def encode_sidecar(arr: np.ndarray, start: int, fast: bool = True) -> bytes:
+    _, _, b64encode = _loads_b64(fast)
+    body = {"data": b64encode(arr.tobytes()).decode(), "shape": list(arr.shape), "start": start,
+            "dtype": str(arr.dtype)}
+    if fast:
+        import orjson
+
+        return bytes(orjson.dumps(body))
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def from_response(body: bytes, fast: bool = True) -> np.ndarray:
+    loads, b64decode, _ = _loads_b64(fast)
+    return _array(loads(body)["choices"][0]["routed_experts"], b64decode)
+
+
+def merge_response(prefill_body: bytes, decode_body: bytes, fast: bool = True) -> bytes:
+    """A router's merge written carefully (by absolute offsets, not prefill.seq_len)."""
+    loads, b64decode, b64encode = _loads_b64(fast)
+    pre, dec = loads(prefill_body), loads(decode_body)
+    p_route = pre["choices"][0]["routed_experts"]
+    for choice in dec["choices"]:
+        d_route = choice.get("routed_experts")
+        if d_route is None:
+            continue
+        p, d = _array(p_route, b64decode), _array(d_route, b64decode)
+        p_start, d_start = p_route.get("start", 0), d_route.get("start", 0)
+        skip = max(p_start + len(p) - d_start, 0)
+        merged = np.concatenate([p, d[skip:].astype(np.result_type(p, d))])
+        choice["routed_experts"] = {"data": b64encode(merged.tobytes()).decode(),
+                                    "shape": list(merged.shape), "start": p_start,
+                                    "dtype": str(merged.dtype)}
+    if fast:
+        import orjson
+
+        return bytes(orjson.dumps(dec))
+    return json.dumps(dec).encode()
+
+
+def memcpy(data: bytes) -> bytearray:
+    """The floor: one copy of the same bytes."""
+    return bytearray(data)
