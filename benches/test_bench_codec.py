@@ -8,7 +8,6 @@ import pybase64
 import pytest
 
 import routed_experts as rx
-
 from conftest import stdlib_decode, stdlib_encode
 
 

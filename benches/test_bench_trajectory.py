@@ -40,7 +40,9 @@ def stitch_numpy_concatenate(turns: list[rx.RoutedExperts]) -> np.ndarray:
 
 
 @pytest.mark.benchmark(group="stitch 64 turns qwen3-235b 32k")
-def test_stitch_trajectory(benchmark, turns: list[rx.RoutedExperts], qwen235_32k: rx.RoutedExperts) -> None:
+def test_stitch_trajectory(
+    benchmark, turns: list[rx.RoutedExperts], qwen235_32k: rx.RoutedExperts
+) -> None:
     assert benchmark(stitch_routed_experts, turns) == qwen235_32k
 
 

@@ -1,6 +1,7 @@
 //! Routing inside whole response bodies: find it without building the rest of the body, and
 //! merge prefill and decode bodies by replacing only the routing values' bytes (SPEC 4).
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use crate::b64;
@@ -185,6 +186,38 @@ impl MergeOptions {
     }
 }
 
+/// The merged body as pieces (mostly slices of the inputs), so it is assembled with one copy
+/// straight into its final buffer.
+pub struct Spliced<'a> {
+    pieces: Vec<Cow<'a, [u8]>>,
+}
+
+impl Spliced<'_> {
+    pub fn len(&self) -> usize {
+        self.pieces.iter().map(|p| p.len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Write the body into `out`, which must be `len()` bytes long.
+    pub fn write_into(&self, out: &mut [u8]) {
+        let mut rest = out;
+        for piece in &self.pieces {
+            let (head, tail) = rest.split_at_mut(piece.len());
+            head.copy_from_slice(piece);
+            rest = tail;
+        }
+    }
+
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut out = vec![0u8; self.len()];
+        self.write_into(&mut out);
+        out
+    }
+}
+
 /// The decode body with each routing value replaced by its merge with the prefill routing of the
 /// same choice index; every other byte unchanged.
 pub fn merge_response(
@@ -192,12 +225,24 @@ pub fn merge_response(
     decode_body: &[u8],
     opts: MergeOptions,
 ) -> Result<Vec<u8>> {
+    Ok(merge_response_pieces(prefill_body, decode_body, opts)?.to_vec())
+}
+
+/// `merge_response`, before assembly.
+pub fn merge_response_pieces<'a>(
+    prefill_body: &'a [u8],
+    decode_body: &'a [u8],
+    opts: MergeOptions,
+) -> Result<Spliced<'a>> {
     let decode = find_routing(decode_body)?;
     if decode.is_empty() {
-        return Ok(decode_body.to_vec());
+        return Ok(Spliced {
+            pieces: vec![Cow::Borrowed(decode_body)],
+        });
     }
     let prefill = find_routing(prefill_body)?;
-    let mut replacements = Vec::with_capacity(decode.len());
+    let mut pieces = Vec::with_capacity(decode.len() * 6 + 1);
+    let mut at = 0;
     for d in &decode {
         let p = prefill
             .iter()
@@ -210,15 +255,22 @@ pub fn merge_response(
                     d.index
                 ))
             })?;
-        let merged =
-            merge_found(p, d, &opts).map_err(|e| e.context(format!("choice {}", d.index)))?;
-        replacements.push((d.span.clone(), merged));
+        pieces.push(Cow::Borrowed(&decode_body[at..d.span.start]));
+        pieces.extend(
+            merge_found(p, d, &opts).map_err(|e| e.context(format!("choice {}", d.index)))?,
+        );
+        at = d.span.end;
     }
-    Ok(splice_body(decode_body, &replacements))
+    pieces.push(Cow::Borrowed(&decode_body[at..]));
+    Ok(Spliced { pieces })
 }
 
-/// Merge two routing values into the JSON text that replaces the decode value.
-fn merge_found(p: &Found, d: &Found, opts: &MergeOptions) -> Result<Vec<u8>> {
+/// Merge two routing values into the pieces of the JSON text that replaces the decode value.
+fn merge_found<'a>(
+    p: &Found<'a>,
+    d: &Found<'a>,
+    opts: &MergeOptions,
+) -> Result<Vec<Cow<'a, [u8]>>> {
     let both_compact = [p, d].iter().all(|f| f.text.first() == Some(&b'{'));
     if both_compact
         && !opts.keep_format
@@ -236,30 +288,35 @@ fn merge_found(p: &Found, d: &Found, opts: &MergeOptions) -> Result<Vec<u8>> {
     let (format, decode) =
         decode_found(d, &decode_hints, opts.max_bytes).map_err(|e| e.context("decode"))?;
     let merged = merge::merge(&prefill, &decode)?;
-    formats::encode_json(
-        &merged,
-        if opts.keep_format {
-            format
-        } else {
-            Format::Compact
-        },
-    )
+    let format = if opts.keep_format {
+        format
+    } else {
+        Format::Compact
+    };
+    Ok(vec![Cow::Owned(formats::encode_json(&merged, format)?)])
 }
 
-/// Merge two compact sidecar values into the canonical sidecar text.
-pub fn merge_values(prefill: &[u8], decode: &[u8], opts: &MergeOptions) -> Result<Vec<u8>> {
+/// Merge two compact sidecar values into (the pieces of) the canonical sidecar text.
+pub fn merge_values<'a>(
+    prefill: &'a [u8],
+    decode: &'a [u8],
+    opts: &MergeOptions,
+) -> Result<Vec<Cow<'a, [u8]>>> {
     let p = value_text(prefill, opts.max_bytes).map_err(|e| e.context("prefill"))?;
     let d = value_text(decode, opts.max_bytes).map_err(|e| e.context("decode"))?;
     let plan = merge::plan(&p.header, &d.header)?;
-    if opts.splice {
-        if let Some(text) = splice_text(&p, &d, &plan)? {
-            return Ok(text);
-        }
+    if opts.splice && can_splice(&p, &d, &plan) {
+        return splice_text(p, d, &plan);
     }
+    merge_decoded(&p, &d)
+}
+
+fn merge_decoded<'a>(p: &SidecarText, d: &SidecarText) -> Result<Vec<Cow<'a, [u8]>>> {
     let prefill = p.decode().map_err(|e| e.context("prefill"))?;
     let decode = d.decode().map_err(|e| e.context("decode"))?;
-    let merged = merge::merge(&prefill, &decode)?;
-    Ok(sidecar::encode(&merged))
+    Ok(vec![Cow::Owned(sidecar::encode(&merge::merge(
+        &prefill, &decode,
+    )?))])
 }
 
 fn value_text(text: &[u8], max_bytes: usize) -> Result<SidecarText<'_>> {
@@ -268,35 +325,26 @@ fn value_text(text: &[u8], max_bytes: usize) -> Result<SidecarText<'_>> {
 
 /// When both halves share a dtype and both cuts fall on 3-byte boundaries, base64 text can be
 /// joined as is: prefill's whole text, then decode's text from the first kept row on.
-fn splice_text(p: &SidecarText, d: &SidecarText, plan: &merge::Plan) -> Result<Option<Vec<u8>>> {
+fn can_splice(p: &SidecarText, d: &SidecarText, plan: &merge::Plan) -> bool {
     let prefill_bytes = p.header.shape.tokens * p.header.row_bytes();
     let skip_bytes = plan.skip * d.header.row_bytes();
-    if p.header.dtype != d.header.dtype || prefill_bytes % 3 != 0 || skip_bytes % 3 != 0 {
-        return Ok(None);
-    }
+    p.header.dtype == d.header.dtype && prefill_bytes % 3 == 0 && skip_bytes % 3 == 0
+}
+
+fn splice_text<'a>(
+    p: SidecarText<'a>,
+    d: SidecarText<'a>,
+    plan: &merge::Plan,
+) -> Result<Vec<Cow<'a, [u8]>>> {
     // Check all of both texts, so that bad input fails exactly as the decoding path would.
     b64::check(&p.data, "data").map_err(|e| e.context("prefill"))?;
     b64::check(&d.data, "data").map_err(|e| e.context("decode"))?;
-    let kept = &d.data[skip_bytes / 3 * 4..];
-    Ok(Some(sidecar::encode_from_base64(
-        &plan.header,
-        &[&p.data, kept],
-    )))
-}
-
-/// `body` with each span replaced (spans sorted and disjoint).
-fn splice_body(body: &[u8], replacements: &[(Range<usize>, Vec<u8>)]) -> Vec<u8> {
-    let removed: usize = replacements.iter().map(|(r, _)| r.len()).sum();
-    let added: usize = replacements.iter().map(|(_, t)| t.len()).sum();
-    let mut out = Vec::with_capacity(body.len() - removed + added);
-    let mut at = 0;
-    for (range, text) in replacements {
-        out.extend_from_slice(&body[at..range.start]);
-        out.extend_from_slice(text);
-        at = range.end;
-    }
-    out.extend_from_slice(&body[at..]);
-    out
+    let skip_chars = plan.skip * d.header.row_bytes() / 3 * 4;
+    let kept = match d.data {
+        Cow::Borrowed(text) => Cow::Borrowed(&text[skip_chars..]),
+        Cow::Owned(text) => Cow::Owned(text[skip_chars..].to_vec()),
+    };
+    Ok(sidecar::wrap_base64(&plan.header, vec![p.data, kept]))
 }
 
 #[cfg(test)]

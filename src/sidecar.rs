@@ -250,18 +250,14 @@ pub fn encode(p: &Payload) -> Vec<u8> {
     out
 }
 
-/// The canonical encoding of `header` around base64 text that is already encoded, given in
-/// pieces (the splice path of a merge: no decode, no re-encode).
-pub fn encode_from_base64(header: &Header, pieces: &[&[u8]]) -> Vec<u8> {
-    let tail = tail(header);
-    let len = DATA_KEY.len() + pieces.iter().map(|p| p.len()).sum::<usize>() + tail.len();
-    let mut out = Vec::with_capacity(len);
-    out.extend_from_slice(DATA_KEY);
-    for piece in pieces {
-        out.extend_from_slice(piece);
-    }
-    out.extend_from_slice(tail.as_bytes());
-    out
+/// The pieces of the canonical encoding of `header` around base64 text that is already
+/// encoded (the splice path of a merge: no decode, no re-encode, no copy until assembly).
+pub fn wrap_base64<'a>(header: &Header, base64: Vec<Cow<'a, [u8]>>) -> Vec<Cow<'a, [u8]>> {
+    let mut pieces = Vec::with_capacity(base64.len() + 2);
+    pieces.push(Cow::Borrowed(DATA_KEY));
+    pieces.extend(base64);
+    pieces.push(Cow::Owned(tail(header).into_bytes()));
+    pieces
 }
 
 #[cfg(test)]

@@ -36,7 +36,9 @@ def test_spec_worked_example() -> None:
     assert p.to_json() == prefill
     assert p.array.tolist() == [[[10, 11]], [[20, 21]], [[30, 31]]]
     assert (p.start, p.stop, len(p), p.num_layers, p.top_k) == (0, 3, 3, 1, 2)
-    delta = rx.RoutedExperts.from_json('{"data":"Hh8oKQ==","shape":[2,1,2],"start":2,"dtype":"uint8"}')
+    delta = rx.RoutedExperts.from_json(
+        '{"data":"Hh8oKQ==","shape":[2,1,2],"start":2,"dtype":"uint8"}'
+    )
     assert (delta.start, delta.stop) == (2, 4)
     wide = rx.RoutedExperts.from_array(np.array([[[300, 7]]]))
     assert wide.dtype == "uint16"
@@ -68,8 +70,13 @@ def test_round_trip_every_dtype_and_shape(arr: np.ndarray, start: int) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(arr=hnp.arrays(np.int64, st.tuples(st.integers(0, 6), st.integers(1, 4), st.integers(1, 4)),
-                      elements=st.integers(-(2**31), 2**31 - 1)))
+@given(
+    arr=hnp.arrays(
+        np.int64,
+        st.tuples(st.integers(0, 6), st.integers(1, 4), st.integers(1, 4)),
+        elements=st.integers(-(2**31), 2**31 - 1),
+    )
+)
 def test_compact_dtype_is_smallest_that_holds_values(arr: np.ndarray) -> None:
     p = rx.RoutedExperts.from_array(arr)
     np.testing.assert_array_equal(p.array, arr)  # never truncated
@@ -188,7 +195,7 @@ GOOD = sidecar(np.arange(2 * 3 * 4, dtype=np.uint16).reshape(2, 3, 4), start=5)
         ({"shape": [2, 3, 5]}, "`data`: expected 60 bytes for shape [2, 3, 5] of uint16, got 48"),
         ({"start": -1}, "`start`: expected a non-negative integer, got -1"),
         ({"start": "5"}, "`start`: expected a non-negative integer, got a string"),
-        ({"dtype": "float32"}, '`dtype`: expected one of uint8'),
+        ({"dtype": "float32"}, "`dtype`: expected one of uint8"),
         ({"dtype": 16}, "`dtype`: expected a dtype name, got 16"),
         ({"data": 12}, "`data`: expected a base64 string, got a number"),
         ({"data": None}, "`data`: expected a base64 string, got null"),
@@ -196,7 +203,9 @@ GOOD = sidecar(np.arange(2 * 3 * 4, dtype=np.uint16).reshape(2, 3, 4), start=5)
         ({"data": "*" + GOOD["data"][1:]}, "'*' at offset 0"),
     ],
 )
-def test_malformed_fields_name_field_expected_and_actual(patch: dict[str, Any], needle: str) -> None:
+def test_malformed_fields_name_field_expected_and_actual(
+    patch: dict[str, Any], needle: str
+) -> None:
     bad = {**GOOD, **patch}
     for value in (bad, json.dumps(bad), json.dumps(bad).encode()):
         with pytest.raises(rx.PayloadError) as info:

@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 
 import routed_experts as rx
-
 from conftest import assert_payload, error_class, vector_params
 
 CASES = vector_params("decode")

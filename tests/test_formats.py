@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import routed_experts as rx
-
 from conftest import assert_payload, vector_params
 
 HINT_KEYS = ("start", "num_layers", "top_k")
@@ -50,7 +49,10 @@ def arrays(draw: st.DrawFn, dtypes: list[str]) -> np.ndarray:
 
 
 @settings(max_examples=200, deadline=None)
-@given(arr=arrays(["uint8", "int8", "uint16", "int16", "uint32", "int32", "int64"]), start=st.integers(0, 10**6))
+@given(
+    arr=arrays(["uint8", "int8", "uint16", "int16", "uint32", "int32", "int64"]),
+    start=st.integers(0, 10**6),
+)
 def test_vllm_npy_is_byte_compatible_with_np_save(arr: np.ndarray, start: int) -> None:
     text = npy_base64(arr)
     p = rx.decode(text, start=start)
@@ -87,12 +89,20 @@ def test_nemo_matches_the_envelope_layout() -> None:
 @pytest.mark.parametrize(
     ("value", "hints", "needle"),
     [
-        ("nrlre1:int8:2x1:AAAA", {}, "nemo: expected nrlre1:<dtype>:<T>x<L>x<K>:<base64>, got 2 dimensions"),
+        (
+            "nrlre1:int8:2x1:AAAA",
+            {},
+            "nemo: expected nrlre1:<dtype>:<T>x<L>x<K>:<base64>, got 2 dimensions",
+        ),
         ("nrlre1:uint8:1x1x3:AAAA", {}, 'nemo: expected .*, got dtype "uint8"'),
         ("nrlre1:int8:1x1x3", {}, "fewer than 4"),
         ("nrlre1:int8:1x1x4:AAAA", {}, "nemo data"),
         ("AAAAAAAA", {}, "sglang: flat base64 values carry no shape"),
-        ("AAAAAAAA", {"num_layers": 4, "top_k": 2}, "sglang: 6 bytes is not a whole number of rows"),
+        (
+            "AAAAAAAA",
+            {"num_layers": 4, "top_k": 2},
+            "sglang: 6 bytes is not a whole number of rows",
+        ),
         ("AAAA*AAA", {"num_layers": 1, "top_k": 1, "dtype": "uint8"}, "sglang"),
         ("k05VTVBZAQB2", {}, "vllm_npy"),
         ("k05VTVBZAQB2AHsnZGVzY3I=", {}, "vllm_npy: header says 118 bytes"),
@@ -135,8 +145,12 @@ def test_npy_version_2_header() -> None:
 
 
 @settings(max_examples=1000, deadline=None)
-@given(header=st.text(max_size=120), data=st.binary(max_size=40), version=st.sampled_from([1, 2, 3, 4]))
-def test_npy_parser_never_crashes_on_arbitrary_headers(header: str, data: bytes, version: int) -> None:
+@given(
+    header=st.text(max_size=120), data=st.binary(max_size=40), version=st.sampled_from([1, 2, 3, 4])
+)
+def test_npy_parser_never_crashes_on_arbitrary_headers(
+    header: str, data: bytes, version: int
+) -> None:
     try:
         rx.decode(npy_with_header(header, data, version=version))
     except rx.PayloadError:
@@ -150,7 +164,9 @@ def test_npy_parser_never_crashes_on_arbitrary_headers(header: str, data: bytes,
     dims=st.lists(st.integers(-2, 2**40), max_size=4),
     data=st.binary(max_size=64),
 )
-def test_npy_parser_never_crashes_on_structured_headers(descr: str, fortran: str, dims: list[int], data: bytes) -> None:
+def test_npy_parser_never_crashes_on_structured_headers(
+    descr: str, fortran: str, dims: list[int], data: bytes
+) -> None:
     shape = "(" + ", ".join(map(str, dims)) + ("," if len(dims) == 1 else "") + ")"
     header = f"{{'descr': '{descr}', 'fortran_order': {fortran}, 'shape': {shape}, }}"
     try:
@@ -161,7 +177,9 @@ def test_npy_parser_never_crashes_on_structured_headers(descr: str, fortran: str
 
 def test_wrong_hints_are_errors_not_guesses() -> None:
     p = rx.RoutedExperts.from_array(np.ones((2, 3, 4), dtype=np.int64), start=5)
-    with pytest.raises(rx.PayloadError, match=r"`start`: expected 6 \(as given\), got 5 in the compact payload"):
+    with pytest.raises(
+        rx.PayloadError, match=r"`start`: expected 6 \(as given\), got 5 in the compact payload"
+    ):
         rx.decode(p.to_json(), start=6)
     with pytest.raises(rx.PayloadError, match="`top_k`: expected 2"):
         rx.decode(rx.encode(p, "vllm_npy"), top_k=2)

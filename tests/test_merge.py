@@ -89,7 +89,12 @@ def test_mixed_dtypes_promote_never_truncate() -> None:
     merged = rx.merge(prefill, decode)
     assert merged.dtype == "uint16"
     assert merged.array.tolist() == [[[1, 2]], [[3, 4]], [[300, 400]]]
-    assert rx.merge(decode.slice(2, 3).astype("uint16"), payload(np.zeros((0, 1, 2), dtype=np.int64), 3)).dtype == "uint16"
+    assert (
+        rx.merge(
+            decode.slice(2, 3).astype("uint16"), payload(np.zeros((0, 1, 2), dtype=np.int64), 3)
+        ).dtype
+        == "uint16"
+    )
 
 
 @pytest.mark.parametrize(
@@ -134,7 +139,11 @@ def test_response_choices_match_by_index_and_unrouted_choices_stay() -> None:
 def test_two_prefill_choices_without_a_match_is_an_error() -> None:
     p = payload(np.ones((3, 1, 1), dtype=np.int64), 0).to_dict()
     prefill = {"choices": [{"index": 0, "routed_experts": p}, {"index": 1, "routed_experts": p}]}
-    decode = {"choices": [{"index": 5, "routed_experts": payload(np.ones((1, 1, 1), dtype=np.int64), 3).to_dict()}]}
+    decode = {
+        "choices": [
+            {"index": 5, "routed_experts": payload(np.ones((1, 1, 1), dtype=np.int64), 3).to_dict()}
+        ]
+    }
     with pytest.raises(rx.MergeError, match="decode choice 5 carries routed_experts"):
         rx.merge_response(json.dumps(prefill), json.dumps(decode))
 
@@ -145,7 +154,10 @@ def test_two_prefill_choices_without_a_match_is_an_error() -> None:
         (b"{", "response body: invalid JSON"),
         (b'{"choices": 3}', "response body"),
         (b'{"choices": [{"index": "0"}]}', "response body"),
-        (b'{"choices": [{"routed_experts": {"data": "AA", "shape": [1,1,1]}}]}', "choice 0: `data`"),
+        (
+            b'{"choices": [{"routed_experts": {"data": "AA", "shape": [1,1,1]}}]}',
+            "choice 0: `data`",
+        ),
     ],
 )
 def test_malformed_bodies_raise_payload_error(body_text: bytes, needle: str) -> None:
@@ -172,7 +184,11 @@ def test_mutated_bodies_only_raise_library_errors(data: st.DataObject) -> None:
     wire = bytearray(good)
     for _ in range(data.draw(st.integers(1, 3))):
         i = data.draw(st.integers(0, len(wire) - 1))
-        wire[i : i + 1] = data.draw(st.sampled_from([b"", b"{", b"}", b"[", b"]", b'"', b"\\", b",", b":", b"0", b"n", b"\x00"]))
+        wire[i : i + 1] = data.draw(
+            st.sampled_from(
+                [b"", b"{", b"}", b"[", b"]", b'"', b"\\", b",", b":", b"0", b"n", b"\x00"]
+            )
+        )
     try:
         out = rx.merge_response(good, bytes(wire))
         got = rx.from_response(bytes(wire))

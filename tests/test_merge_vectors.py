@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 
 import routed_experts as rx
-
 from conftest import assert_payload, error_class, vector_params
 
 
@@ -63,6 +62,7 @@ def test_response_vector(case: dict[str, Any], splice: bool) -> None:
 
 def _assert_same_outside_routing(merged: bytes, decode: bytes) -> None:
     assert _strip_routing(merged) == _strip_routing(decode)
+
     # Byte level: cut every routing object out of both and compare what is left.
     def cut(body: bytes) -> bytes:
         out, at = bytearray(), 0

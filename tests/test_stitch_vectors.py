@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import routed_experts as rx
-
 from conftest import assert_payload, error_class, expected_array, vector_params
 
 
@@ -27,7 +26,11 @@ def test_stitch_vector(case: dict[str, Any]) -> None:
         t.append(p, overlap=case["overlap"])
     assert t.payload is not None
     assert_payload(t.payload, case["expect_payload"])
-    assert (t.start, t.stop, len(t)) == (0, case["expect_payload"]["shape"][0], case["expect_payload"]["shape"][0])
+    assert (t.start, t.stop, len(t)) == (
+        0,
+        case["expect_payload"]["shape"][0],
+        case["expect_payload"]["shape"][0],
+    )
     args = (case["num_tokens"], case["pad"], case["max_missing"])
     if "expect_training_error" in case:
         with pytest.raises(error_class(case["expect_training_error"])):

@@ -50,7 +50,9 @@ def test_any_turn_split_stitches_back_to_the_truth(split: tuple[np.ndarray, list
 
 @settings(max_examples=200, deadline=None)
 @given(split=turn_splits())
-def test_full_sequences_from_zero_equal_deltas_with_keep(split: tuple[np.ndarray, list[int]]) -> None:
+def test_full_sequences_from_zero_equal_deltas_with_keep(
+    split: tuple[np.ndarray, list[int]],
+) -> None:
     truth, cuts = split
     deltas, fulls = rx.Trajectory(), rx.Trajectory()
     for p in engine_turns(truth, cuts):
@@ -69,7 +71,9 @@ def test_full_sequences_from_zero_equal_deltas_with_keep(split: tuple[np.ndarray
 
 @settings(max_examples=200, deadline=None)
 @given(split=turn_splits(), data=st.data())
-def test_mixed_dtypes_never_truncate(split: tuple[np.ndarray, list[int]], data: st.DataObject) -> None:
+def test_mixed_dtypes_never_truncate(
+    split: tuple[np.ndarray, list[int]], data: st.DataObject
+) -> None:
     truth, cuts = split
     # Ids above 255 in some turns only: those turns arrive as uint16, the others as uint8.
     wide_rows = data.draw(st.lists(st.integers(0, len(truth) - 1), max_size=3))
@@ -92,7 +96,9 @@ def test_policies_and_errors() -> None:
     t.append(rx.RoutedExperts.from_array(base[:4], start=0))
     t.append(rx.RoutedExperts.from_array(base[2:5] + 10, start=2), overlap="replace")
     assert t.payload.array.ravel().tolist() == [0, 1, 12, 13, 14]  # type: ignore[union-attr]
-    with pytest.raises(rx.MergeError, match="position 1, layer 0 holds 1 but the new payload has 2"):
+    with pytest.raises(
+        rx.MergeError, match="position 1, layer 0 holds 1 but the new payload has 2"
+    ):
         t.append(rx.RoutedExperts.from_array(base[1:3] + 1, start=1), overlap="check")
     with pytest.raises(rx.MergeError, match="before the trajectory's start"):
         u = rx.Trajectory()

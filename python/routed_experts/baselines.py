@@ -13,7 +13,9 @@ from typing import Any, Callable
 import numpy as np
 
 
-def _loads_b64(fast: bool) -> tuple[Callable[[Any], Any], Callable[[Any], bytes], Callable[[bytes], bytes]]:
+def _loads_b64(
+    fast: bool,
+) -> tuple[Callable[[Any], Any], Callable[[Any], bytes], Callable[[bytes], bytes]]:
     if fast:
         import orjson
         import pybase64
@@ -34,8 +36,12 @@ def decode_sidecar(wire: bytes, fast: bool = True) -> np.ndarray:
 
 def encode_sidecar(arr: np.ndarray, start: int, fast: bool = True) -> bytes:
     _, _, b64encode = _loads_b64(fast)
-    body = {"data": b64encode(arr.tobytes()).decode(), "shape": list(arr.shape), "start": start,
-            "dtype": str(arr.dtype)}
+    body = {
+        "data": b64encode(arr.tobytes()).decode(),
+        "shape": list(arr.shape),
+        "start": start,
+        "dtype": str(arr.dtype),
+    }
     if fast:
         import orjson
 
@@ -61,9 +67,12 @@ def merge_response(prefill_body: bytes, decode_body: bytes, fast: bool = True) -
         p_start, d_start = p_route.get("start", 0), d_route.get("start", 0)
         skip = max(p_start + len(p) - d_start, 0)
         merged = np.concatenate([p, d[skip:].astype(np.result_type(p, d))])
-        choice["routed_experts"] = {"data": b64encode(merged.tobytes()).decode(),
-                                    "shape": list(merged.shape), "start": p_start,
-                                    "dtype": str(merged.dtype)}
+        choice["routed_experts"] = {
+            "data": b64encode(merged.tobytes()).decode(),
+            "shape": list(merged.shape),
+            "start": p_start,
+            "dtype": str(merged.dtype),
+        }
     if fast:
         import orjson
 

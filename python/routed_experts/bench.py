@@ -12,8 +12,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, TextIO
 
-import numpy as np
-
 import routed_experts as rx
 from routed_experts import baselines
 from routed_experts.cli import MODELS, synthetic_rollout
@@ -50,8 +48,15 @@ def body(routing: dict[str, Any]) -> bytes:
         "id": "cmpl-bench",
         "object": "text_completion",
         "model": "moe",
-        "choices": [{"index": 0, "text": "hello", "logprobs": None, "finish_reason": "length",
-                     "routed_experts": routing}],
+        "choices": [
+            {
+                "index": 0,
+                "text": "hello",
+                "logprobs": None,
+                "finish_reason": "length",
+                "routed_experts": routing,
+            }
+        ],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
     }
     return json.dumps(doc).encode()
@@ -74,10 +79,18 @@ def measure(model: str, tokens: int, repeat: int) -> list[Row]:
     decode_body = body(rx.RoutedExperts.from_array(zeroed, dtype=p.dtype).to_dict())
     arr = p.array
 
-    def row(op: str, data: bytes, ours: Callable[[], object], fast: Callable[[], object] | None,
-            stdlib: Callable[[], object] | None) -> Row:
+    def row(
+        op: str,
+        data: bytes,
+        ours: Callable[[], object],
+        fast: Callable[[], object] | None,
+        stdlib: Callable[[], object] | None,
+    ) -> Row:
         return Row(
-            model, tokens, op, len(data),
+            model,
+            tokens,
+            op,
+            len(data),
             ours=best_of(ours, repeat),
             fast=_optional(lambda: best_of(fast, repeat)) if fast else None,
             stdlib=best_of(stdlib, max(1, repeat // 3)) if stdlib else None,
@@ -85,19 +98,41 @@ def measure(model: str, tokens: int, repeat: int) -> list[Row]:
         )
 
     rows = [
-        row("decode sidecar", wire, lambda: rx.RoutedExperts.from_json(wire),
-            lambda: baselines.decode_sidecar(wire), lambda: baselines.decode_sidecar(wire, fast=False)),
-        row("from_response", decode_body, lambda: rx.from_response(decode_body),
+        row(
+            "decode sidecar",
+            wire,
+            lambda: rx.RoutedExperts.from_json(wire),
+            lambda: baselines.decode_sidecar(wire),
+            lambda: baselines.decode_sidecar(wire, fast=False),
+        ),
+        row(
+            "from_response",
+            decode_body,
+            lambda: rx.from_response(decode_body),
             lambda: baselines.from_response(decode_body),
-            lambda: baselines.from_response(decode_body, fast=False)),
-        row("merge_response (splice)", decode_body, lambda: rx.merge_response(prefill_body, decode_body),
+            lambda: baselines.from_response(decode_body, fast=False),
+        ),
+        row(
+            "merge_response (splice)",
+            decode_body,
+            lambda: rx.merge_response(prefill_body, decode_body),
             lambda: baselines.merge_response(prefill_body, decode_body),
-            lambda: baselines.merge_response(prefill_body, decode_body, fast=False)),
-        row("merge_response (general)", decode_body,
+            lambda: baselines.merge_response(prefill_body, decode_body, fast=False),
+        ),
+        row(
+            "merge_response (general)",
+            decode_body,
             lambda: rx.merge_response(prefill_body, decode_body, splice=False),
-            lambda: baselines.merge_response(prefill_body, decode_body), None),
-        row("encode (to_json)", wire, p.to_json, lambda: baselines.encode_sidecar(arr, 0),
-            lambda: baselines.encode_sidecar(arr, 0, fast=False)),
+            lambda: baselines.merge_response(prefill_body, decode_body),
+            None,
+        ),
+        row(
+            "encode (to_json)",
+            wire,
+            p.to_json,
+            lambda: baselines.encode_sidecar(arr, 0),
+            lambda: baselines.encode_sidecar(arr, 0, fast=False),
+        ),
     ]
     return rows
 
@@ -134,8 +169,10 @@ def _ratio(other: float | None, ours: float) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    head = ("| model | tokens | operation | MB | routed_experts ms | GB/s | orjson+pybase64 ms | "
-            "stdlib ms | memcpy ms | vs orjson | vs stdlib | / memcpy |")
+    head = (
+        "| model | tokens | operation | MB | routed_experts ms | GB/s | orjson+pybase64 ms | "
+        "stdlib ms | memcpy ms | vs orjson | vs stdlib | / memcpy |"
+    )
     lines = [head, "|" + "---|" * 12]
     for r in rows:
         lines.append(
@@ -152,11 +189,18 @@ def run(models: list[str], token_counts: list[int], repeat: int, out: TextIO) ->
     for model in models:
         for tokens in token_counts:
             layers, top_k, experts = MODELS[model]
-            print(f"measuring {model} ({layers} layers, top_k {top_k}, {experts} experts), "
-                  f"{tokens} tokens ...", file=out, flush=True)
+            print(
+                f"measuring {model} ({layers} layers, top_k {top_k}, {experts} experts), "
+                f"{tokens} tokens ...",
+                file=out,
+                flush=True,
+            )
             rows.extend(measure(model, tokens, repeat))
     print(table(rows), file=out)
     m, t = models[0], token_counts[0]
-    print(f"\ntwo threads decoding independent bodies ({m}, {t} tokens): "
-          f"{thread_scaling(m, t, repeat):.2f}x the throughput of one", file=out)
+    print(
+        f"\ntwo threads decoding independent bodies ({m}, {t} tokens): "
+        f"{thread_scaling(m, t, repeat):.2f}x the throughput of one",
+        file=out,
+    )
     return rows

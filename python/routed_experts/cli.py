@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable
 
 import numpy as np
 
@@ -82,7 +83,11 @@ def _write_output(path: str | None, data: bytes) -> None:
 
 
 def _hints(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in ("start", "num_layers", "top_k") if getattr(args, k) is not None}
+    return {
+        k: getattr(args, k)
+        for k in ("start", "num_layers", "top_k")
+        if getattr(args, k) is not None
+    }
 
 
 def _is_response_body(text: bytes) -> bool:
@@ -159,12 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b")
     demo.add_argument("--tokens", type=int, default=4096)
     demo.set_defaults(func=cmd_demo)
-    inspect = sub.add_parser("inspect", help="print a payload's format, shape, dtype, positions, size")
+    inspect = sub.add_parser(
+        "inspect", help="print a payload's format, shape, dtype, positions, size"
+    )
     inspect.add_argument("file", help="a routing value or response body file, or - for stdin")
     inspect.add_argument("--choice", type=int, default=0, help="choice index in a response body")
     _add_hints(inspect)
     inspect.set_defaults(func=cmd_inspect)
-    merge = sub.add_parser("merge", help="merge prefill and decode routing (sidecars or response bodies)")
+    merge = sub.add_parser(
+        "merge", help="merge prefill and decode routing (sidecars or response bodies)"
+    )
     merge.add_argument("prefill")
     merge.add_argument("decode")
     merge.add_argument("-o", "--output", help="output file (default: stdout)")
@@ -172,7 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     merge.set_defaults(func=cmd_merge)
     convert = sub.add_parser("convert", help="convert a routing value to another format")
     convert.add_argument("file")
-    convert.add_argument("--to", required=True, choices=["compact", "vllm_npy", "sglang", "nemo", "lists"])
+    convert.add_argument(
+        "--to", required=True, choices=["compact", "vllm_npy", "sglang", "nemo", "lists"]
+    )
     convert.add_argument("-o", "--output", help="output file (default: stdout)")
     _add_hints(convert)
     convert.set_defaults(func=cmd_convert)

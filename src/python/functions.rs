@@ -115,8 +115,12 @@ pub fn merge_response<'py>(
         decode_start,
         keep_format,
     };
-    let out = py.detach(|| response::merge_response(&p, &d, opts))?;
-    Ok(PyBytes::new(py, &out))
+    let spliced = py.detach(|| response::merge_response_pieces(&p, &d, opts))?;
+    // One copy: the pieces (mostly slices of the inputs) go straight into the result bytes.
+    PyBytes::new_with(py, spliced.len(), |out| {
+        py.detach(|| spliced.write_into(out));
+        Ok(())
+    })
 }
 
 /// Any routing format of the wild, detected, as a payload: a dict or JSON text of a compact
@@ -221,7 +225,7 @@ pub fn detect_format(value: &Bound<'_, PyAny>) -> PyResult<&'static str> {
 /// `[0, n0, n0+n1, ...]`). With `pad_to_multiple`, zero rows follow the last sample up to a
 /// multiple of that many rows; they are not counted in `cu_seqlens`.
 #[pyfunction]
-#[pyo3(signature = (samples, dtype = Some("int32"), pad_to_multiple = None))]
+#[pyo3(signature = (samples, dtype = Some("int32"), pad_to_multiple = None), text_signature = "(samples, dtype='int32', pad_to_multiple=None)")]
 pub fn pack<'py>(
     py: Python<'py>,
     samples: Vec<Bound<'py, RoutedExperts>>,
