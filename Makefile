@@ -6,7 +6,8 @@ PIP := $(PY) -m pip
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 # The dev tools and the optional runtime extras the tests exercise.
-DEV_DEPS := "maturin>=1.7,<2" numpy pytest hypothesis pytest-benchmark orjson pybase64 mypy ruff
+DEV_DEPS := "maturin>=1.7,<2" numpy pytest hypothesis pytest-benchmark orjson pybase64 \
+	starlette httpx uvicorn mypy ruff
 
 .PHONY: run test build-dev build-release lint bench bench-rust bench-python clean
 

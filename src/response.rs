@@ -271,20 +271,25 @@ fn merge_found<'a>(
     d: &Found<'a>,
     opts: &MergeOptions,
 ) -> Result<Vec<Cow<'a, [u8]>>> {
-    let both_compact = [p, d].iter().all(|f| f.text.first() == Some(&b'{'));
-    if both_compact
+    // Compact values carry their own start: the start hints are for formats that carry none.
+    let is_compact = |f: &Found| f.text.first() == Some(&b'{');
+    if is_compact(p)
+        && is_compact(d)
         && !opts.keep_format
-        && opts.hints == Hints::default()
-        && opts.decode_start.is_none()
+        && opts.hints.num_layers.is_none()
+        && opts.hints.top_k.is_none()
+        && opts.hints.dtype.is_none()
     {
         return merge_values(p.text, d.text, opts);
     }
-    let decode_hints = Hints {
-        start: opts.decode_start.or(opts.hints.start),
+    let side_hints = |f: &Found, start: Option<u64>| Hints {
+        start: if is_compact(f) { None } else { start },
         ..opts.hints
     };
+    let prefill_hints = side_hints(p, opts.hints.start);
+    let decode_hints = side_hints(d, opts.decode_start.or(opts.hints.start));
     let (_, prefill) =
-        decode_found(p, &opts.hints, opts.max_bytes).map_err(|e| e.context("prefill"))?;
+        decode_found(p, &prefill_hints, opts.max_bytes).map_err(|e| e.context("prefill"))?;
     let (format, decode) =
         decode_found(d, &decode_hints, opts.max_bytes).map_err(|e| e.context("decode"))?;
     let merged = merge::merge(&prefill, &decode)?;

@@ -149,6 +149,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_proxy(args: argparse.Namespace) -> int:
+    try:
+        from routed_experts.proxy import serve
+    except ImportError as e:
+        print(
+            f"routed-experts proxy needs the proxy extra: pip install 'routed_experts[proxy]' ({e})",
+            file=sys.stderr,
+        )
+        return 2
+    serve(args.prefill, args.decode, args.host, args.port)
+    return 0
+
+
 def _add_hints(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start", type=int, help="start position, for formats that carry none")
     p.add_argument("--num-layers", type=int, help="layers, for SGLang flat values")
@@ -192,6 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tokens", nargs="+", type=int, default=[32768])
     bench.add_argument("--repeat", type=int, default=7, help="runs per measurement (best is kept)")
     bench.set_defaults(func=cmd_bench)
+    proxy = sub.add_parser(
+        "proxy", help="P/D proxy that merges routed experts (needs the proxy extra)"
+    )
+    proxy.add_argument("--prefill", nargs="+", required=True, help="prefill server URL(s)")
+    proxy.add_argument("--decode", nargs="+", required=True, help="decode server URL(s)")
+    proxy.add_argument("--host", default="127.0.0.1")
+    proxy.add_argument("--port", type=int, default=8000)
+    proxy.set_defaults(func=cmd_proxy)
     return parser
 
 

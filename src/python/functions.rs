@@ -89,7 +89,8 @@ pub fn from_response(
 ///
 /// `start`, `num_layers`, `top_k`, `dtype` supply what a format does not carry (vLLM's .npy
 /// has no start; SGLang's flat values no shape); `decode_start` gives the decode values' start
-/// when it differs from prefill's (a delta). `splice=False` forces the decode/concat/encode path
+/// when it differs from prefill's (a delta). Compact sidecars carry their own start, so the
+/// start hints are not applied to them (a router can always pass the requested prompt start). `splice=False` forces the decode/concat/encode path
 /// (same result; the flag exists to compare the two).
 #[pyfunction]
 #[pyo3(signature = (prefill_body, decode_body, *, start = None, decode_start = None, num_layers = None, top_k = None, dtype = None, keep_format = false, splice = true, max_bytes = None))]

@@ -1,0 +1,166 @@
+"""Stand-in inference engines for the proxy tests: small ASGI servers with vLLM's routing
+semantics in disaggregated serving. Prefill (`do_remote_decode`) returns rows [S, P); decode
+returns the full sequence with zeroed prompt rows [S, P+G-1), or a delta from P-1."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+import routed_experts as rx
+
+LAYERS, TOP_K, EXPERTS = 4, 2, 128
+KV_PARAMS = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "prefill-engine-1",
+    "remote_block_ids": [3, 5, 8],
+    "remote_host": "127.0.0.1",
+    "remote_port": 14579,
+}
+
+
+def prompt_tokens(body: dict[str, Any]) -> list[int]:
+    if "messages" in body:
+        text = "".join(m.get("content", "") for m in body["messages"])
+        return [ord(c) % 50 for c in text]
+    prompt = body["prompt"]
+    return list(prompt) if isinstance(prompt, list) else [ord(c) % 50 for c in prompt]
+
+
+def truth(tokens: list[int], generated: int) -> np.ndarray:
+    """The routing a monolithic engine would record for this request: rows [0, P + G - 1)."""
+    seed = sum(t * 31**i for i, t in enumerate(tokens)) % 2**32
+    rng = np.random.default_rng(seed)
+    return rng.integers(1, EXPERTS, size=(len(tokens) + generated - 1, LAYERS, TOP_K))
+
+
+def max_tokens(body: dict[str, Any]) -> int:
+    return int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+
+
+@dataclass
+class Engine:
+    mode: str = "full"  # decode form: "full" (zeroed prompt rows) or "delta" (from P-1)
+    fmt: str = "compact"  # "compact" sidecar or "vllm_npy"
+    fail: str | None = None  # "500", "400", "gap"
+    requests: list[dict[str, Any]] = field(default_factory=list)
+
+    def routing(self, arr: np.ndarray, start: int) -> Any:
+        p = rx.RoutedExperts.from_array(arr, start=start, num_experts=EXPERTS)
+        return rx.encode(p, self.fmt)
+
+    async def handle(self, request: Request) -> Response:
+        body = await request.json()
+        self.requests.append(body)
+        if self.fail == "500":
+            return JSONResponse({"error": "engine crashed"}, 500)
+        if self.fail == "400":
+            return JSONResponse({"error": "bad request"}, 400)
+        chat = request.url.path.endswith("chat/completions")
+        tokens = prompt_tokens(body)
+        P, S = len(tokens), int(body.get("routed_experts_prompt_start", 0))
+        kv = body.get("kv_transfer_params") or {}
+        if kv.get("do_remote_decode"):  # prefill: one token, rows [S, P)
+            rows = truth(tokens, 1)[S:P]
+            choice = {
+                "index": 0,
+                "finish_reason": "length",
+                "routed_experts": self.routing(rows, S),
+            }
+            choice.update(
+                {"message": {"role": "assistant", "content": "x"}} if chat else {"text": "x"}
+            )
+            return JSONResponse({"id": "p", "choices": [choice], "kv_transfer_params": KV_PARAMS})
+        if kv != KV_PARAMS:
+            return JSONResponse({"error": "decode needs the prefill's kv_transfer_params"}, 400)
+        G = max_tokens(body)
+        full = truth(tokens, G)
+        if self.mode == "delta" or self.fail == "gap":
+            start = P - 1 if self.mode == "delta" else P + 1
+            routing = self.routing(full[start:], start)
+        else:
+            rows = full[S:].copy()
+            rows[: P - S] = 0  # decode never computed the prompt: its rows are invalid
+            routing = self.routing(rows, S)
+        text = " tok" * G
+        if body.get("stream"):
+            return StreamingResponse(self.sse(routing, G, chat), media_type="text/event-stream")
+        choice = {
+            "index": 0,
+            "finish_reason": "length",
+            "routed_experts": routing,
+            "logprobs": {"content": [{"token": "a", "logprob": -0.12345678901234568}]},
+        }
+        choice.update(
+            {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        )
+        return JSONResponse(
+            {
+                "id": "d",
+                "object": "text_completion",
+                "choices": [choice],
+                "usage": {"prompt_tokens": P, "completion_tokens": G},
+            }
+        )
+
+    async def sse(self, routing: Any, generated: int, chat: bool):  # type: ignore[no-untyped-def]
+        for i in range(generated):
+            delta = {"delta": {"content": " tok"}} if chat else {"text": " tok"}
+            chunk: dict[str, Any] = {"id": "d", "choices": [{"index": 0, **delta}]}
+            if i == generated - 1:  # the routing comes with the last chunk
+                chunk["choices"][0]["routed_experts"] = routing
+                chunk["choices"][0]["finish_reason"] = "length"
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    def app(self) -> Starlette:
+        routes = [
+            Route(p, self.handle, methods=["POST"])
+            for p in ("/v1/completions", "/v1/chat/completions")
+        ]
+        return Starlette(routes=routes)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """An ASGI app served by uvicorn on a loopback port in a background thread."""
+
+    def __init__(self, app: Any) -> None:
+        self.port = free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Server:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not start within 10 s")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
