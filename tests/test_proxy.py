@@ -9,9 +9,9 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from engines import KV_PARAMS, Engine, Server, max_tokens, prompt_tokens, truth
 
 import routed_experts as rx
-from engines import KV_PARAMS, Engine, Server, max_tokens, prompt_tokens, truth
 from routed_experts.proxy import PREFILL_KV_TRANSFER_PARAMS, create_app
 
 

@@ -154,7 +154,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         from routed_experts.proxy import serve
     except ImportError as e:
         print(
-            f"routed-experts proxy needs the proxy extra: pip install 'routed_experts[proxy]' ({e})",
+            "routed-experts proxy needs the proxy extra: "
+            f"pip install 'routed_experts[proxy]' ({e})",
             file=sys.stderr,
         )
         return 2
