@@ -9,7 +9,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 DEV_DEPS := "maturin>=1.7,<2" numpy pytest hypothesis pytest-benchmark orjson pybase64 \
 	starlette httpx uvicorn mypy ruff
 
-.PHONY: run test build-dev build-release lint bench bench-rust bench-python clean
+.PHONY: run test build-dev lint bench bench-rust bench-python bench-table clean
 
 $(VENV)/.deps:
 	python3 -m venv $(VENV)
@@ -42,6 +42,13 @@ bench-rust:
 
 bench-python: build-dev
 	$(PY) -m pytest benches -q --benchmark-only --benchmark-columns=min,median,mean,ops
+
+# The side-by-side table and plot of BENCHMARKS.md (several minutes: 128k-token payloads).
+bench-table: build-dev
+	$(PIP) install -q matplotlib
+	routed-experts bench --model qwen3-30b-a3b qwen3-235b-a22b kimi-k2 \
+		--tokens 4096 32768 131072 --repeat 5 --json bench.json | tee bench.txt
+	$(PY) benches/plot.py bench.json BENCHMARKS-throughput.png
 
 clean:
 	rm -rf $(VENV) target .pytest_cache .hypothesis .benchmarks

@@ -1,12 +1,16 @@
-//! Criterion benches of the pure-Rust core on real payload sizes, beside a memcpy of the same
-//! bytes (the floor any decode has to pay once).
+//! Criterion benches of the pure-Rust core on real payload sizes (Qwen3-235B-A22B, 32k tokens:
+//! 94 MoE layers, top_k 8, uint8), beside a memcpy of the same bytes (the floor any decode pays).
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use routed_experts::response::{self, MergeOptions};
+use routed_experts::trajectory::{Overlap, Trajectory};
 use routed_experts::{limits, sidecar, DTypeChoice, Payload, Shape};
 
-/// Qwen3-235B-A22B, 32k tokens: 94 MoE layers, top_k 8, 128 experts (uint8).
+const TOKENS: usize = 32 * 1024;
+const LIMIT: usize = limits::DEFAULT_MAX_BYTES;
+
 fn rollout(tokens: usize, layers: usize, top_k: usize, experts: u64) -> Payload {
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
     let values: Vec<i64> = (0..tokens * layers * top_k)
@@ -21,19 +25,94 @@ fn rollout(tokens: usize, layers: usize, top_k: usize, experts: u64) -> Payload 
     Payload::from_values(&values, shape, 0, DTypeChoice::NumExperts(experts)).unwrap()
 }
 
+fn body(p: &Payload) -> Vec<u8> {
+    let mut out = br#"{"id":"cmpl-1","choices":[{"index":0,"text":"x","routed_experts":"#.to_vec();
+    out.extend_from_slice(&sidecar::encode(p));
+    out.extend_from_slice(br#"}],"usage":{"prompt_tokens":1}}"#);
+    out
+}
+
 fn codec(c: &mut Criterion) {
-    let p = rollout(32 * 1024, 94, 8, 128);
+    let p = rollout(TOKENS, 94, 8, 128);
     let wire = sidecar::encode(&p);
+    let decode_body = body(&p);
     let mut g = c.benchmark_group("qwen3-235b-32k");
     g.throughput(Throughput::Bytes(wire.len() as u64));
     g.sample_size(20);
-    g.bench_function("decode", |b| {
-        b.iter(|| sidecar::decode(black_box(&wire), limits::DEFAULT_MAX_BYTES).unwrap())
-    });
-    g.bench_function("encode", |b| b.iter(|| sidecar::encode(black_box(&p))));
     g.bench_function("memcpy_sidecar", |b| b.iter(|| black_box(&wire).to_vec()));
+    g.bench_function("decode_sidecar", |b| {
+        b.iter(|| sidecar::decode(black_box(&wire), LIMIT).unwrap())
+    });
+    g.bench_function("encode_sidecar", |b| {
+        b.iter(|| sidecar::encode(black_box(&p)))
+    });
+    g.bench_function("from_response", |b| {
+        b.iter(|| {
+            response::from_response(black_box(&decode_body), 0, &Default::default(), LIMIT).unwrap()
+        })
+    });
     g.finish();
 }
 
-criterion_group!(benches, codec);
+fn merge(c: &mut Criterion) {
+    let p = rollout(TOKENS, 94, 8, 128);
+    let prompt = TOKENS * 3 / 4;
+    let prefill_body = body(&p.slice(0, prompt as u64).unwrap());
+    // Decode's full sequence with zeroed prompt rows, as a decode server sends it.
+    let mut zeroed = p.bytes().to_vec();
+    zeroed[..prompt * p.row_bytes()].fill(0);
+    let decoded = Payload::new(
+        0,
+        p.shape(),
+        p.dtype(),
+        routed_experts::buffer::AlignedBytes::from_slice(&zeroed),
+    );
+    let decode_body = body(&decoded.unwrap());
+    let mut g = c.benchmark_group("merge-qwen3-235b-32k-prompt-3/4");
+    g.throughput(Throughput::Bytes(decode_body.len() as u64));
+    g.sample_size(10);
+    for splice in [true, false] {
+        let opts = MergeOptions {
+            splice,
+            ..MergeOptions::new(LIMIT)
+        };
+        let name = if splice {
+            "merge_response_splice"
+        } else {
+            "merge_response_general"
+        };
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                response::merge_response(black_box(&prefill_body), black_box(&decode_body), opts)
+                    .unwrap()
+            })
+        });
+    }
+    g.finish();
+}
+
+fn stitch(c: &mut Criterion) {
+    let p = rollout(TOKENS, 94, 8, 128);
+    let turns: Vec<Payload> = (0..64)
+        .map(|i| {
+            let (lo, hi) = ((i * TOKENS / 64) as u64, ((i + 1) * TOKENS / 64) as u64);
+            p.slice(lo.saturating_sub(1), hi).unwrap()
+        })
+        .collect();
+    let mut g = c.benchmark_group("stitch-64-turns-qwen3-235b-32k");
+    g.throughput(Throughput::Bytes(p.bytes().len() as u64));
+    g.sample_size(10);
+    g.bench_function("trajectory_append", |b| {
+        b.iter(|| {
+            let mut t = Trajectory::new();
+            for turn in &turns {
+                t.append(turn, Overlap::Keep).unwrap();
+            }
+            t.len()
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, codec, merge, stitch);
 criterion_main!(benches);

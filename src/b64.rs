@@ -58,6 +58,27 @@ fn invalid(text: &[u8], field: &str) -> Error {
     }
 }
 
+/// Bytes `[start, end)` of what valid base64 `text` decodes to, decoding only the groups that
+/// hold them.
+pub fn decode_range(text: &[u8], start: usize, end: usize) -> Result<Vec<u8>> {
+    if start >= end {
+        return Ok(Vec::new());
+    }
+    let (first, last) = (start / 3 * 4, (end.div_ceil(3) * 4).min(text.len()));
+    let groups = &text[first..last];
+    let mut out = vec![0u8; decoded_len(groups, "data")?];
+    decode_into(groups, &mut out, "data")?;
+    let offset = start - first / 4 * 3;
+    Ok(out[offset..offset + (end - start)].to_vec())
+}
+
+/// Standard padded base64 of `bytes`.
+pub fn encode(bytes: &[u8]) -> Vec<u8> {
+    let mut out = vec![0u8; encoded_len(bytes.len())];
+    encode_into(bytes, &mut out);
+    out
+}
+
 pub fn encoded_len(n: usize) -> usize {
     n.div_ceil(3) * 4
 }
@@ -82,6 +103,15 @@ mod tests {
             assert_eq!(back, bytes);
         }
         assert!(decoded_len(b"abc", "data").is_err());
+        let text = encode(b"abcdefghij");
+        for start in 0..10 {
+            for end in start..=10 {
+                assert_eq!(
+                    decode_range(&text, start, end).unwrap(),
+                    b"abcdefghij"[start..end].to_vec()
+                );
+            }
+        }
         let mut out = [0u8; 3];
         let e = decode_into(b"ab*d", &mut out, "data")
             .unwrap_err()

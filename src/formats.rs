@@ -319,9 +319,9 @@ pub fn encode(p: &Payload, format: Format) -> Result<Vec<u8>> {
         Format::VllmNpy => {
             let mut file = npy::write_header(p.dtype(), p.shape());
             file.extend_from_slice(p.bytes());
-            base64_of(&file)
+            b64::encode(&file)
         }
-        Format::Sglang => base64_of(p.astype(DType::I32)?.bytes()),
+        Format::Sglang => b64::encode(p.astype(DType::I32)?.bytes()),
         Format::Nemo => {
             let dtype = match p.dtype() {
                 d @ (DType::I8 | DType::I16 | DType::I32) => d,
@@ -342,7 +342,7 @@ pub fn encode(p: &Payload, format: Format) -> Result<Vec<u8>> {
             let s = p.shape();
             let mut out =
                 format!("nrlre1:{dtype}:{}x{}x{}:", s.tokens, s.layers, s.top_k).into_bytes();
-            out.extend_from_slice(&base64_of(p.astype(dtype)?.bytes()));
+            out.extend_from_slice(&b64::encode(p.astype(dtype)?.bytes()));
             out
         }
         Format::Lists => {
@@ -387,12 +387,6 @@ pub fn encode_json(p: &Payload, format: Format) -> Result<Vec<u8>> {
             out
         }
     })
-}
-
-fn base64_of(bytes: &[u8]) -> Vec<u8> {
-    let mut out = vec![0u8; b64::encoded_len(bytes.len())];
-    b64::encode_into(bytes, &mut out);
-    out
 }
 
 #[cfg(test)]

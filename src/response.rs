@@ -310,7 +310,7 @@ pub fn merge_values<'a>(
     let p = value_text(prefill, opts.max_bytes).map_err(|e| e.context("prefill"))?;
     let d = value_text(decode, opts.max_bytes).map_err(|e| e.context("decode"))?;
     let plan = merge::plan(&p.header, &d.header)?;
-    if opts.splice && can_splice(&p, &d, &plan) {
+    if opts.splice && can_splice(&p, &d) {
         return splice_text(p, d, &plan);
     }
     merge_decoded(&p, &d)
@@ -328,12 +328,12 @@ fn value_text(text: &[u8], max_bytes: usize) -> Result<SidecarText<'_>> {
     sidecar::validate(sidecar::parse_fields(text)?, max_bytes)
 }
 
-/// When both halves share a dtype and both cuts fall on 3-byte boundaries, base64 text can be
-/// joined as is: prefill's whole text, then decode's text from the first kept row on.
-fn can_splice(p: &SidecarText, d: &SidecarText, plan: &merge::Plan) -> bool {
-    let prefill_bytes = p.header.shape.tokens * p.header.row_bytes();
-    let skip_bytes = plan.skip * d.header.row_bytes();
-    p.header.dtype == d.header.dtype && prefill_bytes % 3 == 0 && skip_bytes % 3 == 0
+/// Halves of one dtype can be joined on their base64 text: the merged bytes are prefill's bytes
+/// then decode's from `skip` on, and base64 maps each 3-byte group to 4 characters, so only the
+/// group that straddles the cut needs encoding again (and decode's tail, if its groups do not
+/// line up with the output's). The other dtype pairs need promotion: decode, merge, encode.
+fn can_splice(p: &SidecarText, d: &SidecarText) -> bool {
+    p.header.dtype == d.header.dtype
 }
 
 fn splice_text<'a>(
@@ -344,12 +344,37 @@ fn splice_text<'a>(
     // Check all of both texts, so that bad input fails exactly as the decoding path would.
     b64::check(&p.data, "data").map_err(|e| e.context("prefill"))?;
     b64::check(&d.data, "data").map_err(|e| e.context("decode"))?;
-    let skip_chars = plan.skip * d.header.row_bytes() / 3 * 4;
-    let kept = match d.data {
-        Cow::Borrowed(text) => Cow::Borrowed(&text[skip_chars..]),
-        Cow::Owned(text) => Cow::Owned(text[skip_chars..].to_vec()),
-    };
-    Ok(sidecar::wrap_base64(&plan.header, vec![p.data, kept]))
+    let prefill_len = p.header.shape.tokens * p.header.row_bytes();
+    let decode_len = d.header.shape.tokens * d.header.row_bytes();
+    let skip = plan.skip * d.header.row_bytes();
+    // Whole groups of prefill keep their text; its last `rem` bytes join decode's first `fill`.
+    let whole = prefill_len / 3 * 3;
+    let fill = ((3 - (prefill_len - whole)) % 3).min(decode_len - skip);
+    let mut head = b64::decode_range(&p.data, whole, prefill_len)?;
+    head.extend(b64::decode_range(&d.data, skip, skip + fill)?);
+    let rest = skip + fill;
+    let mut pieces = vec![
+        sub_cow(&p.data, 0, whole / 3 * 4),
+        Cow::Owned(b64::encode(&head)),
+    ];
+    if rest < decode_len {
+        pieces.push(if rest % 3 == 0 {
+            sub_cow(&d.data, rest / 3 * 4, d.data.len())
+        } else {
+            // Decode's groups are misaligned with the output's (a delta decode): re-encode its
+            // tail, which is then only the generated rows.
+            Cow::Owned(b64::encode(&b64::decode_range(&d.data, rest, decode_len)?))
+        });
+    }
+    Ok(sidecar::wrap_base64(&plan.header, pieces))
+}
+
+/// `text[from..to]`, borrowed from the input where the text was.
+fn sub_cow<'a>(text: &Cow<'a, [u8]>, from: usize, to: usize) -> Cow<'a, [u8]> {
+    match text {
+        Cow::Borrowed(t) => Cow::Borrowed(&t[from..to]),
+        Cow::Owned(t) => Cow::Owned(t[from..to].to_vec()),
+    }
 }
 
 #[cfg(test)]

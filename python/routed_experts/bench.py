@@ -160,6 +160,34 @@ def thread_scaling(model: str, tokens: int, repeat: int) -> float:
     return best_of(one, max(2, repeat // 2)) / best_of(two, max(2, repeat // 2))
 
 
+_PEAK_CHILD = """
+import resource, sys
+import routed_experts as rx
+body = open(sys.argv[1], "rb").read()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+p = rx.from_response(body)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((after - before) * 1024, p.nbytes, len(body))
+"""
+
+
+def peak_memory(model: str, tokens: int) -> tuple[int, int, int]:
+    """(peak growth in bytes, output array bytes, body bytes) of one `from_response` in a fresh
+    process: what decoding costs beyond the body the caller already holds."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        f.write(body(synthetic_rollout(model, tokens).to_dict()))
+        f.flush()
+        out = subprocess.run(
+            [sys.executable, "-c", _PEAK_CHILD, f.name], capture_output=True, text=True, check=True
+        ).stdout.split()
+    grew, output, size = (int(x) for x in out)
+    return grew, output, size
+
+
 def _fmt_ms(t: float | None) -> str:
     return "n/a" if t is None else f"{t * 1e3:.2f}"
 
@@ -184,7 +212,13 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def run(models: list[str], token_counts: list[int], repeat: int, out: TextIO) -> list[Row]:
+def run(
+    models: list[str],
+    token_counts: list[int],
+    repeat: int,
+    out: TextIO,
+    json_out: str | None = None,
+) -> list[Row]:
     rows: list[Row] = []
     for model in models:
         for tokens in token_counts:
@@ -197,10 +231,25 @@ def run(models: list[str], token_counts: list[int], repeat: int, out: TextIO) ->
             )
             rows.extend(measure(model, tokens, repeat))
     print(table(rows), file=out)
-    m, t = models[0], token_counts[0]
+    # Threads and memory at the largest size up to 32k tokens (the common RL rollout).
+    m = models[0]
+    t = max([n for n in token_counts if n <= 32768] or token_counts[:1])
+    scaling = thread_scaling(m, t, repeat)
     print(
         f"\ntwo threads decoding independent bodies ({m}, {t} tokens): "
-        f"{thread_scaling(m, t, repeat):.2f}x the throughput of one",
+        f"{scaling:.2f}x the throughput of one",
         file=out,
     )
+    grew, output, size = peak_memory(m, t)
+    print(
+        f"peak memory of from_response ({m}, {t} tokens): grew {grew / 1e6:.1f} MB for a "
+        f"{output / 1e6:.1f} MB array from a {size / 1e6:.1f} MB body: "
+        f"{(grew - output) / size * 100:+.1f}% of the body beyond the array",
+        file=out,
+    )
+    if json_out:
+        with open(json_out, "w") as f:
+            summary = {"grew": grew, "output": output, "body": size}
+            rows_out = [r.as_dict() for r in rows]
+            json.dump({"rows": rows_out, "thread_scaling": scaling, "peak": summary}, f, indent=1)
     return rows

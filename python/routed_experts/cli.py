@@ -145,7 +145,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from routed_experts.bench import run
 
-    run(models=args.model, token_counts=args.tokens, repeat=args.repeat, out=sys.stdout)
+    run(args.model, args.tokens, args.repeat, sys.stdout, json_out=args.json)
     return 0
 
 
@@ -205,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["qwen3-235b-a22b"])
     bench.add_argument("--tokens", nargs="+", type=int, default=[32768])
     bench.add_argument("--repeat", type=int, default=7, help="runs per measurement (best is kept)")
+    bench.add_argument("--json", help="also write the measurements to this JSON file")
     bench.set_defaults(func=cmd_bench)
     proxy = sub.add_parser(
         "proxy", help="P/D proxy that merges routed experts (needs the proxy extra)"
