@@ -1,70 +1,72 @@
-"""Decode and encode of a 32k-token Qwen3-235B sidecar, side by side with the alternatives."""
+"""Decode, encode and merge of a 32k-token Qwen3-235B payload, beside the alternatives."""
 
 from __future__ import annotations
 
 import numpy as np
-import orjson
-import pybase64
 import pytest
 
 import routed_experts as rx
-from conftest import stdlib_decode, stdlib_encode
+from routed_experts import baselines
+from routed_experts.bench import body
+
+DECODE = "decode qwen3-235b 32k"
+ENCODE = "encode qwen3-235b 32k"
+MERGE = "merge_response qwen3-235b 32k, prompt 3/4"
 
 
-def orjson_decode(wire: bytes) -> np.ndarray:
-    d = orjson.loads(wire)
-    raw = pybase64.b64decode(d["data"], validate=True)
-    return np.frombuffer(raw, dtype=d.get("dtype", "uint8")).reshape(d["shape"])
-
-
-def orjson_encode(arr: np.ndarray, start: int) -> bytes:
-    return orjson.dumps(
-        {
-            "data": pybase64.b64encode(arr.tobytes()).decode(),
-            "shape": list(arr.shape),
-            "start": start,
-            "dtype": str(arr.dtype),
-        }
-    )
-
-
-@pytest.mark.benchmark(group="decode qwen3-235b 32k")
+@pytest.mark.benchmark(group=DECODE)
 def test_decode_routed_experts(benchmark, qwen235_32k: rx.RoutedExperts) -> None:
     wire = qwen235_32k.to_json()
-    p = benchmark(rx.RoutedExperts.from_json, wire)
-    assert p == qwen235_32k
+    assert benchmark(rx.RoutedExperts.from_json, wire) == qwen235_32k
 
 
-@pytest.mark.benchmark(group="decode qwen3-235b 32k")
-def test_decode_orjson_pybase64_numpy(benchmark, qwen235_32k: rx.RoutedExperts) -> None:
+@pytest.mark.benchmark(group=DECODE)
+@pytest.mark.parametrize("fast", [True, False], ids=["orjson_pybase64", "stdlib"])
+def test_decode_python(benchmark, qwen235_32k: rx.RoutedExperts, fast: bool) -> None:
     wire = qwen235_32k.to_json()
-    np.testing.assert_array_equal(benchmark(orjson_decode, wire), qwen235_32k.array)
+    out = benchmark(baselines.decode_sidecar, wire, fast)
+    np.testing.assert_array_equal(out, qwen235_32k.array)
 
 
-@pytest.mark.benchmark(group="decode qwen3-235b 32k")
-def test_decode_stdlib_json_base64_numpy(benchmark, qwen235_32k: rx.RoutedExperts) -> None:
-    wire = qwen235_32k.to_json()
-    np.testing.assert_array_equal(benchmark(stdlib_decode, wire), qwen235_32k.array)
-
-
-@pytest.mark.benchmark(group="decode qwen3-235b 32k")
+@pytest.mark.benchmark(group=DECODE)
 def test_decode_memcpy_of_sidecar(benchmark, qwen235_32k: rx.RoutedExperts) -> None:
-    wire = np.frombuffer(qwen235_32k.to_json(), dtype=np.uint8)
-    benchmark(np.copy, wire)
+    benchmark(baselines.memcpy, qwen235_32k.to_json())
 
 
-@pytest.mark.benchmark(group="encode qwen3-235b 32k")
+@pytest.mark.benchmark(group=ENCODE)
 def test_encode_routed_experts(benchmark, qwen235_32k: rx.RoutedExperts) -> None:
     assert benchmark(qwen235_32k.to_json) == qwen235_32k.to_json()
 
 
-@pytest.mark.benchmark(group="encode qwen3-235b 32k")
-def test_encode_orjson_pybase64(benchmark, qwen235_32k: rx.RoutedExperts) -> None:
-    out = benchmark(orjson_encode, qwen235_32k.array, qwen235_32k.start)
+@pytest.mark.benchmark(group=ENCODE)
+@pytest.mark.parametrize("fast", [True, False], ids=["orjson_pybase64", "stdlib"])
+def test_encode_python(benchmark, qwen235_32k: rx.RoutedExperts, fast: bool) -> None:
+    out = benchmark(baselines.encode_sidecar, qwen235_32k.array, 0, fast)
     assert out == qwen235_32k.to_json()
 
 
-@pytest.mark.benchmark(group="encode qwen3-235b 32k")
-def test_encode_stdlib_json_base64(benchmark, qwen235_32k: rx.RoutedExperts) -> None:
-    out = benchmark(stdlib_encode, qwen235_32k.array, qwen235_32k.start)
-    assert out == qwen235_32k.to_json()
+@pytest.fixture(scope="module")
+def bodies(qwen235_32k: rx.RoutedExperts) -> tuple[bytes, bytes]:
+    """Prefill rows [0, 3/4 n); decode's full sequence with the prompt rows zeroed."""
+    prompt = qwen235_32k.num_tokens * 3 // 4
+    zeroed = qwen235_32k.to_numpy(writable=True)
+    zeroed[:prompt] = 0
+    decode = rx.RoutedExperts.from_array(zeroed, dtype=qwen235_32k.dtype)
+    return body(qwen235_32k.slice(0, prompt).to_dict()), body(decode.to_dict())
+
+
+@pytest.mark.benchmark(group=MERGE)
+@pytest.mark.parametrize("splice", [True, False], ids=["splice", "general"])
+def test_merge_response_routed_experts(
+    benchmark, bodies: tuple[bytes, bytes], qwen235_32k: rx.RoutedExperts, splice: bool
+) -> None:
+    out = benchmark(rx.merge_response, *bodies, splice=splice)
+    assert rx.from_response(out) == qwen235_32k
+
+
+@pytest.mark.benchmark(group=MERGE)
+def test_merge_response_orjson_pybase64(
+    benchmark, bodies: tuple[bytes, bytes], qwen235_32k: rx.RoutedExperts
+) -> None:
+    out = benchmark(baselines.merge_response, *bodies)
+    assert rx.from_response(out) == qwen235_32k

@@ -34,19 +34,26 @@ def decode_sidecar(wire: bytes, fast: bool = True) -> np.ndarray:
     return _array(loads(wire), b64decode)
 
 
-def encode_sidecar(arr: np.ndarray, start: int, fast: bool = True) -> bytes:
-    _, _, b64encode = _loads_b64(fast)
-    body = {
+def _sidecar(arr: np.ndarray, start: int, b64encode: Callable[[bytes], bytes]) -> dict[str, Any]:
+    return {
         "data": b64encode(arr.tobytes()).decode(),
         "shape": list(arr.shape),
         "start": start,
         "dtype": str(arr.dtype),
     }
+
+
+def _dumps(doc: Any, fast: bool) -> bytes:
     if fast:
         import orjson
 
-        return bytes(orjson.dumps(body))
-    return json.dumps(body, separators=(",", ":")).encode()
+        return bytes(orjson.dumps(doc))
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def encode_sidecar(arr: np.ndarray, start: int, fast: bool = True) -> bytes:
+    _, _, b64encode = _loads_b64(fast)
+    return _dumps(_sidecar(arr, start, b64encode), fast)
 
 
 def from_response(body: bytes, fast: bool = True) -> np.ndarray:
@@ -67,17 +74,8 @@ def merge_response(prefill_body: bytes, decode_body: bytes, fast: bool = True) -
         p_start, d_start = p_route.get("start", 0), d_route.get("start", 0)
         skip = max(p_start + len(p) - d_start, 0)
         merged = np.concatenate([p, d[skip:].astype(np.result_type(p, d))])
-        choice["routed_experts"] = {
-            "data": b64encode(merged.tobytes()).decode(),
-            "shape": list(merged.shape),
-            "start": p_start,
-            "dtype": str(merged.dtype),
-        }
-    if fast:
-        import orjson
-
-        return bytes(orjson.dumps(dec))
-    return json.dumps(dec).encode()
+        choice["routed_experts"] = _sidecar(merged, p_start, b64encode)
+    return _dumps(dec, fast)
 
 
 def memcpy(data: bytes) -> bytearray:

@@ -8,23 +8,12 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, TextIO
 
 import routed_experts as rx
 from routed_experts import baselines
-from routed_experts.cli import MODELS, synthetic_rollout
-
-
-def best_of(fn: Callable[[], object], repeat: int) -> float:
-    fn()  # warm up (page-in, allocator)
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+from routed_experts.synthetic import MODELS, best_of, synthetic_rollout
 
 
 @dataclass

@@ -5,45 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 import routed_experts as rx
 from routed_experts import RoutedExperts, RoutedExpertsError
-
-# Model dimensions: (MoE layers, top_k, experts). Sources: the models' config.json.
-MODELS: dict[str, tuple[int, int, int]] = {
-    "qwen3-30b-a3b": (48, 8, 128),
-    "qwen3-235b-a22b": (94, 8, 128),
-    "deepseek-v3": (58, 8, 256),
-    "kimi-k2": (60, 8, 384),
-}
-
-
-def synthetic_rollout(
-    model: str, num_tokens: int, *, start: int = 0, seed: int = 0
-) -> RoutedExperts:
-    """A realistic routing record: per token and layer, `top_k` distinct expert ids."""
-    layers, top_k, experts = MODELS[model]
-    rng = np.random.default_rng(seed)
-    ids = np.empty((num_tokens, layers, top_k), dtype=np.int64)
-    chunk = 1024  # bound the temporary (chunk x layers x experts) score array
-    for lo in range(0, num_tokens, chunk):
-        scores = rng.random((min(chunk, num_tokens - lo), layers, experts), dtype=np.float32)
-        ids[lo : lo + chunk] = np.argpartition(scores, top_k, axis=-1)[..., :top_k]
-    return RoutedExperts.from_array(ids, start=start, num_experts=experts)
-
-
-def _best_of(fn: Callable[[], object], repeat: int = 5) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+from routed_experts.synthetic import MODELS, best_of, synthetic_rollout
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -58,8 +27,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if back != p or not np.array_equal(back.array, p.array):
         print("FAILED: decode(encode(p)) != p", file=sys.stderr)
         return 1
-    t_enc = _best_of(p.to_json)
-    t_dec = _best_of(lambda: RoutedExperts.from_json(wire))
+    t_enc = best_of(p.to_json, 5)
+    t_dec = best_of(lambda: RoutedExperts.from_json(wire), 5)
     mb = len(wire) / 1e6
     print(f"encode: {mb:.2f} MB sidecar in {t_enc * 1e3:.2f} ms ({mb / t_enc / 1e3:.2f} GB/s)")
     print(f"decode: {mb:.2f} MB sidecar in {t_dec * 1e3:.2f} ms ({mb / t_dec / 1e3:.2f} GB/s)")
