@@ -1,6 +1,8 @@
 //! Standard base64 (RFC 4648, `=` padding, no whitespace) on the SIMD engine of `base64-simd`.
 
 use crate::error::{Error, Result};
+use std::mem::MaybeUninit;
+
 use base64_simd::{Out, STANDARD};
 
 /// The decoded length of `text`, from its length and padding alone (no decoding, no allocation).
@@ -74,18 +76,37 @@ pub fn decode_range(text: &[u8], start: usize, end: usize) -> Result<Vec<u8>> {
 
 /// Standard padded base64 of `bytes`.
 pub fn encode(bytes: &[u8]) -> Vec<u8> {
-    let mut out = vec![0u8; encoded_len(bytes.len())];
-    encode_into(bytes, &mut out);
+    filled_vec(encoded_len(bytes.len()), |out| encode_into(bytes, out))
+}
+
+/// A vector of `len` bytes written by `fill`, which must write all of them; nothing is zeroed
+/// first (for tens of MB, zeroing is a second pass over every page).
+pub fn filled_vec(len: usize, fill: impl FnOnce(&mut [MaybeUninit<u8>])) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len);
+    fill(&mut out.spare_capacity_mut()[..len]);
+    // SAFETY: `fill`'s contract is to initialise all `len` bytes.
+    unsafe { out.set_len(len) };
     out
+}
+
+/// Copy `src` into the start of `dst` (uninitialised memory); return the rest of `dst`.
+pub fn write_uninit<'a>(dst: &'a mut [MaybeUninit<u8>], src: &[u8]) -> &'a mut [MaybeUninit<u8>] {
+    let (head, rest) = dst.split_at_mut(src.len());
+    // SAFETY: `head` is exactly `src.len()` writable bytes that do not overlap `src`.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src.as_ptr(), head.as_mut_ptr().cast::<u8>(), src.len())
+    };
+    rest
 }
 
 pub fn encoded_len(n: usize) -> usize {
     n.div_ceil(3) * 4
 }
 
-/// Encode `bytes` into `out`, whose length must be `encoded_len(bytes.len())`.
-pub fn encode_into(bytes: &[u8], out: &mut [u8]) {
-    let _ = STANDARD.encode(bytes, Out::from_slice(out));
+/// Encode `bytes` into `out` (which may be uninitialised), whose length must be
+/// `encoded_len(bytes.len())`.
+pub fn encode_into(bytes: &[u8], out: &mut [MaybeUninit<u8>]) {
+    let _ = STANDARD.encode(bytes, Out::from_uninit_slice(out));
 }
 
 #[cfg(test)]
@@ -96,8 +117,7 @@ mod tests {
     fn round_trip_and_errors() {
         for n in 0..20 {
             let bytes: Vec<u8> = (0..n as u8).map(|b| b.wrapping_mul(37)).collect();
-            let mut text = vec![0; encoded_len(n)];
-            encode_into(&bytes, &mut text);
+            let text = encode(&bytes);
             let mut back = vec![0; decoded_len(&text, "data").unwrap()];
             decode_into(&text, &mut back, "data").unwrap();
             assert_eq!(back, bytes);

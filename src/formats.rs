@@ -91,7 +91,7 @@ pub fn decode_text(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<(Form
     let format = detect(text);
     let p = match format {
         Format::Compact => decode_compact(text, hints, max_bytes),
-        Format::Lists => decode_lists(text, hints),
+        Format::Lists => decode_lists(text, hints, max_bytes),
         Format::Nemo => decode_nemo(text, hints, max_bytes),
         Format::VllmNpy => decode_vllm_npy(text, hints, max_bytes),
         Format::Sglang => decode_sglang(text, hints, max_bytes),
@@ -159,50 +159,67 @@ pub fn decode_compact_fields(
     sidecar.decode()
 }
 
-fn decode_lists(text: &[u8], hints: &Hints) -> Result<Payload> {
+fn decode_lists(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Payload> {
     let err = |what: String| {
         Error::payload(format!(
             "lists: expected a rectangular 3-level nested list of integers, {what}"
         ))
     };
-    let value: Value =
-        serde_json::from_slice(text).map_err(|e| err(format!("got invalid JSON: {e}")))?;
-    let tokens = value
-        .as_array()
-        .ok_or_else(|| err("got a non-list".into()))?;
+    // Every value takes at least 2 bytes of text and 8 as i64 while parsing: bound the work by
+    // the limit before starting, and build no DOM.
+    crate::limits::check(text.len(), max_bytes).map_err(|e| e.context("lists"))?;
+    let mut s = Scanner::new(text, "lists");
+    if s.peek() != Some(b'[') {
+        return Err(err("got a non-list".into()));
+    }
     let (mut layers, mut top_k) = (hints.num_layers, hints.top_k);
-    let mut values = Vec::new();
-    for (t, token) in tokens.iter().enumerate() {
-        let token = token
-            .as_array()
-            .ok_or_else(|| err(format!("got a non-list at token {t}")))?;
-        if *layers.get_or_insert(token.len()) != token.len() {
-            return Err(err(format!(
-                "got {} layers at token {t}, {} before",
-                token.len(),
-                layers.unwrap_or(0)
-            )));
+    let mut values: Vec<i64> = Vec::new();
+    let mut tokens = 0;
+    s.array(|s, t| {
+        tokens = t + 1;
+        if s.peek() != Some(b'[') {
+            return Err(err(format!("got a non-list at token {t}")));
         }
-        for (l, group) in token.iter().enumerate() {
-            let group = group
-                .as_array()
-                .ok_or_else(|| err(format!("got a non-list at token {t}, layer {l}")))?;
-            if *top_k.get_or_insert(group.len()) != group.len() {
+        let mut n_layers = 0;
+        s.array(|s, l| {
+            n_layers = l + 1;
+            if s.peek() != Some(b'[') {
+                return Err(err(format!("got a non-list at token {t}, layer {l}")));
+            }
+            let mut k = 0;
+            s.array(|s, _| {
+                k += 1;
+                let r = s.value()?;
+                let v = &s.buf()[r];
+                let n = std::str::from_utf8(v)
+                    .ok()
+                    .and_then(|v| v.parse::<i64>().ok());
+                values.push(n.ok_or_else(|| {
+                    err(format!(
+                        "got {} at token {t}, layer {l}",
+                        String::from_utf8_lossy(v)
+                    ))
+                })?);
+                Ok(())
+            })?;
+            if *top_k.get_or_insert(k) != k {
                 return Err(err(format!(
-                    "got top_k {} at token {t}, layer {l}, {} before",
-                    group.len(),
+                    "got top_k {k} at token {t}, layer {l}, {} before",
                     top_k.unwrap_or(0)
                 )));
             }
-            for v in group {
-                values.push(
-                    v.as_i64()
-                        .ok_or_else(|| err(format!("got {v} at token {t}, layer {l}")))?,
-                );
-            }
+            Ok(())
+        })?;
+        if *layers.get_or_insert(n_layers) != n_layers {
+            return Err(err(format!(
+                "got {n_layers} layers at token {t}, {} before",
+                layers.unwrap_or(0)
+            )));
         }
-    }
-    let shape = Shape::new(tokens.len(), layers.unwrap_or(0), top_k.unwrap_or(0));
+        Ok(())
+    })?;
+    s.end()?;
+    let shape = Shape::new(tokens, layers.unwrap_or(0), top_k.unwrap_or(0));
     let choice = hints.dtype.map_or(DTypeChoice::Compact, DTypeChoice::Exact);
     let p = Payload::from_values(&values, shape, hints.start.unwrap_or(0), choice)?;
     check_hints(Format::Lists, &p.header(), hints)?;

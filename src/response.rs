@@ -2,6 +2,7 @@
 //! merge prefill and decode bodies by replacing only the routing values' bytes (SPEC 4).
 
 use std::borrow::Cow;
+use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use crate::b64;
@@ -201,20 +202,16 @@ impl Spliced<'_> {
         self.len() == 0
     }
 
-    /// Write the body into `out`, which must be `len()` bytes long.
-    pub fn write_into(&self, out: &mut [u8]) {
+    /// Write the body into `out` (which may be uninitialised), `len()` bytes long.
+    pub fn write_into(&self, out: &mut [MaybeUninit<u8>]) {
         let mut rest = out;
         for piece in &self.pieces {
-            let (head, tail) = rest.split_at_mut(piece.len());
-            head.copy_from_slice(piece);
-            rest = tail;
+            rest = b64::write_uninit(rest, piece);
         }
     }
 
     pub fn to_vec(&self) -> Vec<u8> {
-        let mut out = vec![0u8; self.len()];
-        self.write_into(&mut out);
-        out
+        b64::filled_vec(self.len(), |out| self.write_into(out))
     }
 }
 

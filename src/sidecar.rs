@@ -1,6 +1,7 @@
 //! The compact sidecar (SPEC 3.1): `{"data":"<base64>","shape":[T,L,K],"start":S,"dtype":"uint8"}`.
 
 use std::borrow::Cow;
+use std::mem::MaybeUninit;
 
 use serde_json::Value;
 
@@ -235,19 +236,16 @@ fn tail(h: &Header) -> String {
 
 /// Write the canonical encoding (key order data, shape, start, dtype; no spaces) into `out`,
 /// which must be `encoded_len(p)` bytes long.
-pub fn encode_into(p: &Payload, out: &mut [u8]) {
-    let b64_len = b64::encoded_len(p.bytes().len());
-    let (head, rest) = out.split_at_mut(DATA_KEY.len());
-    head.copy_from_slice(DATA_KEY);
-    let (body, end) = rest.split_at_mut(b64_len);
+/// `out` may be uninitialised: every byte is written.
+pub fn encode_into(p: &Payload, out: &mut [MaybeUninit<u8>]) {
+    let rest = b64::write_uninit(out, DATA_KEY);
+    let (body, end) = rest.split_at_mut(b64::encoded_len(p.bytes().len()));
     b64::encode_into(p.bytes(), body);
-    end.copy_from_slice(tail(&p.header()).as_bytes());
+    b64::write_uninit(end, tail(&p.header()).as_bytes());
 }
 
 pub fn encode(p: &Payload) -> Vec<u8> {
-    let mut out = vec![0u8; encoded_len(p)];
-    encode_into(p, &mut out);
-    out
+    b64::filled_vec(encoded_len(p), |out| encode_into(p, out))
 }
 
 /// The pieces of the canonical encoding of `header` around base64 text that is already

@@ -118,10 +118,7 @@ pub fn merge_response<'py>(
     };
     let spliced = py.detach(|| response::merge_response_pieces(&p, &d, opts))?;
     // One copy: the pieces (mostly slices of the inputs) go straight into the result bytes.
-    PyBytes::new_with(py, spliced.len(), |out| {
-        py.detach(|| spliced.write_into(out));
-        Ok(())
-    })
+    super::bytes_filled(py, spliced.len(), |out| spliced.write_into(out))
 }
 
 /// Any routing format of the wild, detected, as a payload: a dict or JSON text of a compact

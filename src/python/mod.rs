@@ -5,8 +5,13 @@ pub mod functions;
 pub mod payload;
 pub mod trajectory;
 
+use std::mem::MaybeUninit;
+
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 use pyo3::PyErr;
 
 create_exception!(
@@ -34,5 +39,30 @@ impl From<crate::Error> for PyErr {
             crate::Error::Payload(m) => PayloadError::new_err(m),
             crate::Error::Merge(m) => MergeError::new_err(m),
         }
+    }
+}
+
+/// A new `bytes` of `len` bytes, all written by `fill` with the GIL released. Unlike
+/// `PyBytes::new_with`, nothing is zeroed first: for tens of MB that would be a second pass over
+/// every page. `fill` gets the memory as `MaybeUninit` and must write every byte.
+pub fn bytes_filled<'py>(
+    py: Python<'py>,
+    len: usize,
+    fill: impl FnOnce(&mut [MaybeUninit<u8>]) + Send,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let size =
+        ffi::Py_ssize_t::try_from(len).map_err(|_| crate::Error::payload("output too large"))?;
+    // SAFETY: PyBytes_FromStringAndSize(NULL, n) returns a new bytes object (or NULL with an
+    // exception set) whose n-byte buffer is ours to fill until it is shared; it is shared only
+    // after `fill` has written every byte.
+    unsafe {
+        let ptr = ffi::PyBytes_FromStringAndSize(std::ptr::null(), size);
+        let bytes = Bound::from_owned_ptr_or_err(py, ptr)?.cast_into_unchecked::<PyBytes>();
+        let buf = std::slice::from_raw_parts_mut(
+            ffi::PyBytes_AsString(ptr).cast::<MaybeUninit<u8>>(),
+            len,
+        );
+        py.detach(|| fill(buf));
+        Ok(bytes)
     }
 }

@@ -138,9 +138,8 @@ impl RoutedExperts {
     /// Canonical compact sidecar as JSON bytes: key order data, shape, start, dtype; no spaces.
     fn to_json<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         let p = &self.inner;
-        PyBytes::new_with(py, sidecar::encoded_len(p), |out| {
-            py.detach(|| sidecar::encode_into(p, out));
-            Ok(())
+        super::bytes_filled(py, sidecar::encoded_len(p), |out| {
+            sidecar::encode_into(p, out)
         })
     }
 
@@ -148,11 +147,7 @@ impl RoutedExperts {
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let p = &self.inner;
         let d = PyDict::new(py);
-        let b64 = py.detach(|| {
-            let mut out = vec![0u8; crate::b64::encoded_len(p.bytes().len())];
-            crate::b64::encode_into(p.bytes(), &mut out);
-            out
-        });
+        let b64 = py.detach(|| crate::b64::encode(p.bytes()));
         // base64 output is ASCII, hence valid UTF-8.
         let text = std::str::from_utf8(&b64).expect("base64 is ASCII");
         d.set_item("data", PyString::new(py, text))?;
