@@ -269,10 +269,10 @@ fn merge_found<'a>(
     opts: &MergeOptions,
 ) -> Result<Vec<Cow<'a, [u8]>>> {
     // Compact values carry their own start: the start hints are for formats that carry none.
+    // Two compact values merge on their text (keep_format changes nothing: compact stays compact).
     let is_compact = |f: &Found| f.text.first() == Some(&b'{');
     if is_compact(p)
         && is_compact(d)
-        && !opts.keep_format
         && opts.hints.num_layers.is_none()
         && opts.hints.top_k.is_none()
         && opts.hints.dtype.is_none()
