@@ -263,7 +263,12 @@ impl RoutedExperts {
                 crate::Error::field(
                     "transport",
                     "a tuple (data: bytes, shape: [T, L, K], dtype: str)",
-                    value.repr().map(|r| r.to_string()).unwrap_or_default(),
+                    // The type, not the repr: a transport tuple holds megabytes of bytes.
+                    value
+                        .get_type()
+                        .name()
+                        .map(|n| n.to_string())
+                        .unwrap_or_default(),
                 )
             })?;
         let [t, l, k] = shape[..] else {
