@@ -89,6 +89,18 @@ pub struct Header {
 }
 
 impl Header {
+    /// A header whose positions fit in u64 (`start + num_tokens` is used everywhere as `stop`).
+    pub fn new(start: u64, shape: Shape, dtype: DType) -> Result<Header> {
+        start
+            .checked_add(shape.tokens as u64)
+            .ok_or_else(|| Error::field("start", "start + num_tokens below 2**64", start))?;
+        Ok(Header {
+            start,
+            shape,
+            dtype,
+        })
+    }
+
     pub fn stop(&self) -> u64 {
         self.start + self.shape.tokens as u64
     }
@@ -117,9 +129,7 @@ impl Payload {
                 format!("{} bytes", data.len()),
             ));
         }
-        start
-            .checked_add(shape.tokens as u64)
-            .ok_or_else(|| Error::field("start", "start + num_tokens below 2**64", start))?;
+        Header::new(start, shape, dtype)?;
         Ok(Payload {
             start,
             shape,
@@ -170,7 +180,7 @@ impl Payload {
         self.start
     }
     pub fn stop(&self) -> u64 {
-        self.start + self.shape.tokens as u64
+        self.header().stop()
     }
     pub fn shape(&self) -> Shape {
         self.shape
@@ -204,7 +214,7 @@ impl Payload {
 
     /// Bytes of one token row.
     pub fn row_bytes(&self) -> usize {
-        self.shape.layers * self.shape.top_k * self.dtype.itemsize()
+        self.header().row_bytes()
     }
 
     /// The bytes of rows `[from, to)` (row indices, not absolute positions).

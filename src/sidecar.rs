@@ -29,9 +29,9 @@ pub struct SidecarFields<'a> {
     pub dtype: Option<Value>,
 }
 
-/// Decode a sidecar from JSON text.
+/// Decode a sidecar from JSON text: every check SPEC 3.1 lists happens before the allocation.
 pub fn decode(json: &[u8], max_bytes: usize) -> Result<Payload> {
-    decode_fields(parse_fields(json)?, max_bytes)
+    validate(parse_fields(json)?, max_bytes)?.decode()
 }
 
 /// Split JSON text into the sidecar's fields in one pass, borrowing the (large) data string.
@@ -124,11 +124,6 @@ impl SidecarText<'_> {
     }
 }
 
-/// Validate the fields and decode: every check SPEC 3.1 lists happens before the allocation.
-pub fn decode_fields(fields: SidecarFields<'_>, max_bytes: usize) -> Result<Payload> {
-    validate(fields, max_bytes)?.decode()
-}
-
 /// Check every field, the data length against the shape and the size limit; decode nothing.
 pub fn validate(fields: SidecarFields<'_>, max_bytes: usize) -> Result<SidecarText<'_>> {
     let shape = parse_shape(fields.shape.as_ref())?;
@@ -151,15 +146,8 @@ pub fn validate(fields: SidecarFields<'_>, max_bytes: usize) -> Result<SidecarTe
         None => return Err(Error::field("data", "a base64 string", "no `data` key")),
     };
     check_length(&data, shape, dtype, max_bytes, "data")?;
-    start
-        .checked_add(shape.tokens as u64)
-        .ok_or_else(|| Error::field("start", "start + num_tokens below 2**64", start))?;
     Ok(SidecarText {
-        header: Header {
-            start,
-            shape,
-            dtype,
-        },
+        header: Header::new(start, shape, dtype)?,
         data,
     })
 }

@@ -90,11 +90,18 @@ class UpstreamError(Exception):
         self.side, self.status, self.message = side, status, message
 
 
-def error_response(status: int, side: str, message: str) -> JSONResponse:
+def error_body(status: int, side: str, message: str) -> dict[str, Any]:
+    """The JSON error every failure gives the client, as a response or as a final stream event."""
     kind = "invalid_request_error" if status < 500 else "upstream_error"
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "side": side, "code": status}}, status
-    )
+    return {"error": {"message": message, "type": kind, "side": side, "code": status}}
+
+
+def error_response(status: int, side: str, message: str) -> JSONResponse:
+    return JSONResponse(error_body(status, side, message), status)
+
+
+def error_event(status: int, side: str, message: str) -> bytes:
+    return b"data: " + json.dumps(error_body(status, side, message)).encode() + b"\n\n"
 
 
 class PDProxy:
@@ -180,28 +187,12 @@ class PDProxy:
                     except rx.RoutedExpertsError as e:
                         # Headers are sent: report in-band, once, and end the stream.
                         log.warning("%s merge: %s", url, e)
-                        err = {
-                            "error": {
-                                "message": str(e),
-                                "type": "upstream_error",
-                                "side": "merge",
-                                "code": 502,
-                            }
-                        }
-                        yield b"data: " + json.dumps(err).encode() + b"\n\n"
+                        yield error_event(502, "merge", str(e))
                         return
                     yield data + b"\n"
             except httpx.HTTPError as e:
                 log.warning("%s decode stream: %r", url, e)
-                err = {
-                    "error": {
-                        "message": f"decode stream failed: {e!r}",
-                        "type": "upstream_error",
-                        "side": "decode",
-                        "code": 502,
-                    }
-                }
-                yield b"data: " + json.dumps(err).encode() + b"\n\n"
+                yield error_event(502, "decode", f"decode stream failed: {e!r}")
             finally:
                 await upstream.aclose()
 

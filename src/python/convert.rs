@@ -10,6 +10,7 @@ use pyo3::types::{
 };
 use serde_json::Value;
 
+use crate::formats::{self, Hints};
 use crate::sidecar::{DataField, SidecarFields};
 use crate::{DType, DTypeChoice, Payload, Shape};
 
@@ -44,7 +45,7 @@ const NOT_JSON: &str = "a non-JSON Python object";
 
 /// The fields of a sidecar given as a Python dict. `data` is the dict's `data` item, fetched by
 /// the caller so that its text can be borrowed, not copied, for as long as the caller holds it.
-pub fn dict_fields<'a>(
+fn dict_fields<'a>(
     d: &Bound<'_, PyDict>,
     data: Option<&'a Bound<'_, PyAny>>,
 ) -> PyResult<SidecarFields<'a>> {
@@ -57,6 +58,14 @@ pub fn dict_fields<'a>(
         start: small("start")?,
         dtype: small("dtype")?,
     })
+}
+
+/// A compact sidecar given as a dict, decoded with the GIL released (its data string borrowed).
+pub fn decode_dict(d: &Bound<'_, PyDict>, hints: &Hints, max_bytes: usize) -> PyResult<Payload> {
+    let data = d.get_item("data")?;
+    let fields = dict_fields(d, data.as_ref())?;
+    Ok(d.py()
+        .detach(|| formats::decode_compact_fields(fields, hints, max_bytes))?)
 }
 
 fn data_field<'a>(v: &'a Bound<'_, PyAny>) -> PyResult<DataField<'a>> {

@@ -162,10 +162,7 @@ pub fn decode_any(
         return Ok((Format::Compact, p));
     }
     if let Ok(d) = value.cast::<PyDict>() {
-        let data = d.get_item("data")?;
-        let fields = convert::dict_fields(d, data.as_ref())?;
-        let p = py.detach(|| formats::decode_compact_fields(fields, hints, limit))?;
-        return Ok((Format::Compact, p));
+        return Ok((Format::Compact, convert::decode_dict(d, hints, limit)?));
     }
     if value.is_instance_of::<PyList>() || value.is_instance_of::<PyTuple>() {
         // Nested lists (lmdeploy) go through JSON text so that one parser checks them.
@@ -230,7 +227,7 @@ pub fn pack<'py>(
     dtype: Option<&str>,
     pad_to_multiple: Option<usize>,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
-    use numpy::{PyArray1, PyArray3, PyArrayMethods};
+    use numpy::PyArray1;
     let payloads: Vec<&Payload> = samples.iter().map(|s| &s.get().inner).collect();
     let Some(first) = payloads.first() else {
         return Err(crate::Error::field("samples", "at least one sample", "an empty list").into());
@@ -246,11 +243,7 @@ pub fn pack<'py>(
     let cu_seqlens = PyArray1::from_vec(py, cu).call_method1("astype", ("int32",))?;
     let dims = (rows, first.num_layers(), first.top_k());
     let packed = crate::with_element!(dtype, D => {
-        let arr = PyArray3::<D>::zeros(py, dims, false);
-        // SAFETY: the array was just created here; nothing else can see it yet.
-        let dst = unsafe { arr.as_slice_mut() }.expect("a new array is contiguous");
-        py.detach(|| crate::pack::pack_into::<D>(&payloads, dst))?;
-        arr.into_any()
+        super::numpy_filled::<D>(py, dims, |dst| crate::pack::pack_into(&payloads, dst))?
     });
     Ok((packed, cu_seqlens))
 }

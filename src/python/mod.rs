@@ -66,3 +66,18 @@ pub fn bytes_filled<'py>(
         Ok(bytes)
     }
 }
+
+/// A new numpy array of `dims` (numpy owns it, writable) filled by `fill` with the GIL released:
+/// values go straight into numpy's buffer, with no intermediate one.
+pub fn numpy_filled<'py, D: crate::Element + numpy::Element>(
+    py: Python<'py>,
+    dims: (usize, usize, usize),
+    fill: impl FnOnce(&mut [D]) -> crate::Result<()> + Send,
+) -> PyResult<Bound<'py, PyAny>> {
+    use numpy::{PyArray3, PyArrayMethods};
+    let arr = PyArray3::<D>::zeros(py, dims, false);
+    // SAFETY: the array was just created here; nothing else can see it yet.
+    let dst = unsafe { arr.as_slice_mut() }.expect("a new array is contiguous");
+    py.detach(|| fill(dst))?;
+    Ok(arr.into_any())
+}

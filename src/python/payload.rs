@@ -4,7 +4,7 @@
 use numpy::ndarray::ArrayView3;
 use numpy::npyffi::flags::NPY_ARRAY_WRITEABLE;
 use numpy::npyffi::objects::_PyArray_GET_ITEM_DATA;
-use numpy::{PyArray3, PyArrayMethods, PyUntypedArrayMethods};
+use numpy::{PyArray3, PyUntypedArrayMethods};
 use pyo3::basic::CompareOp;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString, PyTuple};
@@ -34,9 +34,7 @@ pub fn decode_sidecar_obj(value: &Bound<'_, PyAny>, max_bytes: Option<usize>) ->
     let py = value.py();
     let limit = max_bytes.unwrap_or_else(limits::max_bytes);
     if let Ok(d) = value.cast::<PyDict>() {
-        let data = d.get_item("data")?;
-        let fields = convert::dict_fields(d, data.as_ref())?;
-        return Ok(py.detach(|| sidecar::decode_fields(fields, limit))?);
+        return convert::decode_dict(d, &Default::default(), limit);
     }
     let text = convert::text_arg(value)?;
     Ok(py.detach(|| sidecar::decode(&text, limit))?)
@@ -386,10 +384,6 @@ fn readonly_view<'py>(slf: &Bound<'py, RoutedExperts>) -> Bound<'py, PyAny> {
 pub fn new_numpy<'py>(py: Python<'py>, p: &Payload, dtype: DType) -> PyResult<Bound<'py, PyAny>> {
     let s = p.shape();
     with_element!(dtype, D => {
-        let arr = PyArray3::<D>::zeros(py, (s.tokens, s.layers, s.top_k), false);
-        // SAFETY: the array was just created here; nothing else can see it yet.
-        let dst = unsafe { arr.as_slice_mut() }.expect("a new array is contiguous");
-        py.detach(|| p.write_as::<D>(dst))?;
-        Ok(arr.into_any())
+        super::numpy_filled::<D>(py, (s.tokens, s.layers, s.top_k), |dst| p.write_as(dst))
     })
 }
