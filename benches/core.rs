@@ -106,7 +106,7 @@ fn stitch(c: &mut Criterion) {
         b.iter(|| {
             let mut t = Trajectory::new();
             for turn in &turns {
-                t.append(turn, Overlap::Keep).unwrap();
+                t.append(turn, Overlap::Keep, usize::MAX).unwrap();
             }
             t.len()
         })

@@ -220,6 +220,7 @@ fn decode_lists(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Payload>
     })?;
     s.end()?;
     let shape = Shape::new(tokens, layers.unwrap_or(0), top_k.unwrap_or(0));
+    crate::limits::check_shape(shape, hints.dtype.unwrap_or(DType::U8), max_bytes)?;
     let choice = hints.dtype.map_or(DTypeChoice::Compact, DTypeChoice::Exact);
     let p = Payload::from_values(&values, shape, hints.start.unwrap_or(0), choice)?;
     check_hints(Format::Lists, &p.header(), hints)?;
@@ -277,6 +278,7 @@ fn decode_vllm_npy(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Paylo
     let mut file = AlignedBytes::zeroed(len);
     b64::decode_into(text, file.as_mut_bytes(), "vllm_npy")?;
     let h = npy::parse_header(file.as_bytes())?;
+    crate::limits::check_shape(h.shape, h.dtype, max_bytes)?;
     let want = h.shape.nbytes(h.dtype)?;
     let have = len - h.data_offset;
     if have != want {
@@ -285,7 +287,6 @@ fn decode_vllm_npy(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Paylo
             h.shape, h.dtype
         )));
     }
-    crate::limits::check(want, max_bytes)?;
     file.as_mut_bytes().copy_within(h.data_offset.., 0);
     file.truncate(want);
     let p = Payload::new(hints.start.unwrap_or(0), h.shape, h.dtype, file)?;

@@ -38,17 +38,19 @@ pub fn plan(prefill: &Header, decode: &Header) -> Result<Plan> {
     // The rows decode holds for positions prefill already covers; `decode.start` counts, not
     // `prefill.seq_len` (skipping the latter is the bug this library exists to avoid).
     let skip = (prefill.stop() - decode.start) as usize;
-    let tokens = prefill.shape.tokens + (decode.shape.tokens - skip);
+    let tokens = prefill
+        .shape
+        .tokens
+        .checked_add(decode.shape.tokens - skip)
+        .ok_or_else(|| Error::merge("the merged payload has more than 2**64 rows"))?;
+    let shape = Shape {
+        tokens,
+        ..prefill.shape
+    };
+    let dtype = DType::promote(prefill.dtype, decode.dtype);
     Ok(Plan {
         skip,
-        header: Header {
-            start: prefill.start,
-            shape: Shape {
-                tokens,
-                ..prefill.shape
-            },
-            dtype: DType::promote(prefill.dtype, decode.dtype),
-        },
+        header: Header::new(prefill.start, shape, dtype)?,
     })
 }
 
@@ -84,7 +86,10 @@ pub fn concat(start: u64, pieces: &[(&Payload, usize, usize)]) -> Result<Payload
     let dtype = pieces
         .iter()
         .fold(first.dtype(), |d, (p, _, _)| DType::promote(d, p.dtype()));
-    let tokens = pieces.iter().map(|(_, from, to)| to - from).sum();
+    let tokens = pieces
+        .iter()
+        .try_fold(0usize, |n, (_, from, to)| n.checked_add(to - from))
+        .ok_or_else(|| Error::merge("the concatenation has more than 2**64 rows"))?;
     let mut out = Payload::zeros(
         start,
         Shape {

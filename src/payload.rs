@@ -42,6 +42,17 @@ impl Shape {
             .ok_or_else(|| self.overflow())
     }
 
+    /// Bytes the shape declares, counting only its non-zero dimensions (`None` on overflow).
+    /// This, not the data length, is what bounds a shape: `[2**62, 0, 1]` holds no data but
+    /// declares 2**62 bytes, and numpy (like ndarray) refuses any shape whose non-zero
+    /// dimensions overflow, whatever its size.
+    pub fn declared_bytes(&self, dtype: DType) -> Option<usize> {
+        [self.tokens, self.layers, self.top_k]
+            .into_iter()
+            .filter(|&d| d != 0)
+            .try_fold(dtype.itemsize(), usize::checked_mul)
+    }
+
     fn overflow(&self) -> Error {
         Error::field(
             "shape",
@@ -88,9 +99,26 @@ pub struct Header {
     pub dtype: DType,
 }
 
+/// The largest size any array may declare: numpy, ndarray and Rust slices all need sizes that
+/// fit `isize`. Every `Header` (and so every `Payload`) is within it, so every view of a payload
+/// that numpy is asked to build is one it can represent. The caller's size limit
+/// (`limits::check_shape`) is usually far lower.
+pub const MAX_DECLARED_BYTES: usize = isize::MAX as usize;
+
 impl Header {
-    /// A header whose positions fit in u64 (`start + num_tokens` is used everywhere as `stop`).
+    /// A header whose shape can be represented (`MAX_DECLARED_BYTES`) and whose positions fit in
+    /// u64 (`start + num_tokens` is used everywhere as `stop`).
     pub fn new(start: u64, shape: Shape, dtype: DType) -> Result<Header> {
+        if shape
+            .declared_bytes(dtype)
+            .is_none_or(|n| n > MAX_DECLARED_BYTES)
+        {
+            return Err(Error::field(
+                "shape",
+                "non-zero dimensions whose product times the item size fits in 2**63-1 bytes",
+                format!("{shape} of {dtype}"),
+            ));
+        }
         start
             .checked_add(shape.tokens as u64)
             .ok_or_else(|| Error::field("start", "start + num_tokens below 2**64", start))?;
@@ -139,6 +167,7 @@ impl Payload {
     }
 
     pub fn zeros(start: u64, shape: Shape, dtype: DType) -> Result<Self> {
+        Header::new(start, shape, dtype)?; // before allocating
         Payload::new(
             start,
             shape,

@@ -152,7 +152,7 @@ pub fn validate(fields: SidecarFields<'_>, max_bytes: usize) -> Result<SidecarTe
     })
 }
 
-/// The decoded length of base64 `text` must be exactly the shape's size, within the limit.
+/// The shape must be within the limit, and the decoded length of base64 `text` exactly its size.
 fn check_length(
     text: &[u8],
     shape: Shape,
@@ -160,6 +160,7 @@ fn check_length(
     max_bytes: usize,
     field: &str,
 ) -> Result<()> {
+    limits::check_shape(shape, dtype, max_bytes)?;
     let want = shape.nbytes(dtype)?;
     let have = b64::decoded_len(text, field)?;
     if have != want {
@@ -169,7 +170,7 @@ fn check_length(
             format!("{have} bytes"),
         ));
     }
-    limits::check(want, max_bytes)
+    Ok(())
 }
 
 /// Base64 of raw little-endian bytes -> payload, checking the length against the shape and the
@@ -313,7 +314,7 @@ mod tests {
         assert!(decode(text, 5)
             .unwrap_err()
             .to_string()
-            .contains("exceeds the limit"));
+            .contains("[3, 1, 2] of uint8 declares 6 bytes"));
         assert!(decode(text, 6).is_ok());
     }
 }

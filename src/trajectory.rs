@@ -68,6 +68,11 @@ impl Trajectory {
         Trajectory { rows: None }
     }
 
+    /// A trajectory holding exactly `p`'s rows (how a pickled one is rebuilt).
+    pub fn from_payload(p: Payload) -> Self {
+        Trajectory { rows: Some(p) }
+    }
+
     pub fn start(&self) -> Option<u64> {
         self.rows.as_ref().map(Payload::start)
     }
@@ -93,8 +98,9 @@ impl Trajectory {
         self.rows.as_ref()
     }
 
-    /// Add a turn's payload by absolute position. Nothing changes when it fails.
-    pub fn append(&mut self, p: &Payload, overlap: Overlap) -> Result<()> {
+    /// Add a turn's payload by absolute position; the grown trajectory must fit `max_bytes`.
+    /// Nothing changes when it fails.
+    pub fn append(&mut self, p: &Payload, overlap: Overlap, max_bytes: usize) -> Result<()> {
         let Some(held) = self.rows.as_mut() else {
             self.rows = Some(p.clone());
             return Ok(());
@@ -117,6 +123,14 @@ impl Trajectory {
                 p.start()
             )));
         }
+        // The grown trajectory is held to the size limit too, checked before anything changes.
+        let dtype = DType::promote(held.dtype(), p.dtype());
+        let grown = Shape {
+            tokens: (p.stop().max(held.stop()) - held.start()) as usize,
+            ..held.shape()
+        };
+        crate::limits::check_shape(grown, dtype, max_bytes)
+            .map_err(|e| e.context("the trajectory would grow past the size limit"))?;
         // Overlapping positions [p.start, overlap_end); new ones [overlap_end, p.stop).
         let overlap_end = p.stop().min(held.stop());
         let (p_from, p_mid) = (0, (overlap_end - p.start()) as usize);
@@ -124,7 +138,6 @@ impl Trajectory {
         if overlap == Overlap::Check {
             first_difference(held, held_from, p, p_from, p_mid)?;
         }
-        let dtype = DType::promote(held.dtype(), p.dtype());
         if dtype != held.dtype() {
             *held = held.astype(dtype)?;
         }
@@ -155,8 +168,15 @@ impl Trajectory {
     }
 
     /// Rows aligned to a training sample of `num_tokens` tokens: truncated, or padded at the end
-    /// by at most `max_missing` rows. The trajectory must start at position 0.
-    pub fn to_training(&self, num_tokens: usize, pad: Pad, max_missing: usize) -> Result<Payload> {
+    /// by at most `max_missing` rows. The trajectory must start at position 0. The aligned shape
+    /// is held to `max_bytes` before anything is allocated.
+    pub fn to_training(
+        &self,
+        num_tokens: usize,
+        pad: Pad,
+        max_missing: usize,
+        max_bytes: usize,
+    ) -> Result<Payload> {
         let Some(held) = self.rows.as_ref() else {
             return Err(Error::merge("the trajectory is empty: nothing to train on"));
         };
@@ -167,6 +187,12 @@ impl Trajectory {
             )));
         }
         let have = held.num_tokens();
+        let shape = Shape {
+            tokens: num_tokens,
+            ..held.shape()
+        };
+        crate::limits::check_shape(shape, held.dtype(), max_bytes)
+            .map_err(|e| e.context(format!("num_tokens={num_tokens}")))?;
         if num_tokens <= have {
             return held.slice(0, num_tokens as u64);
         }
@@ -183,7 +209,7 @@ impl Trajectory {
             ));
         }
         let row = held.row_bytes();
-        let mut data = AlignedBytes::with_capacity(num_tokens * row);
+        let mut data = AlignedBytes::with_capacity(shape.nbytes(held.dtype())?);
         data.extend_from_slice(held.bytes());
         for _ in 0..missing {
             match pad {
@@ -191,15 +217,7 @@ impl Trajectory {
                 Pad::Zero => data.grow(row).fill(0),
             }
         }
-        Payload::new(
-            0,
-            Shape {
-                tokens: num_tokens,
-                ..held.shape()
-            },
-            held.dtype(),
-            data,
-        )
+        Payload::new(0, shape, held.dtype(), data)
     }
 }
 
@@ -230,6 +248,7 @@ fn first_difference(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::limits::DEFAULT_MAX_BYTES as LIMIT;
     use crate::payload::DTypeChoice;
 
     fn rows(start: u64, values: &[i64]) -> Payload {
@@ -245,18 +264,18 @@ mod tests {
     #[test]
     fn stitches_deltas_and_keeps_held_rows() {
         let mut t = Trajectory::new();
-        t.append(&rows(0, &[1, 2, 3]), Overlap::Keep).unwrap();
-        t.append(&rows(2, &[9, 4, 5]), Overlap::Keep).unwrap();
+        t.append(&rows(0, &[1, 2, 3]), Overlap::Keep, LIMIT).unwrap();
+        t.append(&rows(2, &[9, 4, 5]), Overlap::Keep, LIMIT).unwrap();
         assert_eq!(t.payload().unwrap(), &rows(0, &[1, 2, 3, 4, 5]));
-        t.append(&rows(0, &[7, 7]), Overlap::Replace).unwrap();
+        t.append(&rows(0, &[7, 7]), Overlap::Replace, LIMIT).unwrap();
         assert_eq!(t.payload().unwrap(), &rows(0, &[7, 7, 3, 4, 5]));
-        let err = t.append(&rows(1, &[7, 0]), Overlap::Check).unwrap_err();
+        let err = t.append(&rows(1, &[7, 0]), Overlap::Check, LIMIT).unwrap_err();
         assert!(
             err.to_string().contains("position 2, layer 0 holds 3"),
             "{err}"
         );
         assert!(t
-            .append(&rows(7, &[1]), Overlap::Keep)
+            .append(&rows(7, &[1]), Overlap::Keep, LIMIT)
             .unwrap_err()
             .to_string()
             .contains("[5, 7)"));
@@ -266,17 +285,17 @@ mod tests {
     #[test]
     fn training_alignment() {
         let mut t = Trajectory::new();
-        t.append(&rows(0, &[1, 2, 3]), Overlap::Keep).unwrap();
+        t.append(&rows(0, &[1, 2, 3]), Overlap::Keep, LIMIT).unwrap();
         assert_eq!(
-            t.to_training(4, Pad::Repeat, 1).unwrap(),
+            t.to_training(4, Pad::Repeat, 1, LIMIT).unwrap(),
             rows(0, &[1, 2, 3, 3])
         );
         assert_eq!(
-            t.to_training(4, Pad::Zero, 1).unwrap(),
+            t.to_training(4, Pad::Zero, 1, LIMIT).unwrap(),
             rows(0, &[1, 2, 3, 0])
         );
-        assert_eq!(t.to_training(2, Pad::Repeat, 1).unwrap(), rows(0, &[1, 2]));
-        assert!(t.to_training(5, Pad::Repeat, 1).is_err());
+        assert_eq!(t.to_training(2, Pad::Repeat, 1, LIMIT).unwrap(), rows(0, &[1, 2]));
+        assert!(t.to_training(5, Pad::Repeat, 1, LIMIT).is_err());
         t.truncate(1).unwrap();
         assert_eq!(t.payload().unwrap(), &rows(0, &[1]));
     }

@@ -229,10 +229,13 @@ def test_errors_form_one_family() -> None:
 
 
 def test_huge_declared_shape_is_rejected_without_allocating() -> None:
-    # 2**62 bytes could never be allocated: the mismatch is found from the text length alone.
+    # 2**62 bytes could never be allocated: the shape alone is over the limit (SPEC 8).
     huge = {"data": "AAAA", "shape": [2**40, 2**20, 2**2], "start": 0, "dtype": "uint8"}
-    with pytest.raises(rx.PayloadError, match="got 3 bytes"):
+    with pytest.raises(rx.PayloadError, match=r"\[1099511627776, 1048576, 4\] of uint8 declares"):
         rx.RoutedExperts.from_json(huge)
+    # Within the limit, the mismatch is found from the text length alone.
+    with pytest.raises(rx.PayloadError, match="got 3 bytes"):
+        rx.RoutedExperts.from_json({**huge, "shape": [2**10, 2**10, 4]})
     overflow = {**huge, "shape": [2**63, 2**63, 4]}
     with pytest.raises(rx.PayloadError, match="overflows"):
         rx.RoutedExperts.from_json(overflow)
@@ -247,7 +250,7 @@ def test_size_limit_is_settable() -> None:
     assert old == 1 << 30
     try:
         rx.set_max_bytes(319)
-        with pytest.raises(rx.PayloadError, match="320 decoded bytes exceeds"):
+        with pytest.raises(rx.PayloadError, match="declares 320 bytes .* exceeds the limit of 319 bytes"):
             rx.RoutedExperts.from_json(wire)
         assert len(rx.RoutedExperts.from_json(wire, max_bytes=320)) == 10
     finally:

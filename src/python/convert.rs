@@ -21,7 +21,7 @@ pub fn text_arg<'a>(value: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u8]>> {
         return Ok(Cow::Borrowed(b.as_bytes()));
     }
     if let Ok(s) = value.cast::<PyString>() {
-        return Ok(Cow::Borrowed(s.to_str()?.as_bytes()));
+        return Ok(Cow::Borrowed(str_utf8(s, "value")?.as_bytes()));
     }
     if let Ok(b) = value.cast::<PyByteArray>() {
         return Ok(Cow::Owned(b.to_vec()));
@@ -42,6 +42,14 @@ pub fn text_arg<'a>(value: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u8]>> {
 }
 
 const NOT_JSON: &str = "a non-JSON Python object";
+
+/// A `str` as UTF-8; one that has none (a lone surrogate, as `json.loads` can produce from a
+/// `"\ud800"` escape) is malformed input.
+pub fn str_utf8<'a>(s: &'a Bound<'_, PyString>, field: &str) -> PyResult<&'a str> {
+    s.to_str().map_err(|_| {
+        crate::Error::field(field, "text that can be UTF-8", "a str with a lone surrogate").into()
+    })
+}
 
 /// The fields of a sidecar given as a Python dict. `data` is the dict's `data` item, fetched by
 /// the caller so that its text can be borrowed, not copied, for as long as the caller holds it.
@@ -70,7 +78,9 @@ pub fn decode_dict(d: &Bound<'_, PyDict>, hints: &Hints, max_bytes: usize) -> Py
 
 fn data_field<'a>(v: &'a Bound<'_, PyAny>) -> PyResult<DataField<'a>> {
     if let Ok(s) = v.cast::<PyString>() {
-        return Ok(DataField::Base64(Cow::Borrowed(s.to_str()?.as_bytes())));
+        return Ok(DataField::Base64(Cow::Borrowed(
+            str_utf8(s, "data")?.as_bytes(),
+        )));
     }
     if let Ok(b) = v.cast::<PyBytes>() {
         return Ok(DataField::Base64(Cow::Borrowed(b.as_bytes())));
@@ -103,7 +113,7 @@ pub fn to_json_value(v: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
         return Ok(Value::Bool(b.is_true()));
     }
     if let Ok(s) = v.cast::<PyString>() {
-        return Ok(Value::String(s.to_str()?.to_owned()));
+        return Ok(Value::String(str_utf8(s, "str")?.to_owned()));
     }
     if let Ok(f) = v.cast::<PyFloat>() {
         return Ok(serde_json::Number::from_f64(f.value()).map_or(Value::Null, Value::Number));
@@ -116,7 +126,8 @@ pub fn to_json_value(v: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
         if let Ok(n) = i.extract::<i64>() {
             return Ok(Value::from(n));
         }
-        return Ok(Value::String(i.str()?.to_str()?.to_owned()));
+        // Beyond int64 either way: a number too large for any field, reported as such.
+        return Ok(Value::String("an integer beyond 64 bits".to_owned()));
     }
     if (v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>()) && depth < 4 {
         let items: PyResult<Vec<Value>> = v
@@ -131,7 +142,7 @@ pub fn to_json_value(v: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
 /// A dtype given as a name (`"uint8"`) or anything `numpy.dtype()` accepts (`np.uint16`).
 pub fn dtype_arg(v: &Bound<'_, PyAny>) -> PyResult<DType> {
     if let Ok(s) = v.cast::<PyString>() {
-        return Ok(DType::parse(s.to_str()?)?);
+        return Ok(DType::parse(str_utf8(s, "dtype")?)?);
     }
     let np_dtype = v.py().import("numpy")?.getattr("dtype")?.call1((v,))?;
     Ok(DType::parse(
@@ -202,3 +213,4 @@ fn shape3(shape: &[usize]) -> PyResult<Shape> {
         .into()),
     }
 }
+

@@ -165,9 +165,21 @@ pub fn decode_any(
         return Ok((Format::Compact, convert::decode_dict(d, hints, limit)?));
     }
     if value.is_instance_of::<PyList>() || value.is_instance_of::<PyTuple>() {
-        // Nested lists (lmdeploy) go through JSON text so that one parser checks them.
-        let json = py.import("json")?.getattr("dumps")?.call1((value,))?;
-        let text = json.cast::<PyString>()?.to_str()?.as_bytes();
+        // Nested lists (lmdeploy) go through JSON text so that one parser checks them. What
+        // json.dumps refuses (objects that are not JSON, nesting beyond the recursion limit)
+        // is malformed input.
+        let json = py
+            .import("json")?
+            .getattr("dumps")?
+            .call1((value,))
+            .map_err(|e| {
+                crate::Error::field(
+                    "lists",
+                    "nested lists of integers",
+                    format!("a value json.dumps refuses ({e})"),
+                )
+            })?;
+        let text = convert::str_utf8(json.cast::<PyString>()?, "lists")?.as_bytes();
         return Ok(py.detach(|| formats::decode_text(text, hints, limit))?);
     }
     if value.hasattr("__array__")? {
@@ -191,6 +203,9 @@ pub fn encode<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let format = Format::parse(format)?;
     let p = &payload.get().inner;
+    if format == Format::Lists {
+        check_list_objects(p, limits::max_bytes())?;
+    }
     let text = py.detach(|| formats::encode(p, format))?;
     // base64, the nemo envelope and JSON digits are ASCII.
     let s = PyString::new(
@@ -200,6 +215,33 @@ pub fn encode<'py>(
     match format {
         Format::Compact | Format::Lists => py.import("json")?.getattr("loads")?.call1((s,)),
         _ => Ok(s.into_any()),
+    }
+}
+
+/// Nested Python lists cost far more than the payload: 56 bytes per list object (one per token
+/// and one per (token, layer)) and an 8-byte pointer per value. Refuse, before building any,
+/// lists whose memory would pass the size limit: a `[10**8, 0, 8]` payload holds no values but
+/// would be 10**8 lists.
+fn check_list_objects(p: &Payload, limit: usize) -> PyResult<()> {
+    const LIST_BYTES: usize = 56;
+    let s = p.shape();
+    let lists = s
+        .layers
+        .checked_add(1)
+        .and_then(|l| l.checked_mul(s.tokens))
+        .and_then(|n| n.checked_add(1));
+    let bytes = lists
+        .and_then(|n| n.checked_mul(LIST_BYTES))
+        .and_then(|n| n.checked_add(s.elems().ok()?.checked_mul(8)?));
+    match bytes {
+        Some(n) if n <= limit => Ok(()),
+        _ => Err(crate::Error::payload(format!(
+            "`format`: \"lists\" of shape {} would build {} Python lists and values, over the \
+             limit of {limit} bytes (raise it with routed_experts.set_max_bytes)",
+            s,
+            bytes.map_or("more than 2**64 bytes of".to_string(), |n| format!("{n} bytes of"))
+        ))
+        .into()),
     }
 }
 
@@ -238,7 +280,7 @@ pub fn pack<'py>(
             .iter()
             .fold(first.dtype(), |d, p| crate::DType::promote(d, p.dtype())),
     };
-    let (rows, cu) = crate::pack::layout(&payloads, pad_to_multiple)?;
+    let (rows, cu) = crate::pack::layout(&payloads, pad_to_multiple, dtype, limits::max_bytes())?;
     let cu: Vec<i64> = cu.into_iter().map(|c| c as i64).collect();
     let cu_seqlens = PyArray1::from_vec(py, cu).call_method1("astype", ("int32",))?;
     let dims = (rows, first.num_layers(), first.top_k());

@@ -1,10 +1,6 @@
 //! `RoutedExperts`: an immutable payload whose `array` is a read-only numpy view of the
 //! Rust-owned buffer (no copy).
 
-use numpy::ndarray::ArrayView3;
-use numpy::npyffi::flags::NPY_ARRAY_WRITEABLE;
-use numpy::npyffi::objects::_PyArray_GET_ITEM_DATA;
-use numpy::{PyArray3, PyUntypedArrayMethods};
 use pyo3::basic::CompareOp;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString, PyTuple};
@@ -71,7 +67,7 @@ impl RoutedExperts {
 
     /// Read-only numpy view (no copy) of shape (num_tokens, num_layers, top_k).
     #[getter]
-    fn array<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyAny> {
+    fn array<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
         readonly_view(slf)
     }
 
@@ -88,7 +84,7 @@ impl RoutedExperts {
             .transpose()?
             .unwrap_or(p.dtype());
         if target == p.dtype() && !writable {
-            return Ok(readonly_view(slf));
+            return readonly_view(slf);
         }
         new_numpy(slf.py(), p, target)
     }
@@ -322,7 +318,7 @@ impl RoutedExperts {
         let py = slf.py();
         let p = &slf.get().inner;
         let data: Bound<'py, PyAny> = if protocol >= 5 {
-            let flat = readonly_view(slf).call_method1("reshape", (-1,))?;
+            let flat = readonly_view(slf)?.call_method1("reshape", (-1,))?;
             let view = flat.call_method1("view", ("uint8",))?;
             py.import("pickle")?
                 .getattr("PickleBuffer")?
@@ -353,29 +349,27 @@ pub fn _from_raw(
 ) -> PyResult<RoutedExperts> {
     let dtype = DType::parse(dtype)?;
     let shape = Shape::new(shape.0, shape.1, shape.2);
+    limits::check_shape(shape, dtype, limits::max_bytes())?;
     let want = shape.nbytes(dtype)?;
     if data.len_bytes() != want {
         let msg = format!("{want} bytes for shape {shape} of {dtype}");
         return Err(crate::Error::field("data", msg, format!("{} bytes", data.len_bytes())).into());
     }
-    limits::check(want, limits::max_bytes())?;
     let mut buf = crate::buffer::AlignedBytes::zeroed(want);
     data.copy_to_slice(py, buf.as_mut_bytes())?;
     Ok(RoutedExperts::new(Payload::new(start, shape, dtype, buf)?))
 }
 
-/// A numpy view of `slf`'s buffer that keeps `slf` alive, marked read-only.
-fn readonly_view<'py>(slf: &Bound<'py, RoutedExperts>) -> Bound<'py, PyAny> {
+/// A read-only numpy view of `slf`'s buffer that keeps `slf` alive.
+fn readonly_view<'py>(slf: &Bound<'py, RoutedExperts>) -> PyResult<Bound<'py, PyAny>> {
     let p = &slf.get().inner;
     let s = p.shape();
     with_element!(p.dtype(), T => {
-        let view = ArrayView3::from_shape((s.tokens, s.layers, s.top_k), p.values::<T>())
-            .expect("payload length matches its shape");
-        // SAFETY: the payload is frozen (never mutated or freed while `slf` lives), and the
-        // array holds a reference to `slf` as its base.
-        let arr = unsafe { PyArray3::<T>::borrow_from_array(&view, slf.clone().into_any()) };
-        unsafe { (*_PyArray_GET_ITEM_DATA(arr.as_array_ptr())).flags &= !NPY_ARRAY_WRITEABLE };
-        arr.into_any()
+        let values = p.values::<T>();
+        // SAFETY: a payload's buffer holds exactly tokens * layers * top_k values of its dtype,
+        // 8-aligned (AlignedBytes); the payload is frozen, so never mutated or freed while `slf`,
+        // the view's base, lives.
+        unsafe { super::readonly_array::<T>(slf.as_any(), (s.tokens, s.layers, s.top_k), values.as_ptr()) }
     })
 }
 

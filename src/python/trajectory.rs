@@ -1,9 +1,13 @@
 //! `Trajectory`: the orchestrator's accumulator of a multi-turn rollout's routing.
 
+use std::sync::{Mutex, MutexGuard};
+
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
 use super::functions::payload_arg;
 use super::payload::{new_numpy, RoutedExperts};
+use crate::limits;
 use crate::trajectory::{Overlap, Pad, Trajectory as Core};
 
 /// The routing of one rollout, turn after turn, by absolute position.
@@ -12,10 +16,29 @@ use crate::trajectory::{Overlap, Pad, Trajectory as Core};
 /// (a gap raises MergeError); rows held already are resolved by `overlap`: "keep" (default: the
 /// routing used when those tokens were sampled), "replace", or "check" (must be equal). Dtypes
 /// are promoted, never truncated. Rows grow in one buffer (amortised), not one copy per turn.
-#[pyclass(module = "routed_experts._core", name = "Trajectory")]
+///
+/// Safe to share between threads: appends serialize, and every read sees the trajectory
+/// between two appends, never during one.
+#[pyclass(frozen, module = "routed_experts._core", name = "Trajectory")]
 #[derive(Default)]
 pub struct Trajectory {
-    inner: Core,
+    // Frozen, so pyo3 never raises a borrow error; the lock serializes instead. It is taken only
+    // with the GIL released (`locked`), so a thread holding it never waits for the GIL while
+    // another holds the GIL and waits for it.
+    inner: Mutex<Core>,
+}
+
+impl Trajectory {
+    /// Run `f` on the trajectory with the GIL released and the lock held.
+    fn locked<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Core) -> R + Send) -> R {
+        py.detach(|| f(&mut lock(&self.inner)))
+    }
+}
+
+/// The lock, even after a panic elsewhere poisoned it: every mutation of the core either
+/// completes or leaves the trajectory unchanged, so the state behind a poisoned lock is whole.
+fn lock(m: &Mutex<Core>) -> MutexGuard<'_, Core> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[pymethods]
@@ -28,63 +51,78 @@ impl Trajectory {
     /// Add a turn's payload (a RoutedExperts or a compact sidecar).
     #[pyo3(signature = (payload, overlap = "keep"))]
     fn append(
-        &mut self,
+        &self,
         py: Python<'_>,
         payload: &Bound<'_, PyAny>,
         overlap: &str,
     ) -> PyResult<()> {
         let overlap = Overlap::parse(overlap)?;
-        let inner = &mut self.inner;
+        let limit = limits::max_bytes();
         if let Ok(p) = payload.cast::<RoutedExperts>() {
             let p = &p.get().inner;
-            return Ok(py.detach(|| inner.append(p, overlap))?);
+            return Ok(self.locked(py, |t| t.append(p, overlap, limit))?);
         }
         let p = payload_arg(payload)?;
-        Ok(py.detach(|| inner.append(&p, overlap))?)
+        Ok(self.locked(py, |t| t.append(&p, overlap, limit))?)
     }
 
     /// Position of the first row (None while empty).
     #[getter]
-    fn start(&self) -> Option<u64> {
-        self.inner.start()
+    fn start(&self, py: Python<'_>) -> Option<u64> {
+        self.locked(py, |t| t.start())
     }
 
     /// Position after the last row (None while empty).
     #[getter]
-    fn stop(&self) -> Option<u64> {
-        self.inner.stop()
+    fn stop(&self, py: Python<'_>) -> Option<u64> {
+        self.locked(py, |t| t.stop())
     }
 
     /// The dtype the rows are held in (None while empty).
     #[getter]
-    fn dtype(&self) -> Option<&'static str> {
-        self.inner.dtype().map(|d| d.name())
+    fn dtype(&self, py: Python<'_>) -> Option<&'static str> {
+        self.locked(py, |t| t.dtype().map(|d| d.name()))
     }
 
-    fn __len__(&self) -> usize {
-        self.inner.len()
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.locked(py, |t| t.len())
     }
 
     /// The rows held so far as one payload (a copy: the trajectory may keep growing).
     #[getter]
-    fn payload(&self) -> Option<RoutedExperts> {
-        self.inner.payload().cloned().map(RoutedExperts::new)
+    fn payload(&self, py: Python<'_>) -> Option<RoutedExperts> {
+        self.locked(py, |t| t.payload().cloned())
+            .map(RoutedExperts::new)
     }
 
     /// Drop every row at position `stop` and after.
-    fn truncate(&mut self, stop: u64) -> PyResult<()> {
-        Ok(self.inner.truncate(stop)?)
+    fn truncate(&self, py: Python<'_>, stop: u64) -> PyResult<()> {
+        Ok(self.locked(py, |t| t.truncate(stop))?)
     }
 
     /// An independent copy, for rollouts that branch.
-    fn copy(&self) -> Self {
+    fn copy(&self, py: Python<'_>) -> Self {
         Trajectory {
-            inner: self.inner.clone(),
+            inner: Mutex::new(self.locked(py, |t| t.clone())),
         }
     }
 
-    fn __copy__(&self) -> Self {
-        self.copy()
+    fn __copy__(&self, py: Python<'_>) -> Self {
+        self.copy(py)
+    }
+
+    /// Pickle (multiprocessing, Ray): rebuilt from its payload, which pickles out of band
+    /// under protocol 5.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
+        let py = slf.py();
+        let payload = slf.get().payload(py);
+        let rebuild = py
+            .import("routed_experts._core")?
+            .getattr("_trajectory_from_payload")?;
+        PyTuple::new(
+            py,
+            [rebuild, PyTuple::new(py, [payload.into_pyobject(py)?.into_any()])?.into_any()],
+        )
     }
 
     /// Rows aligned to a training sample of `num_tokens` tokens, as a writable numpy array:
@@ -99,15 +137,28 @@ impl Trajectory {
         max_missing: usize,
     ) -> PyResult<Bound<'py, PyAny>> {
         let pad = Pad::parse(pad)?;
-        let inner = &self.inner;
-        let aligned = py.detach(|| inner.to_training(num_tokens, pad, max_missing))?;
+        let limit = limits::max_bytes();
+        let aligned = self.locked(py, |t| t.to_training(num_tokens, pad, max_missing, limit))?;
         new_numpy(py, &aligned, aligned.dtype())
     }
 
-    fn __repr__(&self) -> String {
-        match (self.inner.start(), self.inner.stop(), self.inner.dtype()) {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let (start, stop, dtype) = self.locked(py, |t| (t.start(), t.stop(), t.dtype()));
+        match (start, stop, dtype) {
             (Some(a), Some(b), Some(d)) => format!("Trajectory(start={a}, stop={b}, dtype='{d}')"),
             _ => "Trajectory(empty)".to_string(),
         }
+    }
+}
+
+/// Pickle's constructor for `Trajectory`: one holding `payload` (empty for None).
+#[pyfunction]
+pub fn _trajectory_from_payload(payload: Option<&Bound<'_, RoutedExperts>>) -> Trajectory {
+    let mut core = Core::new();
+    if let Some(p) = payload {
+        core = Core::from_payload(p.get().inner.clone());
+    }
+    Trajectory {
+        inner: Mutex::new(core),
     }
 }
