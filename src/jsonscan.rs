@@ -2,8 +2,9 @@
 //! bulk of routing payloads, are skipped with SIMD `memchr2`, so locating a 30 MB base64 value
 //! costs about as much as reading it once. Small values are handed to serde_json.
 //!
-//! It checks the grammar of structure, numbers and literals and escapes; it does not reject raw
-//! control characters inside strings (the routing data itself is checked by the base64 decoder).
+//! It checks the grammar of structure, numbers, literals and escapes, and that strings are UTF-8
+//! with no raw control characters: the JSON `json.loads` accepts (bytes outside strings are
+//! grammar, so ASCII, by construction).
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -13,11 +14,34 @@ use crate::error::{Error, Result};
 /// Deeper nesting is refused rather than risking the stack.
 const MAX_DEPTH: usize = 128;
 
+/// Strings are searched and checked this many bytes at a time, so that the check reads what the
+/// search just brought into L1 cache.
+const CHUNK: usize = 16 * 1024;
+
+/// Every byte in 0x20..=0x7f (printable ASCII and DEL): nothing a JSON string has to check further.
+/// Branch-free so that it vectorises.
+fn printable_ascii(bytes: &[u8]) -> bool {
+    bytes
+        .iter()
+        .fold(true, |ok, &c| ok & (c.wrapping_sub(0x20) < 0x60))
+}
+
 pub struct Scanner<'a> {
     buf: &'a [u8],
     pos: usize,
     depth: usize,
     what: &'static str,
+    /// Where the scanner is: one segment per enclosing object member or array item.
+    path: Vec<Seg>,
+    /// A key that must not appear in any object `value` skips (see `watch`).
+    watched: Option<&'static [u8]>,
+}
+
+/// One step of a path: an object member (its key's raw content) or an array item.
+#[derive(Debug, Clone)]
+enum Seg {
+    Key(Range<usize>),
+    Index(usize),
 }
 
 /// A string value: the range of its content (without quotes) and whether it holds escapes.
@@ -35,7 +59,53 @@ impl<'a> Scanner<'a> {
             pos: 0,
             depth: 0,
             what,
+            path: Vec::new(),
+            watched: None,
         }
+    }
+
+    /// Make `key` an error wherever `value` skips an object holding it: for keys whose every
+    /// legitimate place the caller walks itself, so that one anywhere else is never ignored.
+    pub fn watch(mut self, key: &'static [u8]) -> Self {
+        self.watched = Some(key);
+        self
+    }
+
+    /// The current path, e.g. `$.choices[0].logprobs`.
+    pub fn path(&self) -> String {
+        self.format_path(&self.path)
+    }
+
+    fn format_path(&self, segs: &[Seg]) -> String {
+        let mut out = String::from("$");
+        for seg in segs {
+            match seg {
+                Seg::Index(i) => out.push_str(&format!("[{i}]")),
+                Seg::Key(r) => {
+                    let raw = Str {
+                        content: r.clone(),
+                        escaped: self.buf[r.clone()].contains(&b'\\'),
+                    };
+                    let key = self
+                        .string_value(&raw)
+                        .unwrap_or(Cow::Borrowed(&self.buf[r.clone()]));
+                    out.push('.');
+                    out.push_str(&String::from_utf8_lossy(&key));
+                }
+            }
+        }
+        out
+    }
+
+    /// `key` (the member being read) appears a second time in one object.
+    pub fn duplicate(&self, key: &[u8]) -> Error {
+        let at = self.format_path(&self.path[..self.path.len().saturating_sub(1)]);
+        Error::payload(format!(
+            "{}: duplicate key `{}` in the object at {at} (JSON readers disagree on which \
+             to keep, so neither is taken)",
+            self.what,
+            String::from_utf8_lossy(key)
+        ))
     }
 
     pub fn buf(&self) -> &'a [u8] {
@@ -83,22 +153,34 @@ impl<'a> Scanner<'a> {
         }
     }
 
+    /// A string (the opening quote is next). Its content must be UTF-8 with no raw control
+    /// characters (what `json.loads` accepts): checked chunk by chunk right behind the search for
+    /// the closing quote, while the chunk is still in cache.
     pub fn string(&mut self) -> Result<Str> {
         self.eat(b'"', "a string")?;
         let start = self.pos;
         let mut escaped = false;
+        let mut plain = true; // every byte so far printable ASCII
         loop {
-            let Some(i) = memchr::memchr2(b'"', b'\\', &self.buf[self.pos..]) else {
-                self.pos = self.buf.len();
-                return Err(self.error("the end of a string"));
+            let chunk_end = self.buf.len().min(self.pos + CHUNK);
+            let chunk = &self.buf[self.pos..chunk_end];
+            let Some(i) = memchr::memchr2(b'"', b'\\', chunk) else {
+                plain &= printable_ascii(chunk);
+                self.pos = chunk_end;
+                if chunk_end == self.buf.len() {
+                    return Err(self.error("the end of a string"));
+                }
+                continue;
             };
+            plain &= printable_ascii(&chunk[..i]);
             self.pos += i;
             if self.buf[self.pos] == b'"' {
                 self.pos += 1;
-                return Ok(Str {
-                    content: start..self.pos - 1,
-                    escaped,
-                });
+                let content = start..self.pos - 1;
+                if !plain {
+                    self.check_text(content.clone())?;
+                }
+                return Ok(Str { content, escaped });
             }
             escaped = true;
             self.pos += 1;
@@ -115,6 +197,21 @@ impl<'a> Scanner<'a> {
                 _ => return Err(self.error("a valid escape")),
             }
         }
+    }
+
+    /// The slow path of `string`, for content that is not all printable ASCII: name the first
+    /// raw control character or the first byte that is not UTF-8.
+    fn check_text(&mut self, content: Range<usize>) -> Result<()> {
+        let text = &self.buf[content.clone()];
+        if let Some(i) = text.iter().position(|&c| c < 0x20) {
+            self.pos = content.start + i;
+            return Err(self.error("a control character escaped (raw ones are not JSON)"));
+        }
+        if let Err(e) = std::str::from_utf8(text) {
+            self.pos = content.start + e.valid_up_to();
+            return Err(self.error("UTF-8 text"));
+        }
+        Ok(())
     }
 
     /// A string's value: borrowed when it has no escapes.
@@ -139,7 +236,12 @@ impl<'a> Scanner<'a> {
             b'"' => {
                 self.string()?;
             }
-            b'{' => self.object(|s, _| s.value().map(drop))?,
+            b'{' => self.object(|s, key| {
+                if s.watched == Some(key) {
+                    return Err(s.unexpected_watched());
+                }
+                s.value().map(drop)
+            })?,
             b'[' => self.array(|s, _| s.value().map(drop))?,
             b't' => self.literal(b"true")?,
             b'f' => self.literal(b"false")?,
@@ -148,6 +250,17 @@ impl<'a> Scanner<'a> {
             _ => return Err(self.error("a value")),
         }
         Ok(start..self.pos)
+    }
+
+    /// The watched key at a place the caller does not read it from.
+    pub fn unexpected_watched(&self) -> Error {
+        Error::payload(format!(
+            "{}: a `{}` key at {}, a place where it is not read (never ignored: routing that is \
+             not found must not pass as none)",
+            self.what,
+            String::from_utf8_lossy(self.watched.unwrap_or(b"?")),
+            self.path()
+        ))
     }
 
     fn literal(&mut self, word: &[u8]) -> Result<()> {
@@ -219,9 +332,12 @@ impl<'a> Scanner<'a> {
         }
         loop {
             let key = self.string()?;
+            let raw = key.content.clone();
             let key = self.string_value(&key)?;
             self.eat(b':', "':' after a key")?;
+            self.path.push(Seg::Key(raw));
             on_key(self, &key)?;
+            self.path.pop();
             match self.peek() {
                 Some(b',') => self.pos += 1,
                 Some(b'}') => {
@@ -245,7 +361,9 @@ impl<'a> Scanner<'a> {
         }
         let mut i = 0;
         loop {
+            self.path.push(Seg::Index(i));
             on_item(self, i)?;
+            self.path.pop();
             i += 1;
             match self.peek() {
                 Some(b',') => self.pos += 1,

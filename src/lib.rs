@@ -43,7 +43,7 @@ mod _core {
     #[pymodule_export]
     use crate::python::payload::{_from_raw, RoutedExperts};
     #[pymodule_export]
-    use crate::python::trajectory::{Trajectory, _trajectory_from_payload};
+    use crate::python::trajectory::{_trajectory_from_payload, Trajectory};
     #[pymodule_export]
     use crate::python::{MergeError, PayloadError, RoutedExpertsError};
 

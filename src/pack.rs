@@ -17,7 +17,11 @@ pub fn layout(
     max_bytes: usize,
 ) -> Result<(usize, Vec<usize>)> {
     let Some(first) = samples.first() else {
-        return Err(Error::field("samples", "at least one sample", "an empty list"));
+        return Err(Error::field(
+            "samples",
+            "at least one sample",
+            "an empty list",
+        ));
     };
     let mut cu = Vec::with_capacity(samples.len() + 1);
     let mut rows = 0usize;

@@ -23,17 +23,38 @@ pub struct Found<'a> {
     pub text: &'a [u8],
     /// `meta_info.routed_experts_dtype` (SGLang), when the body names one.
     pub dtype: Option<DType>,
+    /// Where it was found, e.g. `$.choices[0].routed_experts`.
+    pub path: String,
 }
 
-/// Every routing value in `body`, in body order, with the index of its choice. Locations:
-/// `choices[i].routed_experts` (vLLM, prime-rl), `choices[i].sgl_ext.routed_experts` (SGLang
-/// chat), `meta_info.routed_experts` (SGLang `/generate`) and `nvext.routed_experts` (Dynamo),
-/// the last two as choice 0, or as the position in a top-level array of SGLang batch results.
-/// A choice with no `index` key takes its position in `choices`; `null` routing is no routing.
+/// Where routing sits in response bodies (SPEC 3.2), and who puts it there: the one table the
+/// walker below follows, the README and SPEC repeat, and error messages quote.
+pub const LOCATIONS: &[(&str, &str)] = &[
+    ("choices[i].routed_experts", "vLLM, prime-rl"),
+    ("choices[i].message.routed_experts", "NeMo-RL"),
+    (
+        "sglext.routed_experts",
+        "SGLang chat/completions 0.5.9-0.5.23 (choice 0)",
+    ),
+    (
+        "meta_info.routed_experts",
+        "SGLang /generate (choice 0, or the position in a batch list)",
+    ),
+    ("nvext.routed_experts", "NVIDIA Dynamo (choice 0)"),
+];
+
+const ROUTING_KEY: &[u8] = b"routed_experts";
+
+/// Every routing value in `body`, in body order, with the index of its choice, found at the
+/// places `LOCATIONS` lists; the top-level holders serve choice 0, or their position in a
+/// top-level array of SGLang batch results. A choice with no `index` key takes its position in
+/// `choices`; `null` routing is no routing.
 ///
-/// One pass, no DOM: everything but these keys is skipped (strings at memchr speed).
+/// Strict where it matters (SPEC 8): a `routed_experts` key anywhere else, or a routing key,
+/// `choices` or `index` twice in one object, is a `PayloadError`; keys are compared unescaped.
+/// One pass, no DOM: everything else is skipped (strings at memchr speed).
 pub fn find_routing(body: &[u8]) -> Result<Vec<Found<'_>>> {
-    let mut s = Scanner::new(body, "response body");
+    let mut s = Scanner::new(body, "response body").watch(ROUTING_KEY);
     let mut found = Vec::new();
     if s.peek() == Some(b'[') {
         s.array(|s, i| top_object(s, i as u64, &mut found))?;
@@ -41,18 +62,59 @@ pub fn find_routing(body: &[u8]) -> Result<Vec<Found<'_>>> {
         top_object(&mut s, 0, &mut found)?;
     }
     s.end()?;
+    for (i, f) in found.iter().enumerate() {
+        if let Some(g) = found[..i].iter().find(|g| g.index == f.index) {
+            return Err(Error::payload(format!(
+                "response body: two routing values for choice {}, at {} and at {}",
+                f.index, g.path, f.path
+            )));
+        }
+    }
     Ok(found)
 }
 
+/// The keys of one object that may each appear once (their index in a caller's list).
+struct Once<const N: usize> {
+    keys: [&'static [u8]; N],
+    seen: [bool; N],
+}
+
+impl<const N: usize> Once<N> {
+    fn new(keys: [&'static [u8]; N]) -> Self {
+        Once {
+            keys,
+            seen: [false; N],
+        }
+    }
+
+    /// Mark `key` seen; a second time is an error.
+    fn see(&mut self, s: &Scanner, key: &[u8]) -> Result<()> {
+        if let Some(i) = self.keys.iter().position(|k| *k == key) {
+            if std::mem::replace(&mut self.seen[i], true) {
+                return Err(s.duplicate(key));
+            }
+        }
+        Ok(())
+    }
+}
+
 fn top_object<'a>(s: &mut Scanner<'a>, position: u64, found: &mut Vec<Found<'a>>) -> Result<()> {
-    s.object(|s, key| match key {
-        b"choices" => match s.peek() {
-            Some(b'[') => s.array(|s, i| choice(s, i as u64, found)),
-            Some(b'n') => s.value().map(drop),
-            _ => Err(s.error("a list of choices").context("`choices`")),
-        },
-        b"meta_info" | b"nvext" => holder(s, position, found),
-        _ => s.value().map(drop),
+    if s.peek() != Some(b'{') {
+        return Err(s.error("a JSON object"));
+    }
+    let mut once = Once::new([b"choices", b"meta_info", b"nvext", b"sglext"]);
+    s.object(|s, key| {
+        once.see(s, key)?;
+        match key {
+            b"choices" => match s.peek() {
+                Some(b'[') => s.array(|s, i| choice(s, i as u64, found)),
+                Some(b'n') => s.value().map(drop),
+                _ => Err(s.error("a list of choices").context("`choices`")),
+            },
+            b"meta_info" | b"nvext" | b"sglext" => holder(s, position, found),
+            ROUTING_KEY => Err(s.unexpected_watched()),
+            _ => s.value().map(drop),
+        }
     })
 }
 
@@ -63,23 +125,27 @@ fn choice<'a>(s: &mut Scanner<'a>, position: u64, found: &mut Vec<Found<'a>>) ->
             .context(format!("`choices[{position}]`")));
     }
     let (mut index, first) = (None, found.len());
-    s.object(|s, key| match key {
-        b"index" => {
-            let r = s.value()?;
-            let n = serde_json::from_slice::<u64>(&s.buf()[r.clone()]).map_err(|_| {
-                Error::field(
-                    "index",
-                    "a non-negative integer",
-                    String::from_utf8_lossy(&s.buf()[r]),
-                )
-                .context("response body")
-            })?;
-            index = Some(n);
-            Ok(())
+    let mut once = Once::new([b"index", ROUTING_KEY, b"message"]);
+    s.object(|s, key| {
+        once.see(s, key)?;
+        match key {
+            b"index" => {
+                let r = s.value()?;
+                let n = serde_json::from_slice::<u64>(&s.buf()[r.clone()]).map_err(|_| {
+                    Error::field(
+                        "index",
+                        "a non-negative integer",
+                        String::from_utf8_lossy(&s.buf()[r]),
+                    )
+                    .context("response body")
+                })?;
+                index = Some(n);
+                Ok(())
+            }
+            ROUTING_KEY => routing_value(s, position, None, found),
+            b"message" => holder(s, position, found),
+            _ => s.value().map(drop),
         }
-        b"routed_experts" => routing_value(s, position, None, found),
-        b"sgl_ext" => holder(s, position, found),
-        _ => s.value().map(drop),
     })?;
     // The index key may come after the routing: fix up what this choice added.
     for f in &mut found[first..] {
@@ -88,26 +154,31 @@ fn choice<'a>(s: &mut Scanner<'a>, position: u64, found: &mut Vec<Found<'a>>) ->
     Ok(())
 }
 
-/// An object whose `routed_experts` key holds routing (`sgl_ext`, `meta_info`, `nvext`).
+/// An object whose `routed_experts` key holds routing (`message`, `sglext`, `meta_info`,
+/// `nvext`); anything else in it is skipped, under the watch for misplaced routing.
 fn holder<'a>(s: &mut Scanner<'a>, index: u64, found: &mut Vec<Found<'a>>) -> Result<()> {
     match s.peek() {
         Some(b'{') => {}
-        Some(b'n') => return s.value().map(drop),
-        _ => return Err(s.error("an object or null")),
+        // A holder that is not an object cannot hold routing: skip it as any other value.
+        _ => return s.value().map(drop),
     }
     let (mut dtype, first) = (None, found.len());
-    s.object(|s, key| match key {
-        b"routed_experts" => routing_value(s, index, None, found),
-        b"routed_experts_dtype" if s.peek() == Some(b'"') => {
-            let st = s.string()?;
-            let name = s.string_value(&st)?;
-            dtype = Some(
-                DType::parse(&String::from_utf8_lossy(&name))
-                    .map_err(|e| e.context("routed_experts_dtype"))?,
-            );
-            Ok(())
+    let mut once = Once::new([ROUTING_KEY, b"routed_experts_dtype"]);
+    s.object(|s, key| {
+        once.see(s, key)?;
+        match key {
+            ROUTING_KEY => routing_value(s, index, None, found),
+            b"routed_experts_dtype" if s.peek() == Some(b'"') => {
+                let st = s.string()?;
+                let name = s.string_value(&st)?;
+                dtype = Some(
+                    DType::parse(&String::from_utf8_lossy(&name))
+                        .map_err(|e| e.context("routed_experts_dtype"))?,
+                );
+                Ok(())
+            }
+            _ => s.value().map(drop),
         }
-        _ => s.value().map(drop),
     })?;
     for f in &mut found[first..] {
         f.dtype = f.dtype.or(dtype);
@@ -129,6 +200,7 @@ fn routing_value<'a>(
             span,
             text,
             dtype,
+            path: s.path(),
         });
     }
     Ok(())

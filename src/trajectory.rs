@@ -264,12 +264,17 @@ mod tests {
     #[test]
     fn stitches_deltas_and_keeps_held_rows() {
         let mut t = Trajectory::new();
-        t.append(&rows(0, &[1, 2, 3]), Overlap::Keep, LIMIT).unwrap();
-        t.append(&rows(2, &[9, 4, 5]), Overlap::Keep, LIMIT).unwrap();
+        t.append(&rows(0, &[1, 2, 3]), Overlap::Keep, LIMIT)
+            .unwrap();
+        t.append(&rows(2, &[9, 4, 5]), Overlap::Keep, LIMIT)
+            .unwrap();
         assert_eq!(t.payload().unwrap(), &rows(0, &[1, 2, 3, 4, 5]));
-        t.append(&rows(0, &[7, 7]), Overlap::Replace, LIMIT).unwrap();
+        t.append(&rows(0, &[7, 7]), Overlap::Replace, LIMIT)
+            .unwrap();
         assert_eq!(t.payload().unwrap(), &rows(0, &[7, 7, 3, 4, 5]));
-        let err = t.append(&rows(1, &[7, 0]), Overlap::Check, LIMIT).unwrap_err();
+        let err = t
+            .append(&rows(1, &[7, 0]), Overlap::Check, LIMIT)
+            .unwrap_err();
         assert!(
             err.to_string().contains("position 2, layer 0 holds 3"),
             "{err}"
@@ -285,7 +290,8 @@ mod tests {
     #[test]
     fn training_alignment() {
         let mut t = Trajectory::new();
-        t.append(&rows(0, &[1, 2, 3]), Overlap::Keep, LIMIT).unwrap();
+        t.append(&rows(0, &[1, 2, 3]), Overlap::Keep, LIMIT)
+            .unwrap();
         assert_eq!(
             t.to_training(4, Pad::Repeat, 1, LIMIT).unwrap(),
             rows(0, &[1, 2, 3, 3])
@@ -294,7 +300,10 @@ mod tests {
             t.to_training(4, Pad::Zero, 1, LIMIT).unwrap(),
             rows(0, &[1, 2, 3, 0])
         );
-        assert_eq!(t.to_training(2, Pad::Repeat, 1, LIMIT).unwrap(), rows(0, &[1, 2]));
+        assert_eq!(
+            t.to_training(2, Pad::Repeat, 1, LIMIT).unwrap(),
+            rows(0, &[1, 2])
+        );
         assert!(t.to_training(5, Pad::Repeat, 1, LIMIT).is_err());
         t.truncate(1).unwrap();
         assert_eq!(t.payload().unwrap(), &rows(0, &[1]));

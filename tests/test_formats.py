@@ -202,8 +202,12 @@ def test_decode_accepts_payloads_arrays_and_json_strings() -> None:
 def _body(location: str, value: Any, index: int = 0, extra: Any = None) -> bytes:
     if location == "choices":
         doc: Any = {"choices": [{"index": index, "text": "x", "routed_experts": value}]}
-    elif location == "sgl_ext":
-        doc = {"choices": [{"index": index, "message": {}, "sgl_ext": {"routed_experts": value}}]}
+    elif location == "message":
+        message = {"role": "assistant", "content": "x", "routed_experts": value}
+        doc = {"choices": [{"index": index, "message": message}]}
+    elif location == "sglext":
+        doc = {"choices": [{"index": index, "message": {"content": "x"}}], "sglext": {
+            "routed_experts": value}}
     elif location == "meta_info":
         doc = {"text": "x", "meta_info": {"id": "r", "routed_experts": value, **(extra or {})}}
     else:
@@ -211,7 +215,7 @@ def _body(location: str, value: Any, index: int = 0, extra: Any = None) -> bytes
     return json.dumps(doc).encode()
 
 
-@pytest.mark.parametrize("location", ["choices", "sgl_ext", "meta_info", "nvext"])
+@pytest.mark.parametrize("location", ["choices", "message", "sglext", "meta_info", "nvext"])
 @pytest.mark.parametrize("fmt", ["compact", "vllm_npy", "nemo", "sglang"])
 def test_bodies_carry_routing_in_every_location_and_format(location: str, fmt: str) -> None:
     truth = np.random.default_rng(1).integers(0, 128, size=(9, 3, 2))

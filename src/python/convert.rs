@@ -47,7 +47,12 @@ const NOT_JSON: &str = "a non-JSON Python object";
 /// `"\ud800"` escape) is malformed input.
 pub fn str_utf8<'a>(s: &'a Bound<'_, PyString>, field: &str) -> PyResult<&'a str> {
     s.to_str().map_err(|_| {
-        crate::Error::field(field, "text that can be UTF-8", "a str with a lone surrogate").into()
+        crate::Error::field(
+            field,
+            "text that can be UTF-8",
+            "a str with a lone surrogate",
+        )
+        .into()
     })
 }
 
@@ -213,4 +218,3 @@ fn shape3(shape: &[usize]) -> PyResult<Shape> {
         .into()),
     }
 }
-

@@ -239,7 +239,9 @@ fn check_list_objects(p: &Payload, limit: usize) -> PyResult<()> {
             "`format`: \"lists\" of shape {} would build {} Python lists and values, over the \
              limit of {limit} bytes (raise it with routed_experts.set_max_bytes)",
             s,
-            bytes.map_or("more than 2**64 bytes of".to_string(), |n| format!("{n} bytes of"))
+            bytes.map_or("more than 2**64 bytes of".to_string(), |n| format!(
+                "{n} bytes of"
+            ))
         ))
         .into()),
     }

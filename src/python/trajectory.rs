@@ -50,12 +50,7 @@ impl Trajectory {
 
     /// Add a turn's payload (a RoutedExperts or a compact sidecar).
     #[pyo3(signature = (payload, overlap = "keep"))]
-    fn append(
-        &self,
-        py: Python<'_>,
-        payload: &Bound<'_, PyAny>,
-        overlap: &str,
-    ) -> PyResult<()> {
+    fn append(&self, py: Python<'_>, payload: &Bound<'_, PyAny>, overlap: &str) -> PyResult<()> {
         let overlap = Overlap::parse(overlap)?;
         let limit = limits::max_bytes();
         if let Ok(p) = payload.cast::<RoutedExperts>() {
@@ -121,7 +116,10 @@ impl Trajectory {
             .getattr("_trajectory_from_payload")?;
         PyTuple::new(
             py,
-            [rebuild, PyTuple::new(py, [payload.into_pyobject(py)?.into_any()])?.into_any()],
+            [
+                rebuild,
+                PyTuple::new(py, [payload.into_pyobject(py)?.into_any()])?.into_any(),
+            ],
         )
     }
 
