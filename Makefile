@@ -9,7 +9,13 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 DEV_DEPS := "maturin>=1.7,<2" numpy pytest hypothesis pytest-benchmark orjson pybase64 \
 	starlette httpx uvicorn mypy ruff
 
-.PHONY: run test build-dev lint bench bench-rust bench-python bench-table clean
+.PHONY: run test build-dev lint bench bench-rust bench-python bench-table clean fuzz fuzz-build
+
+# Coverage-guided fuzzing (cargo fuzz, libFuzzer, nightly): every target for FUZZ_SECONDS each.
+# The working corpus grows in fuzz/corpus/ (not committed); fuzz/seeds/ is the checked-in seed
+# corpus; an input that crashes is saved under fuzz/artifacts/ and belongs in fuzz/regressions/.
+FUZZ_SECONDS ?= 600
+FUZZ_TARGETS := sidecar formats response merge_response npy_header trajectory
 
 $(VENV)/.deps:
 	python3 -m venv $(VENV)
@@ -49,6 +55,23 @@ bench-table: build-dev
 	routed-experts bench --model qwen3-30b-a3b qwen3-235b-a22b kimi-k2 \
 		--tokens 4096 32768 131072 --repeat 5 --json bench.json | tee bench.txt
 	$(PY) benches/plot.py bench.json BENCHMARKS-throughput.png
+
+fuzz-build:
+	@cargo +nightly --version >/dev/null 2>&1 || { echo "fuzz: the nightly toolchain is missing (rustup toolchain install nightly)"; exit 1; }
+	@command -v cargo-fuzz >/dev/null 2>&1 || cargo install -q cargo-fuzz --locked
+	cargo +nightly fuzz build -O
+
+fuzz: fuzz-build
+	@mkdir -p fuzz/logs
+	@for t in $(FUZZ_TARGETS); do \
+		mkdir -p fuzz/corpus/$$t; \
+		echo "fuzz: $$t for $(FUZZ_SECONDS) s (log: fuzz/logs/$$t.log)"; \
+		cargo +nightly fuzz run -O $$t fuzz/corpus/$$t fuzz/seeds/$$t -- \
+			-max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
+			> fuzz/logs/$$t.log 2>&1; rc=$$?; \
+		grep -E "^(Done|stat::number_of_executed_units|stat::peak_rss_mb)" fuzz/logs/$$t.log; \
+		if [ $$rc -ne 0 ]; then tail -60 fuzz/logs/$$t.log; echo "fuzz: $$t FAILED"; exit 1; fi; \
+	done
 
 clean:
 	rm -rf $(VENV) target .pytest_cache .hypothesis .benchmarks

@@ -138,62 +138,53 @@ struct HeaderDict {
 }
 
 impl HeaderDict {
+    /// The dict `np.save` writes, with the freedom `ast.literal_eval` gives it (either quote,
+    /// any key order, white space, a trailing comma), and nothing `np.load` refuses: exactly
+    /// the keys `descr`, `fortran_order` and `shape`, `shape` a tuple of non-negative integers
+    /// (`(3)` is an int, not a tuple; `(1,,3)` is no literal). Stricter than `np.load` in corners
+    /// no writer uses: a key given twice (Python keeps the last; that is ambiguity, refused),
+    /// escapes in strings, comments, `_` in numbers, booleans as dimensions.
     fn parse(text: &str) -> Result<HeaderDict> {
-        let body = text
-            .trim()
-            .strip_prefix('{')
-            .and_then(|t| t.trim_end().strip_suffix('}'));
-        let body = body.ok_or_else(|| err(format!("expected a header dict, got {text:?}")))?;
+        let mut p = Lit {
+            s: text.as_bytes(),
+            at: 0,
+        };
         let (mut descr, mut fortran, mut shape) = (None, None, None);
-        let mut rest = body.trim();
-        while !rest.is_empty() {
-            let (key, after) =
-                quoted(rest).ok_or_else(|| err(format!("bad header key near {rest:?}")))?;
-            let after = after
-                .trim_start()
-                .strip_prefix(':')
-                .ok_or_else(|| err("expected ':' after a header key"))?;
-            let after = after.trim_start();
-            rest = match key {
+        p.expect(b'{')?;
+        loop {
+            if p.peek() == Some(b'}') {
+                break;
+            }
+            let key = p.string()?;
+            p.expect(b':')?;
+            let twice = || err(format!("header key {key:?} given twice"));
+            match key {
                 "descr" => {
-                    let (v, r) = quoted(after).ok_or_else(|| err("expected a quoted 'descr'"))?;
-                    descr = Some(v.to_string());
-                    r
+                    if descr.replace(p.string()?.to_string()).is_some() {
+                        return Err(twice());
+                    }
                 }
                 "fortran_order" => {
-                    let (v, r) = if let Some(r) = after.strip_prefix("False") {
-                        (false, r)
-                    } else if let Some(r) = after.strip_prefix("True") {
-                        (true, r)
-                    } else {
-                        return Err(err("expected True or False for 'fortran_order'"));
-                    };
-                    fortran = Some(v);
-                    r
+                    if fortran.replace(p.boolean()?).is_some() {
+                        return Err(twice());
+                    }
                 }
                 "shape" => {
-                    let inner = after
-                        .strip_prefix('(')
-                        .ok_or_else(|| err("expected a tuple for 'shape'"))?;
-                    let close = inner
-                        .find(')')
-                        .ok_or_else(|| err("unclosed 'shape' tuple"))?;
-                    let dims: Result<Vec<usize>> = inner[..close]
-                        .split(',')
-                        .map(str::trim)
-                        .filter(|d| !d.is_empty())
-                        .map(|d| {
-                            d.parse()
-                                .map_err(|_| err(format!("bad dimension {d:?} in 'shape'")))
-                        })
-                        .collect();
-                    shape = Some(dims?);
-                    &inner[close + 1..]
+                    if shape.replace(p.tuple()?).is_some() {
+                        return Err(twice());
+                    }
                 }
                 other => return Err(err(format!("unexpected header key {other:?}"))),
-            };
-            rest = rest.trim_start();
-            rest = rest.strip_prefix(',').unwrap_or(rest).trim_start();
+            }
+            match p.peek() {
+                Some(b',') => p.at += 1,
+                Some(b'}') => break,
+                _ => return Err(p.error("',' or '}'")),
+            }
+        }
+        p.expect(b'}')?;
+        if p.peek().is_some() {
+            return Err(p.error("the end of the header"));
         }
         Ok(HeaderDict {
             descr: descr.ok_or_else(|| err("header has no 'descr'"))?,
@@ -203,11 +194,139 @@ impl HeaderDict {
     }
 }
 
-/// A single- or double-quoted string at the start of `s`, and what follows it.
-fn quoted(s: &str) -> Option<(&str, &str)> {
-    let q = s.chars().next().filter(|c| *c == '\'' || *c == '"')?;
-    let end = s[1..].find(q)? + 1;
-    Some((&s[1..end], &s[end + 1..]))
+/// A cursor over the header's Python literal.
+struct Lit<'a> {
+    s: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Lit<'a> {
+    fn error(&self, expected: &str) -> Error {
+        let got = match self.s.get(self.at) {
+            Some(&c) if c.is_ascii_graphic() => format!("{:?}", c as char),
+            Some(&c) => format!("byte 0x{c:02x}"),
+            None => "the end of the header".to_string(),
+        };
+        err(format!(
+            "header: expected {expected} at byte {}, got {got}",
+            self.at
+        ))
+    }
+
+    /// The next byte after white space (Python's, inside brackets: space, tab, newlines).
+    fn peek(&mut self) -> Option<u8> {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r' | b'\x0c') = self.s.get(self.at) {
+            self.at += 1;
+        }
+        self.s.get(self.at).copied()
+    }
+
+    fn expect(&mut self, c: u8) -> Result<()> {
+        if self.peek() != Some(c) {
+            return Err(self.error(&format!("{:?}", c as char)));
+        }
+        self.at += 1;
+        Ok(())
+    }
+
+    /// A quoted string without escapes.
+    fn string(&mut self) -> Result<&'a str> {
+        let q = match self.peek() {
+            Some(q @ (b'\'' | b'"')) => q,
+            _ => return Err(self.error("a quoted string")),
+        };
+        let start = self.at + 1;
+        let len = self.s[start..]
+            .iter()
+            .position(|&c| c == q || c == b'\\' || c == b'\n')
+            .ok_or_else(|| self.error("a closing quote"))?;
+        self.at = start + len;
+        if self.s[self.at] != q {
+            return Err(self.error("a string without escapes"));
+        }
+        self.at += 1;
+        std::str::from_utf8(&self.s[start..start + len]).map_err(|_| err("header is not text"))
+    }
+
+    fn word(&mut self, w: &[u8]) -> bool {
+        let hit = self.s[self.at..].starts_with(w)
+            && !self
+                .s
+                .get(self.at + w.len())
+                .is_some_and(|c| c.is_ascii_alphanumeric() || *c == b'_');
+        if hit {
+            self.at += w.len();
+        }
+        hit
+    }
+
+    fn boolean(&mut self) -> Result<bool> {
+        self.peek();
+        if self.word(b"True") {
+            Ok(true)
+        } else if self.word(b"False") {
+            Ok(false)
+        } else {
+            Err(self.error("True or False for 'fortran_order'"))
+        }
+    }
+
+    /// A non-negative decimal integer as Python writes it (no sign, no `_`, no leading zeros
+    /// but in `0`, `00`, ...), within `usize`.
+    fn dim(&mut self) -> Result<usize> {
+        self.peek();
+        let digits = self.s[self.at..]
+            .iter()
+            .take_while(|c| c.is_ascii_digit())
+            .count();
+        let text = &self.s[self.at..self.at + digits];
+        let leading_zero = text.len() > 1 && text[0] == b'0' && text.iter().any(|&c| c != b'0');
+        if digits == 0 || leading_zero {
+            return Err(self.error("a non-negative integer dimension"));
+        }
+        if self
+            .s
+            .get(self.at + digits)
+            .is_some_and(|c| c.is_ascii_alphanumeric() || *c == b'_' || *c == b'.')
+        {
+            self.at += digits;
+            return Err(self.error("',' or ')' after a dimension"));
+        }
+        let n = std::str::from_utf8(text)
+            .ok()
+            .and_then(|t| t.parse::<usize>().ok())
+            .ok_or_else(|| self.error("a dimension below 2**64"))?;
+        self.at += digits;
+        Ok(n)
+    }
+
+    /// A tuple of dimensions: `()`, `(n,)`, `(n, m)`, `(n, m,)`, ...
+    fn tuple(&mut self) -> Result<Vec<usize>> {
+        self.expect(b'(')?;
+        let mut dims = Vec::new();
+        let mut comma = false;
+        loop {
+            if self.peek() == Some(b')') {
+                break;
+            }
+            dims.push(self.dim()?);
+            comma = match self.peek() {
+                Some(b',') => {
+                    self.at += 1;
+                    true
+                }
+                Some(b')') => false,
+                _ => return Err(self.error("',' or ')' in 'shape'")),
+            };
+        }
+        self.at += 1;
+        if dims.len() == 1 && !comma {
+            return Err(err(
+                "'shape' is a parenthesised int, not a tuple (a 1-tuple needs a comma)",
+            ));
+        }
+        Ok(dims)
+    }
 }
 
 #[cfg(test)]

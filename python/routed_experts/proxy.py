@@ -76,7 +76,11 @@ class StreamMerger:
         self.prefill_body, self.start = prefill_body, start
 
     def line(self, line: bytes) -> bytes:
-        if not line.startswith(b"data:") or b'"routed_experts"' not in line:
+        # The pre-filter only skips events that cannot hold routing: a key spelled with escapes
+        # ("routed\u005fexperts") is the same key, so any line with a \u escape is merged too.
+        if not line.startswith(b"data:") or (
+            b'"routed_experts"' not in line and b"\\u" not in line
+        ):
             return line
         payload = line[5:].lstrip()
         return b"data: " + rx.merge_response(self.prefill_body, payload, start=self.start)

@@ -1,0 +1,55 @@
+//! Replays every checked-in seed (fuzz/seeds/) and every input a fuzzer ever crashed on
+//! (fuzz/regressions/) through the fuzz targets' bodies, under `cargo test`.
+
+#[path = "harness.rs"]
+mod harness;
+
+use std::path::Path;
+
+fn replay(target: &str, run: fn(&[u8])) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
+    let mut count = 0;
+    for kind in ["seeds", "regressions"] {
+        let Ok(dir) = std::fs::read_dir(root.join(kind).join(target)) else {
+            continue;
+        };
+        for entry in dir {
+            let path = entry.unwrap().path();
+            let data = std::fs::read(&path).unwrap();
+            let outcome = std::panic::catch_unwind(|| run(&data));
+            assert!(outcome.is_ok(), "{target}: {} panics", path.display());
+            count += 1;
+        }
+    }
+    assert!(count > 0, "{target}: no seeds found");
+}
+
+#[test]
+fn sidecar() {
+    replay("sidecar", harness::sidecar);
+}
+
+#[test]
+fn formats() {
+    replay("formats", harness::formats);
+}
+
+#[test]
+fn response() {
+    replay("response", harness::response);
+}
+
+#[test]
+fn merge_response() {
+    replay("merge_response", harness::merge_response);
+}
+
+#[test]
+fn npy_header() {
+    replay("npy_header", harness::npy_header);
+}
+
+#[test]
+fn trajectory() {
+    replay("trajectory", harness::trajectory);
+}

@@ -1,0 +1,246 @@
+//! The fuzz targets' bodies, one per entry point of the core. Each takes arbitrary bytes, must
+//! never panic, hang or allocate past the limit, and checks what must hold of what it accepts.
+//! `cargo fuzz` runs them (fuzz_targets/), and `cargo test` replays every checked-in seed and
+//! crash through them (corpus_test.rs), so a crash once found stays a test.
+
+#![allow(dead_code)] // each fuzz target uses one function of this file
+
+use routed_experts::formats::{self, Format, Hints};
+use routed_experts::merge;
+use routed_experts::npy;
+use routed_experts::response::{self, MergeOptions};
+use routed_experts::sidecar;
+use routed_experts::trajectory::{Overlap, Pad, Trajectory};
+use routed_experts::{DType, DTypeChoice, Payload, Shape};
+
+/// A small limit keeps every run fast, and puts the limit checks themselves under the fuzzer.
+pub const LIMIT: usize = 1 << 20;
+
+/// Compact sidecar text: what decodes re-encodes canonically and decodes to the same payload.
+pub fn sidecar(data: &[u8]) {
+    let Ok(p) = sidecar::decode(data, LIMIT) else {
+        return;
+    };
+    let text = sidecar::encode(&p);
+    let back = sidecar::decode(&text, LIMIT).expect("a canonical encoding decodes");
+    assert_eq!(back, p);
+    assert_eq!(sidecar::encode(&back), text, "canonical text is a fixed point");
+    assert_eq!(text.len(), sidecar::encoded_len(&p));
+}
+
+/// Hints from the first byte, so every format's decoder gets what it needs to get going.
+fn hints(flags: u8) -> Hints {
+    Hints {
+        start: (flags & 1 != 0).then_some(u64::from(flags >> 5)),
+        num_layers: (flags & 2 != 0).then_some(usize::from(flags >> 6) + 1),
+        top_k: (flags & 4 != 0).then_some(usize::from((flags >> 3) & 3) + 1),
+        dtype: (flags & 8 != 0).then(|| DType::ALL[usize::from(flags >> 4) % DType::ALL.len()]),
+    }
+}
+
+/// Any text through format detection and its decoder; what decodes survives a round trip
+/// through every format that can hold its values.
+pub fn formats(data: &[u8]) {
+    let Some((&flags, text)) = data.split_first() else {
+        return;
+    };
+    let hints = hints(flags);
+    let _ = formats::detect(text);
+    let Ok((_, p)) = formats::decode_text(text, &hints, LIMIT) else {
+        return;
+    };
+    let s = p.shape();
+    let back_hints = Hints {
+        start: Some(p.start()),
+        num_layers: Some(s.layers),
+        top_k: Some(s.top_k),
+        dtype: None,
+    };
+    for f in Format::ALL {
+        // sglang carries int32 only, nemo int8..int32: an Err says the values do not fit.
+        let Ok(text) = formats::encode(&p, f) else {
+            continue;
+        };
+        if f == Format::Sglang && s.layers * s.top_k == 0 {
+            continue; // flat values of empty rows say nothing about the number of rows
+        }
+        let (found, back) = formats::decode_text(&text, &back_hints, usize::MAX)
+            .unwrap_or_else(|e| panic!("{f:?} encoding of a decoded payload fails: {e}"));
+        assert_eq!(found, f);
+        assert!(back.same_routing(&p), "{f:?} round trip changed the routing");
+    }
+}
+
+/// A whole response body: finding routing and decoding each choice never panics, and what is
+/// found is where the body says.
+pub fn response(data: &[u8]) {
+    let Some((&flags, body)) = data.split_first() else {
+        return;
+    };
+    let Ok(found) = response::find_routing(body) else {
+        return;
+    };
+    for f in &found {
+        assert_eq!(&body[f.span.clone()], f.text);
+        let _ = response::from_response(body, f.index, &hints(flags), LIMIT);
+    }
+}
+
+/// Two bodies (split at the first 0xff, which valid UTF-8 never holds): the splice path and the
+/// decode/concat/encode path agree byte for byte, or both refuse.
+pub fn merge_response(data: &[u8]) {
+    let Some(cut) = data.iter().position(|&b| b == 0xff) else {
+        return;
+    };
+    let (prefill, decode) = (&data[..cut], &data[cut + 1..]);
+    let opts = MergeOptions::new(LIMIT);
+    let spliced = response::merge_response(prefill, decode, opts);
+    let general = response::merge_response(
+        prefill,
+        decode,
+        MergeOptions {
+            splice: false,
+            ..opts
+        },
+    );
+    match (&spliced, &general) {
+        (Ok(a), Ok(b)) => {
+            assert_eq!(a, b, "splice and general merges differ");
+            // The merged body still parses, with the routing where decode had it.
+            let merged = response::find_routing(a).expect("a merged body parses");
+            let before = response::find_routing(decode).expect("decode parsed before");
+            assert_eq!(merged.len(), before.len());
+        }
+        (Err(_), Err(_)) => {}
+        _ => panic!("splice {spliced:?} but general {general:?}"),
+    }
+}
+
+/// `.npy` headers: what parses is a 3-d integer array whose re-written header parses the same.
+pub fn npy_header(data: &[u8]) {
+    let Ok(h) = npy::parse_header(data) else {
+        return;
+    };
+    assert!(h.data_offset <= data.len());
+    let again = npy::parse_header(&npy::write_header(h.dtype, h.shape)).expect("np.save header");
+    assert_eq!((again.dtype, again.shape), (h.dtype, h.shape));
+}
+
+/// A reference model of a trajectory: the value rows by absolute position, as SPEC 5 says.
+#[derive(Default)]
+struct Model {
+    start: u64,
+    rows: Vec<Vec<i64>>,
+}
+
+/// Appends, truncations and trainer handoffs decoded from the bytes, checked against `Model`.
+pub fn trajectory(data: &[u8]) {
+    let Some((&geometry, mut ops)) = data.split_first() else {
+        return;
+    };
+    let (layers, top_k) = (usize::from(geometry & 1) + 1, usize::from((geometry >> 1) & 1) + 1);
+    let width = layers * top_k;
+    let mut t = Trajectory::new();
+    let mut model: Option<Model> = None;
+    while let [op, a, b, rest @ ..] = ops {
+        ops = rest;
+        match op % 4 {
+            0 | 1 => {
+                // Append `b % 8` rows at position `a % 16` with values from the following bytes.
+                let tokens = usize::from(b % 8);
+                let Some((values, rest)) = ops.split_at_checked(tokens * width) else {
+                    return;
+                };
+                ops = rest;
+                let wide = op & 0x80 != 0; // values past uint8 exercise promotion
+                let values: Vec<i64> = values
+                    .iter()
+                    .map(|&v| i64::from(v) * if wide { 300 } else { 1 })
+                    .collect();
+                let shape = Shape::new(tokens, layers, top_k);
+                let start = u64::from(a % 16);
+                let p = Payload::from_values(&values, shape, start, DTypeChoice::Compact).unwrap();
+                let overlap = [Overlap::Keep, Overlap::Replace, Overlap::Check][usize::from(op >> 2) % 3];
+                let got = t.append(&p, overlap, LIMIT);
+                let want = model_append(&mut model, start, &values, width, overlap);
+                assert_eq!(got.is_ok(), want, "append at {start}: {got:?}");
+            }
+            2 => {
+                let stop = u64::from(a % 24);
+                let got = t.truncate(stop);
+                let ok = match model.as_mut() {
+                    Some(m) if stop >= m.start && stop <= m.start + m.rows.len() as u64 => {
+                        m.rows.truncate((stop - m.start) as usize);
+                        true
+                    }
+                    _ => false,
+                };
+                assert_eq!(got.is_ok(), ok);
+            }
+            _ => {
+                let (n, max_missing) = (usize::from(a % 24), usize::from(b % 4));
+                let pad = if op & 0x80 != 0 { Pad::Zero } else { Pad::Repeat };
+                let got = t.to_training(n, pad, max_missing, LIMIT);
+                if let Ok(p) = &got {
+                    let m = model.as_ref().expect("training rows of an empty trajectory");
+                    assert_eq!((m.start, p.num_tokens()), (0, n));
+                    for (i, row) in m.rows.iter().take(n).enumerate() {
+                        for (j, &v) in row.iter().enumerate() {
+                            assert_eq!(p.value_at(i * width + j), v);
+                        }
+                    }
+                }
+            }
+        }
+        check_model(&t, model.as_ref(), width);
+    }
+}
+
+/// SPEC 5 by the letter, on plain vectors. Returns whether the append is accepted.
+fn model_append(
+    model: &mut Option<Model>,
+    start: u64,
+    values: &[i64],
+    width: usize,
+    overlap: Overlap,
+) -> bool {
+    let new: Vec<Vec<i64>> = values.chunks(width).map(<[i64]>::to_vec).collect();
+    let Some(m) = model.as_mut() else {
+        *model = Some(Model { start, rows: new });
+        return true;
+    };
+    let stop = m.start + m.rows.len() as u64;
+    if start < m.start || start > stop {
+        return false;
+    }
+    let at = (start - m.start) as usize;
+    let overlapping = new.len().min(m.rows.len() - at);
+    if overlap == Overlap::Check && m.rows[at..at + overlapping] != new[..overlapping] {
+        return false;
+    }
+    if overlap == Overlap::Replace {
+        m.rows[at..at + overlapping].clone_from_slice(&new[..overlapping]);
+    }
+    m.rows.extend_from_slice(&new[overlapping..]);
+    true
+}
+
+fn check_model(t: &Trajectory, model: Option<&Model>, width: usize) {
+    let Some(m) = model else {
+        assert!(t.payload().is_none());
+        return;
+    };
+    let p = t.payload().expect("a trajectory that took a payload holds rows");
+    assert_eq!((p.start(), p.num_tokens()), (m.start, m.rows.len()));
+    for (i, row) in m.rows.iter().enumerate() {
+        for (j, &v) in row.iter().enumerate() {
+            assert_eq!(p.value_at(i * width + j), v, "row {i}");
+        }
+    }
+    // The merge of the first row with the rest is the whole, wherever it is cut.
+    if p.num_tokens() >= 2 {
+        let head = p.slice(p.start(), p.start() + 1).unwrap();
+        let tail = p.slice(p.start() + 1, p.stop()).unwrap();
+        assert!(merge::merge(&head, &tail).unwrap().same_routing(p));
+    }
+}

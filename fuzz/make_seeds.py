@@ -1,0 +1,60 @@
+"""Write the fuzzers' seed corpus (fuzz/seeds/<target>/) from the golden vectors and a few
+hand-made inputs. Run once when the vectors change; the seeds are checked in."""
+
+import base64
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+root = Path(__file__).parent / "seeds"
+vectors = Path(sys.argv[1] if len(sys.argv) > 1 else "../shared/vectors")
+
+
+def put(target: str, data: bytes) -> None:
+    d = root / target
+    d.mkdir(parents=True, exist_ok=True)
+    (d / hashlib.sha1(data).hexdigest()[:16]).write_bytes(data)
+
+
+def npy_file(arr: np.ndarray) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return buf.getvalue()
+
+
+for case in json.loads((vectors / "decode.json").read_text()):
+    put("sidecar", case["input_text"].encode())
+    put("formats", b"\x00" + case["input_text"].encode())
+for case in json.loads((vectors / "merge.json").read_text()):
+    p, d = (json.dumps(case[k]).encode() for k in ("prefill", "decode"))
+    body = lambda v: b'{"choices":[{"index":0,"routed_experts":' + v + b"}]}"  # noqa: E731
+    put("merge_response", body(p) + b"\xff" + body(d))
+for case in json.loads((vectors / "responses.json").read_text()):
+    pb, db = case["prefill_body"].encode(), case["decode_body"].encode()
+    put("response", b"\x00" + db)
+    put("merge_response", pb + b"\xff" + db)
+for case in json.loads((vectors / "interop.json").read_text()):
+    value = case["input"]
+    text = value.encode() if isinstance(value, str) else json.dumps(value).encode()
+    put("formats", b"\x07" + text)
+    if case["format"] == "vllm_npy":
+        put("npy_header", base64.b64decode(value)[:128])
+arr = np.arange(24, dtype=np.uint16).reshape(4, 3, 2)
+for dt in ("uint8", "int8", "uint16", "int16", "int32", "int64", "uint32"):
+    put("npy_header", npy_file(arr.astype(dt))[:128])
+put("npy_header", b"\x93NUMPY\x01\x00\x46\x00{'descr': '<u2', 'fortran_order': False, 'shape': (1,,3,2), }\n")
+for doc in (
+    {"sglext": {"routed_experts": {"data": "AQI=", "shape": [1, 1, 2]}}},
+    {"choices": [{"index": 0, "message": {"routed_experts": {"data": "AQI=", "shape": [1, 1, 2]}}}]},
+    {"meta_info": {"routed_experts": "AQAAAAIAAAA=", "routed_experts_dtype": "int32"}},
+    {"nvext": {"routed_experts": None}},
+):
+    put("response", b"\x06" + json.dumps(doc).encode())
+put("response", b'\x00{"choices":[{"routed_experts":1,"routed\\u005fexperts":2}]}')
+put("trajectory", bytes([0, 0, 0, 3, 1, 2, 3, 0, 2, 3, 9, 9, 9, 3, 0, 6, 1]))
+put("trajectory", bytes([3, 0x80, 0, 2, 1, 2, 3, 4, 5, 6, 7, 8, 4, 1, 1, 5, 5, 5, 5, 2, 3, 0]))
