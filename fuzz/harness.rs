@@ -24,7 +24,11 @@ pub fn sidecar(data: &[u8]) {
     let text = sidecar::encode(&p);
     let back = sidecar::decode(&text, LIMIT).expect("a canonical encoding decodes");
     assert_eq!(back, p);
-    assert_eq!(sidecar::encode(&back), text, "canonical text is a fixed point");
+    assert_eq!(
+        sidecar::encode(&back),
+        text,
+        "canonical text is a fixed point"
+    );
     assert_eq!(text.len(), sidecar::encoded_len(&p));
 }
 
@@ -67,7 +71,10 @@ pub fn formats(data: &[u8]) {
         let (found, back) = formats::decode_text(&text, &back_hints, usize::MAX)
             .unwrap_or_else(|e| panic!("{f:?} encoding of a decoded payload fails: {e}"));
         assert_eq!(found, f);
-        assert!(back.same_routing(&p), "{f:?} round trip changed the routing");
+        assert!(
+            back.same_routing(&p),
+            "{f:?} round trip changed the routing"
+        );
     }
 }
 
@@ -138,7 +145,10 @@ pub fn trajectory(data: &[u8]) {
     let Some((&geometry, mut ops)) = data.split_first() else {
         return;
     };
-    let (layers, top_k) = (usize::from(geometry & 1) + 1, usize::from((geometry >> 1) & 1) + 1);
+    let (layers, top_k) = (
+        usize::from(geometry & 1) + 1,
+        usize::from((geometry >> 1) & 1) + 1,
+    );
     let width = layers * top_k;
     let mut t = Trajectory::new();
     let mut model: Option<Model> = None;
@@ -160,7 +170,8 @@ pub fn trajectory(data: &[u8]) {
                 let shape = Shape::new(tokens, layers, top_k);
                 let start = u64::from(a % 16);
                 let p = Payload::from_values(&values, shape, start, DTypeChoice::Compact).unwrap();
-                let overlap = [Overlap::Keep, Overlap::Replace, Overlap::Check][usize::from(op >> 2) % 3];
+                let overlap =
+                    [Overlap::Keep, Overlap::Replace, Overlap::Check][usize::from(op >> 2) % 3];
                 let got = t.append(&p, overlap, LIMIT);
                 let want = model_append(&mut model, start, &values, width, overlap);
                 assert_eq!(got.is_ok(), want, "append at {start}: {got:?}");
@@ -179,10 +190,16 @@ pub fn trajectory(data: &[u8]) {
             }
             _ => {
                 let (n, max_missing) = (usize::from(a % 24), usize::from(b % 4));
-                let pad = if op & 0x80 != 0 { Pad::Zero } else { Pad::Repeat };
+                let pad = if op & 0x80 != 0 {
+                    Pad::Zero
+                } else {
+                    Pad::Repeat
+                };
                 let got = t.to_training(n, pad, max_missing, LIMIT);
                 if let Ok(p) = &got {
-                    let m = model.as_ref().expect("training rows of an empty trajectory");
+                    let m = model
+                        .as_ref()
+                        .expect("training rows of an empty trajectory");
                     assert_eq!((m.start, p.num_tokens()), (0, n));
                     for (i, row) in m.rows.iter().take(n).enumerate() {
                         for (j, &v) in row.iter().enumerate() {
@@ -230,7 +247,9 @@ fn check_model(t: &Trajectory, model: Option<&Model>, width: usize) {
         assert!(t.payload().is_none());
         return;
     };
-    let p = t.payload().expect("a trajectory that took a payload holds rows");
+    let p = t
+        .payload()
+        .expect("a trajectory that took a payload holds rows");
     assert_eq!((p.start(), p.num_tokens()), (m.start, m.rows.len()));
     for (i, row) in m.rows.iter().enumerate() {
         for (j, &v) in row.iter().enumerate() {
