@@ -14,18 +14,6 @@ use crate::error::{Error, Result};
 /// Deeper nesting is refused rather than risking the stack.
 const MAX_DEPTH: usize = 128;
 
-/// Strings are searched and checked this many bytes at a time, so that the check reads what the
-/// search just brought into L1 cache.
-const CHUNK: usize = 16 * 1024;
-
-/// Every byte in 0x20..=0x7f (printable ASCII and DEL): nothing a JSON string has to check further.
-/// Branch-free so that it vectorises.
-fn printable_ascii(bytes: &[u8]) -> bool {
-    bytes
-        .iter()
-        .fold(true, |ok, &c| ok & (c.wrapping_sub(0x20) < 0x60))
-}
-
 pub struct Scanner<'a> {
     buf: &'a [u8],
     pos: usize,
@@ -154,33 +142,42 @@ impl<'a> Scanner<'a> {
     }
 
     /// A string (the opening quote is next). Its content must be UTF-8 with no raw control
-    /// characters (what `json.loads` accepts): checked chunk by chunk right behind the search for
-    /// the closing quote, while the chunk is still in cache.
+    /// characters (what `json.loads` accepts): the search for the closing quote stops at any
+    /// byte that is not printable ASCII too (`strscan`), so the check costs no second pass.
     pub fn string(&mut self) -> Result<Str> {
         self.eat(b'"', "a string")?;
         let start = self.pos;
         let mut escaped = false;
         let mut plain = true; // every byte so far printable ASCII
         loop {
-            let chunk_end = self.buf.len().min(self.pos + CHUNK);
-            let chunk = &self.buf[self.pos..chunk_end];
-            let Some(i) = memchr::memchr2(b'"', b'\\', chunk) else {
-                plain &= printable_ascii(chunk);
-                self.pos = chunk_end;
-                if chunk_end == self.buf.len() {
-                    return Err(self.error("the end of a string"));
-                }
-                continue;
+            let rest = &self.buf[self.pos..];
+            // Once the content needs the full check anyway, only quotes and escapes matter.
+            let next = if plain {
+                crate::strscan::find_special(rest)
+            } else {
+                memchr::memchr2(b'"', b'\\', rest)
             };
-            plain &= printable_ascii(&chunk[..i]);
+            let Some(i) = next else {
+                self.pos = self.buf.len();
+                return Err(self.error("the end of a string"));
+            };
             self.pos += i;
-            if self.buf[self.pos] == b'"' {
-                self.pos += 1;
-                let content = start..self.pos - 1;
-                if !plain {
-                    self.check_text(content.clone())?;
+            match self.buf[self.pos] {
+                b'"' => {
+                    self.pos += 1;
+                    let content = start..self.pos - 1;
+                    if !plain {
+                        self.check_text(content.clone())?;
+                    }
+                    return Ok(Str { content, escaped });
                 }
-                return Ok(Str { content, escaped });
+                b'\\' => {}
+                _ => {
+                    // Not printable ASCII: checked as a whole once the string ends.
+                    plain = false;
+                    self.pos += 1;
+                    continue;
+                }
             }
             escaped = true;
             self.pos += 1;

@@ -21,6 +21,7 @@ pub mod pack;
 pub mod payload;
 pub mod response;
 pub mod sidecar;
+pub mod strscan;
 pub mod trajectory;
 pub mod validate;
 
