@@ -24,32 +24,21 @@ fn replay(target: &str, run: fn(&[u8])) {
     assert!(count > 0, "{target}: no seeds found");
 }
 
-#[test]
-fn sidecar() {
-    replay("sidecar", harness::sidecar);
+/// One `#[test]` per fuzz target, named after it.
+macro_rules! replay_targets {
+    ($($target:ident),*) => {$(
+        #[test]
+        fn $target() {
+            replay(stringify!($target), harness::$target);
+        }
+    )*};
 }
 
-#[test]
-fn formats() {
-    replay("formats", harness::formats);
-}
-
-#[test]
-fn response() {
-    replay("response", harness::response);
-}
-
-#[test]
-fn merge_response() {
-    replay("merge_response", harness::merge_response);
-}
-
-#[test]
-fn npy_header() {
-    replay("npy_header", harness::npy_header);
-}
-
-#[test]
-fn trajectory() {
-    replay("trajectory", harness::trajectory);
-}
+replay_targets!(
+    sidecar,
+    formats,
+    response,
+    merge_response,
+    npy_header,
+    trajectory
+);
