@@ -68,6 +68,11 @@ pub fn formats(data: &[u8]) {
         if f == Format::Sglang && s.layers * s.top_k == 0 {
             continue; // flat values of empty rows say nothing about the number of rows
         }
+        // Lists carry no dtype: without one, values past int32 are refused by design.
+        let back_hints = Hints {
+            dtype: (f == Format::Lists).then_some(p.dtype()),
+            ..back_hints
+        };
         let (found, back) = formats::decode_text(&text, &back_hints, usize::MAX)
             .unwrap_or_else(|e| panic!("{f:?} encoding of a decoded payload fails: {e}"));
         assert_eq!(found, f);
