@@ -1,5 +1,7 @@
 # Everything goes through a project-local virtual environment, so a fresh machine needs only
 # python3, pip and cargo (all on the image).
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -18,6 +20,7 @@ FUZZ_SECONDS ?= 600
 FUZZ_TARGETS := sidecar formats response merge_response npy_header trajectory
 
 $(VENV)/.deps:
+	@echo "make: creating $(VENV) and installing the dev tools (first time only, about a minute)"
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(DEV_DEPS)
@@ -25,7 +28,8 @@ $(VENV)/.deps:
 
 # Release build: the tests and the demo exercise the optimised code users run.
 build-dev: $(VENV)/.deps
-	maturin develop --release -q
+	@echo "make: building the Rust extension, release with LTO (2-3 minutes from clean on 2 cores, seconds after)"
+	maturin develop --release -q 2>&1 | grep -v "^Ignoring .*: markers"
 
 run: build-dev
 	routed-experts demo

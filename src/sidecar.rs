@@ -27,6 +27,8 @@ pub struct SidecarFields<'a> {
     pub shape: Option<Value>,
     pub start: Option<Value>,
     pub dtype: Option<Value>,
+    /// A key of `BODY_KEYS` the object has: it is a response body, not a sidecar.
+    pub body_key: Option<&'static str>,
 }
 
 /// Decode a sidecar from JSON text: every check SPEC 3.1 lists happens before the allocation.
@@ -68,7 +70,12 @@ pub fn parse_fields(json: &[u8]) -> Result<SidecarFields<'_>> {
             b"shape" => &mut fields.shape,
             b"start" => &mut fields.start,
             b"dtype" => &mut fields.dtype,
-            _ => return s.value().map(drop), // unknown keys are ignored
+            _ => {
+                if let Some(k) = BODY_KEYS.iter().find(|k| k.as_bytes() == key) {
+                    fields.body_key = Some(k);
+                }
+                return s.value().map(drop); // unknown keys are ignored
+            }
         };
         if slot.is_some() {
             return Err(duplicate());
@@ -83,6 +90,8 @@ pub fn parse_fields(json: &[u8]) -> Result<SidecarFields<'_>> {
     Ok(fields)
 }
 
+/// What a JSON value starting with `first` is, for messages ("got an array"). Text that no JSON
+/// value starts with is said to be so, not guessed to be a number.
 pub fn json_type_name(first: u8) -> &'static str {
     match first {
         b'{' => "an object",
@@ -90,8 +99,20 @@ pub fn json_type_name(first: u8) -> &'static str {
         b'"' => "a string",
         b't' | b'f' => "a boolean",
         b'n' => "null",
-        _ => "a number",
+        b'-' | b'0'..=b'9' => "a number",
+        _ => "text that is not JSON",
     }
+}
+
+/// Keys of a response body (SPEC 3.2) that a routing value never has: a sidecar reader given a
+/// whole body says so, and what to call instead.
+pub const BODY_KEYS: [&str; 4] = ["choices", "sglext", "meta_info", "nvext"];
+
+fn body_given(key: &str) -> Error {
+    Error::payload(format!(
+        "sidecar: this is a response body (it has `{key}`), not a routing value: read its \
+         routing with from_response(body, choice), or merge two bodies with merge_response"
+    ))
 }
 
 fn value_type_name(v: &Value) -> String {
@@ -126,6 +147,11 @@ impl SidecarText<'_> {
 
 /// Check every field, the data length against the shape and the size limit; decode nothing.
 pub fn validate(fields: SidecarFields<'_>, max_bytes: usize) -> Result<SidecarText<'_>> {
+    if let (Some(key), None, _) | (Some(key), _, None) =
+        (fields.body_key, fields.data.as_ref(), fields.shape.as_ref())
+    {
+        return Err(body_given(key));
+    }
     let shape = parse_shape(fields.shape.as_ref())?;
     let start = match &fields.start {
         None => 0,

@@ -5,8 +5,6 @@ per-token, per-layer top-k expert ids that router replay needs. This package doe
 Rust (GIL released) and hands numpy arrays over without copies.
 """
 
-from __future__ import annotations
-
 from routed_experts._core import (
     MergeError,
     PayloadError,

@@ -14,6 +14,9 @@ import routed_experts as rx
 from routed_experts import RoutedExperts, RoutedExpertsError
 from routed_experts.synthetic import MODELS, best_of, synthetic_rollout
 
+# The top-level keys of a response body (SPEC 3.2), as the Rust core's sidecar::BODY_KEYS.
+BODY_KEYS = ("choices", "sglext", "meta_info", "nvext")
+
 
 def cmd_demo(args: argparse.Namespace) -> int:
     p = synthetic_rollout(args.model, args.tokens)
@@ -67,7 +70,7 @@ def _is_response_body(text: bytes) -> bool:
         return False
     if isinstance(doc, list):
         return bool(doc) and isinstance(doc[0], dict) and "data" not in doc[0]
-    return isinstance(doc, dict) and any(k in doc for k in ("choices", "meta_info", "nvext"))
+    return isinstance(doc, dict) and any(k in doc for k in BODY_KEYS)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -104,7 +107,14 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    p = rx.decode(_read_input(args.file).strip(), **_hints(args))
+    data = _read_input(args.file).strip()
+    if _is_response_body(data):
+        found = rx.from_response(data, args.choice, **_hints(args))
+        if found is None:
+            raise RoutedExpertsError(f"the response body has no routing for choice {args.choice}")
+        p = found
+    else:
+        p = rx.decode(data, **_hints(args))
     value = rx.encode(p, args.to)
     text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
     _write_output(args.output, text.encode())
@@ -113,6 +123,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from routed_experts.bench import run
+
+    try:
+        import orjson  # noqa: F401
+        import pybase64  # noqa: F401
+    except ImportError:
+        print(
+            "routed-experts bench: the orjson+pybase64 column needs the bench extra "
+            "(pip install 'routed_experts[bench]'); it shows n/a without it",
+            file=sys.stderr,
+        )
 
     run(args.model, args.tokens, args.repeat, sys.stdout, json_out=args.json)
     return 0
@@ -132,48 +152,100 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _count(minimum: int) -> Any:
+    """An argparse type: an integer >= `minimum`, refused with a message otherwise."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {n}")
+        return n
+
+    return parse
+
+
 def _add_hints(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--start", type=int, help="start position, for formats that carry none")
-    p.add_argument("--num-layers", type=int, help="layers, for SGLang flat values")
-    p.add_argument("--top-k", type=int, help="top_k, for SGLang flat values")
+    p.add_argument(
+        "--start", type=_count(0), help="start position, for formats that carry none"
+    )
+    p.add_argument("--num-layers", type=_count(1), help="layers, for SGLang flat values")
+    p.add_argument("--top-k", type=_count(1), help="top_k, for SGLang flat values")
+
+
+# The library names its hints as Python arguments; on the command line they are flags.
+_FLAGS = {"`num_layers`": "`--num-layers`", "`top_k`": "`--top-k`", "`start`": "`--start`"}
+
+
+def _as_flags(message: str) -> str:
+    for arg, flag in _FLAGS.items():
+        message = message.replace(arg, flag)
+    return message.replace("give num_layers and top_k", "give --num-layers and --top-k")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every (sub-)command's --help shows each option's default."""
+
+    def __init__(self, **kw: Any) -> None:
+        kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(**kw)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="routed-experts", description="MoE routed-experts payload tools."
-    )
-    sub = parser.add_subparsers(dest="command")
+    parser = _Parser(prog="routed-experts", description="MoE routed-experts payload tools.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {rx.__version__}")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     demo = sub.add_parser("demo", help="encode, decode and verify a synthetic rollout (default)")
-    demo.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b")
-    demo.add_argument("--tokens", type=int, default=4096)
+    demo.add_argument(
+        "--model", choices=sorted(MODELS), default="qwen3-30b-a3b", help="model geometry"
+    )
+    demo.add_argument("--tokens", type=_count(1), default=4096, help="tokens in the rollout")
     demo.set_defaults(func=cmd_demo)
     inspect = sub.add_parser(
         "inspect", help="print a payload's format, shape, dtype, positions, size"
     )
     inspect.add_argument("file", help="a routing value or response body file, or - for stdin")
-    inspect.add_argument("--choice", type=int, default=0, help="choice index in a response body")
+    inspect.add_argument(
+        "--choice", type=_count(0), default=0, help="choice index in a response body"
+    )
     _add_hints(inspect)
     inspect.set_defaults(func=cmd_inspect)
     merge = sub.add_parser(
         "merge", help="merge prefill and decode routing (sidecars or response bodies)"
     )
-    merge.add_argument("prefill")
-    merge.add_argument("decode")
+    merge.add_argument("prefill", help="prefill sidecar or response body file, or - for stdin")
+    merge.add_argument("decode", help="decode sidecar or response body file")
     merge.add_argument("-o", "--output", help="output file (default: stdout)")
     _add_hints(merge)
     merge.set_defaults(func=cmd_merge)
     convert = sub.add_parser("convert", help="convert a routing value to another format")
-    convert.add_argument("file")
+    convert.add_argument("file", help="a routing value or response body file, or - for stdin")
     convert.add_argument(
-        "--to", required=True, choices=["compact", "vllm_npy", "sglang", "nemo", "lists"]
+        "--to",
+        required=True,
+        choices=["compact", "vllm_npy", "sglang", "nemo", "lists"],
+        help="the format to write",
     )
+    convert.add_argument("--choice", type=_count(0), default=0, help="choice in a response body")
     convert.add_argument("-o", "--output", help="output file (default: stdout)")
     _add_hints(convert)
     convert.set_defaults(func=cmd_convert)
     bench = sub.add_parser("bench", help="side-by-side timings against the Python alternatives")
-    bench.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["qwen3-235b-a22b"])
-    bench.add_argument("--tokens", nargs="+", type=int, default=[32768])
-    bench.add_argument("--repeat", type=int, default=7, help="runs per measurement (best is kept)")
+    bench.add_argument(
+        "--model",
+        nargs="+",
+        choices=sorted(MODELS),
+        default=["qwen3-235b-a22b"],
+        help="model geometries to measure",
+    )
+    bench.add_argument(
+        "--tokens", nargs="+", type=_count(1), default=[32768], help="rollout lengths to measure"
+    )
+    bench.add_argument(
+        "--repeat", type=_count(1), default=7, help="runs per measurement (best is kept)"
+    )
     bench.add_argument("--json", help="also write the measurements to this JSON file")
     bench.set_defaults(func=cmd_bench)
     proxy = sub.add_parser(
@@ -181,8 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     proxy.add_argument("--prefill", nargs="+", required=True, help="prefill server URL(s)")
     proxy.add_argument("--decode", nargs="+", required=True, help="decode server URL(s)")
-    proxy.add_argument("--host", default="127.0.0.1")
-    proxy.add_argument("--port", type=int, default=8000)
+    proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    proxy.add_argument("--port", type=_count(1), default=8000, help="port to listen on")
     proxy.set_defaults(func=cmd_proxy)
     return parser
 
@@ -195,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (RoutedExpertsError, OSError) as e:
-        print(f"routed-experts: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"routed-experts: {type(e).__name__}: {_as_flags(str(e))}", file=sys.stderr)
         return 2
 
 

@@ -16,6 +16,24 @@ use crate::{DType, DTypeChoice, Payload, Shape};
 
 /// Text that JSON can be parsed from: borrowed from `bytes`/`str`, copied from mutable buffers
 /// (a `bytearray` could change while the GIL is released).
+/// A response body: JSON text as `text_arg` takes it, or a body already parsed into a dict (or
+/// a list, for SGLang batches), written back to JSON text first.
+pub fn body_arg<'a>(value: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u8]>> {
+    if value.is_instance_of::<PyDict>() || value.is_instance_of::<PyList>() {
+        let text = value
+            .py()
+            .import("json")?
+            .getattr("dumps")?
+            .call1((value,))
+            .map_err(|e| {
+                crate::Error::field("body", "a JSON-serialisable dict", format!("({e})"))
+            })?;
+        let text = str_utf8(text.cast::<PyString>()?, "body")?;
+        return Ok(Cow::Owned(text.as_bytes().to_vec()));
+    }
+    text_arg(value)
+}
+
 pub fn text_arg<'a>(value: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u8]>> {
     if let Ok(b) = value.cast::<PyBytes>() {
         return Ok(Cow::Borrowed(b.as_bytes()));
@@ -65,11 +83,18 @@ fn dict_fields<'a>(
     let small = |key: &str| -> PyResult<Option<Value>> {
         d.get_item(key)?.map(|v| to_json_value(&v, 0)).transpose()
     };
+    let mut body_key = None;
+    for key in crate::sidecar::BODY_KEYS {
+        if d.contains(key)? {
+            body_key = Some(key);
+        }
+    }
     Ok(SidecarFields {
         data: data.map(data_field).transpose()?,
         shape: small("shape")?,
         start: small("start")?,
         dtype: small("dtype")?,
+        body_key,
     })
 }
 

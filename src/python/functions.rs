@@ -76,7 +76,7 @@ pub fn from_response(
     dtype: Option<&Bound<'_, PyAny>>,
     max_bytes: Option<usize>,
 ) -> PyResult<Option<RoutedExperts>> {
-    let text = text_arg(body)?;
+    let text = convert::body_arg(body)?;
     let hints = hints(start, num_layers, top_k, dtype)?;
     let limit = max_bytes.unwrap_or_else(limits::max_bytes);
     let found = py.detach(|| response::from_response(&text, choice, &hints, limit))?;
@@ -108,7 +108,10 @@ pub fn merge_response<'py>(
     splice: bool,
     max_bytes: Option<usize>,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let (p, d) = (text_arg(prefill_body)?, text_arg(decode_body)?);
+    let (p, d) = (
+        convert::body_arg(prefill_body)?,
+        convert::body_arg(decode_body)?,
+    );
     let opts = MergeOptions {
         max_bytes: max_bytes.unwrap_or_else(limits::max_bytes),
         splice,

@@ -158,3 +158,8 @@ pub fn numpy_filled<'py, D: crate::Element + numpy::Element>(
     py.detach(|| fill(dst))?;
     Ok(arr.into_any())
 }
+
+/// The `numpy.dtype` of a core dtype.
+pub fn numpy_dtype(py: Python<'_>, dtype: crate::DType) -> Bound<'_, numpy::PyArrayDescr> {
+    crate::with_element!(dtype, T => <T as numpy::Element>::get_dtype(py))
+}

@@ -89,6 +89,18 @@ impl RoutedExperts {
         new_numpy(slf.py(), p, target)
     }
 
+    /// numpy's array protocol: `np.asarray(p)` is the read-only view (no copy); `copy=True`
+    /// or another `dtype` gives an array of its own.
+    #[pyo3(signature = (dtype = None, copy = None))]
+    fn __array__<'py>(
+        slf: &Bound<'py, Self>,
+        dtype: Option<&Bound<'py, PyAny>>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let dtype = dtype.filter(|d| !d.is_none());
+        Self::to_numpy(slf, dtype, copy == Some(true))
+    }
+
     #[getter]
     fn start(&self) -> u64 {
         self.inner.start()
@@ -109,10 +121,11 @@ impl RoutedExperts {
     fn top_k(&self) -> usize {
         self.inner.top_k()
     }
-    /// The numpy dtype name, e.g. "uint8".
+    /// The element type as a `numpy.dtype`, as `arr.dtype` is (so both `p.dtype == np.uint8`
+    /// and `p.dtype == "uint8"` hold).
     #[getter]
-    fn dtype(&self) -> &'static str {
-        self.inner.dtype().name()
+    fn dtype<'py>(&self, py: Python<'py>) -> Bound<'py, numpy::PyArrayDescr> {
+        super::numpy_dtype(py, self.inner.dtype())
     }
     #[getter]
     fn shape(&self) -> (usize, usize, usize) {

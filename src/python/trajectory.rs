@@ -73,10 +73,11 @@ impl Trajectory {
         self.locked(py, |t| t.stop())
     }
 
-    /// The dtype the rows are held in (None while empty).
+    /// The `numpy.dtype` the rows are held in (None while empty).
     #[getter]
-    fn dtype(&self, py: Python<'_>) -> Option<&'static str> {
-        self.locked(py, |t| t.dtype().map(|d| d.name()))
+    fn dtype<'py>(&self, py: Python<'py>) -> Option<Bound<'py, numpy::PyArrayDescr>> {
+        self.locked(py, |t| t.dtype())
+            .map(|d| super::numpy_dtype(py, d))
     }
 
     fn __len__(&self, py: Python<'_>) -> usize {

@@ -1,0 +1,147 @@
+"""What a new user trips on (issue 13): numpy conventions, errors that say what to do, the CLI
+as typed (through the installed console script), and the repository's own hygiene."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import routed_experts as rx
+from conftest import REPO
+
+SIDE = {"data": "CgsUFR4f", "shape": [3, 1, 2], "start": 0, "dtype": "uint8"}
+BODY = {"id": "x", "choices": [{"index": 0, "text": "h", "routed_experts": SIDE}]}
+
+
+def test_dtype_is_a_numpy_dtype_everywhere() -> None:
+    p = rx.RoutedExperts.from_json(SIDE)
+    assert isinstance(p.dtype, np.dtype)
+    assert p.dtype == np.uint8 and p.dtype == "uint8" and p.dtype == p.array.dtype
+    wide = p.astype("uint16")
+    assert wide.dtype == np.dtype("uint16")
+    t = rx.Trajectory()
+    assert t.dtype is None
+    t.append(p)
+    t.append(rx.RoutedExperts.from_array(np.full((1, 1, 2), 300), start=3))
+    assert isinstance(t.dtype, np.dtype) and t.dtype == np.uint16
+
+
+def test_numpy_asarray_is_the_read_only_view() -> None:
+    p = rx.RoutedExperts.from_json(SIDE)
+    a = np.asarray(p)
+    assert a.shape == (3, 1, 2) and not a.flags.writeable
+    assert np.shares_memory(a, p.array)
+    c = np.array(p)  # numpy's default is a copy
+    assert c.flags.writeable and not np.shares_memory(c, p.array)
+    assert np.asarray(p, dtype=np.int32).dtype == np.int32
+    np.testing.assert_array_equal(np.asarray(p), p.array)
+
+
+def test_response_readers_accept_parsed_bodies() -> None:
+    want = rx.RoutedExperts.from_json(SIDE)
+    assert rx.from_response(BODY) == want
+    assert rx.from_response(json.dumps(BODY)) == want
+    merged = rx.merge_response(BODY, BODY)
+    assert rx.from_response(merged) == want
+
+
+def test_errors_say_what_was_given_and_what_to_call() -> None:
+    with pytest.raises(rx.PayloadError, match="got text that is not JSON"):
+        rx.RoutedExperts.from_json("hello")
+    with pytest.raises(rx.PayloadError, match="got a number"):
+        rx.RoutedExperts.from_json("42")
+    for value in (BODY, json.dumps(BODY), json.dumps(BODY).encode()):
+        for call in (rx.RoutedExperts.from_json, rx.decode):
+            with pytest.raises(rx.PayloadError, match=r"response body .*from_response"):
+                call(value)  # type: ignore[operator]
+    with pytest.raises(rx.PayloadError, match=r"response body .*from_response"):
+        rx.merge(BODY, BODY)
+
+
+def test_public_names_are_the_api() -> None:
+    public = {n for n in dir(rx) if not n.startswith("_")}
+    assert public - set(rx.__all__) <= {"baselines", "bench", "cli", "proxy", "synthetic"}, public
+    assert "annotations" not in dir(rx)
+    for name in rx.__all__:
+        assert getattr(rx, name).__doc__, name
+
+
+def test_trajectory_pickles_for_ray_and_multiprocessing() -> None:
+    t = rx.Trajectory()
+    t.append(SIDE)
+    back = pickle.loads(pickle.dumps(t, protocol=5))
+    assert back.payload == t.payload
+
+
+# --- the command line, through the console script as a user runs it ----------------------------
+
+def cli(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("routed-experts") or str(Path(sys.executable).parent / "routed-experts")
+    return subprocess.run(
+        [exe, *args], capture_output=True, text=True, timeout=120,
+        input=None if stdin is None else stdin.decode(),
+    )
+
+
+def test_cli_version_and_help_show_every_default() -> None:
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"routed-experts {rx.__version__}"
+    for command in ("demo", "inspect", "merge", "convert", "bench", "proxy"):
+        r = cli(command, "--help")
+        assert r.returncode == 0, r.stderr
+        options = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("--")]
+        assert options, command
+    bench_help = cli("bench", "--help").stdout
+    assert "(default: [32768])" in bench_help and "(default: 7)" in bench_help
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("demo", "--tokens", "-5"), "--tokens: expected an integer >= 1, got -5"),
+        (("demo", "--tokens", "0"), "--tokens: expected an integer >= 1, got 0"),
+        (("demo", "--tokens", "many"), "--tokens: expected an integer, got 'many'"),
+        (("bench", "--repeat", "0"), "--repeat: expected an integer >= 1, got 0"),
+        (("inspect", "-", "--num-layers", "-1"), "--num-layers: expected an integer >= 1"),
+    ],
+)
+def test_cli_refuses_bad_numbers_with_a_message(args: tuple[str, ...], needle: str) -> None:
+    r = cli(*args)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_errors_name_flags_not_python_arguments(tmp_path: Path) -> None:
+    flat = tmp_path / "flat.txt"
+    flat.write_text("AQAAAAIAAAA=")
+    r = cli("inspect", str(flat))
+    assert r.returncode == 2 and "give --num-layers and --top-k" in r.stderr, r.stderr
+    assert cli("inspect", str(flat), "--num-layers", "1", "--top-k", "2").returncode == 0
+
+
+def test_cli_convert_reads_routing_out_of_a_body(tmp_path: Path) -> None:
+    body = tmp_path / "body.json"
+    body.write_text(json.dumps(BODY))
+    r = cli("convert", str(body), "--to", "lists")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [[[10, 11]], [[20, 21]], [[30, 31]]]
+
+
+def test_git_tracks_only_intended_files() -> None:
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    # A shell-redirect accident (`pip install x>=1.7,<2` unquoted) leaves files like '=1.7,'.
+    odd = [f for f in files if not f[:1].isalnum() and not f.startswith(".")]
+    assert not odd, odd
+    built = [f for f in files if f.endswith((".so", ".pyd", ".whl")) or "/target/" in f]
+    assert not built, built
