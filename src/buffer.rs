@@ -1,21 +1,82 @@
 //! Bytes aligned to 8, so one allocation can be viewed as any element type without a copy
-//! (numpy wants aligned data; a `Vec<u8>` only promises alignment 1).
+//! (numpy wants aligned data; a `Vec<u8>` only promises alignment 1). Either owned, or a
+//! read-only view of memory someone else keeps alive and unchanged (copied on first write).
+
+use std::sync::Arc;
 
 #[cfg(target_endian = "big")]
 compile_error!("routed_experts stores wire (little-endian) bytes as native ones; big-endian hosts are not supported");
 
 #[derive(Clone, Default)]
 pub struct AlignedBytes {
+    /// Owned memory; empty while `shared` holds the bytes.
     words: Vec<u64>,
     len: usize,
+    /// Read-only memory someone else owns (a Python `bytes`, Ray's object store), viewed without
+    /// a copy. Any mutation first copies it into `words` (copy on write).
+    shared: Option<Shared>,
 }
 
+/// Memory kept alive and unchanged by `owner` for as long as the `Arc` lives.
+#[derive(Clone)]
+struct Shared {
+    ptr: *const u8,
+    _owner: Arc<dyn Send + Sync>,
+}
+
+// SAFETY: `Shared` is only made by `AlignedBytes::from_shared`, whose contract is that the memory
+// stays valid and unchanged while the owner lives; it is only ever read, so reading it from
+// any thread is as safe as reading a `&[u8]`.
+unsafe impl Send for Shared {}
+// SAFETY: as for Send: the memory is immutable, so shared references across threads are fine.
+unsafe impl Sync for Shared {}
+
 impl AlignedBytes {
+    /// A view of `len` bytes at `ptr` without a copy, or `None` when `ptr` is not 8-aligned (the
+    /// caller copies instead).
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads of `len` bytes, and the memory must not change or be freed
+    /// while `owner` (any clone of the `Arc`) lives.
+    pub unsafe fn from_shared(
+        ptr: *const u8,
+        len: usize,
+        owner: Arc<dyn Send + Sync>,
+    ) -> Option<Self> {
+        if ptr.is_null() || ptr as usize % 8 != 0 {
+            return None;
+        }
+        Some(AlignedBytes {
+            words: Vec::new(),
+            len,
+            shared: Some(Shared { ptr, _owner: owner }),
+        })
+    }
+
+    /// Whether the bytes are a view of someone else's memory (no copy was made).
+    pub fn is_shared(&self) -> bool {
+        self.shared.is_some()
+    }
+
+    /// Copy shared bytes into owned memory, before a mutation.
+    fn own(&mut self) {
+        if let Some(shared) = self.shared.take() {
+            let mut words = vec![0u64; self.len.div_ceil(8)];
+            // SAFETY: `shared.ptr` is valid for `self.len` bytes (from_shared's contract, and
+            // `len` only ever shrinks while shared), and `words` holds at least that many.
+            unsafe {
+                std::ptr::copy_nonoverlapping(shared.ptr, words.as_mut_ptr().cast::<u8>(), self.len)
+            };
+            self.words = words;
+        }
+    }
+
     /// `len` zero bytes (calloc: untouched pages cost nothing until written).
     pub fn zeroed(len: usize) -> Self {
         AlignedBytes {
             words: vec![0u64; len.div_ceil(8)],
             len,
+            shared: None,
         }
     }
 
@@ -24,6 +85,7 @@ impl AlignedBytes {
         AlignedBytes {
             words: Vec::with_capacity(capacity.div_ceil(8)),
             len: 0,
+            shared: None,
         }
     }
 
@@ -42,14 +104,23 @@ impl AlignedBytes {
     }
 
     pub fn capacity(&self) -> usize {
-        self.words.capacity() * 8
+        match self.shared {
+            Some(_) => self.len,
+            None => self.words.capacity() * 8,
+        }
     }
 
     pub fn as_bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.words)[..self.len]
+        match &self.shared {
+            // SAFETY: valid, unchanged memory of at least `len` bytes while `self` (which holds
+            // the owner) lives: from_shared's contract; `len` only shrinks while shared.
+            Some(s) => unsafe { std::slice::from_raw_parts(s.ptr, self.len) },
+            None => &bytemuck::cast_slice(&self.words)[..self.len],
+        }
     }
 
     pub fn as_mut_bytes(&mut self) -> &mut [u8] {
+        self.own();
         &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
     }
 
@@ -71,6 +142,7 @@ impl AlignedBytes {
     /// contents are unspecified). Capacity at least doubles when it runs out, so a run of
     /// appends costs about one copy of the final size.
     pub fn grow(&mut self, n: usize) -> &mut [u8] {
+        self.own();
         let old = self.len;
         let need_words = (old + n).div_ceil(8);
         if need_words > self.words.len() {
@@ -88,7 +160,7 @@ impl AlignedBytes {
     pub fn truncate(&mut self, len: usize) {
         if len < self.len {
             self.len = len;
-            self.words.truncate(len.div_ceil(8));
+            self.words.truncate(len.div_ceil(8)); // shared: a shorter view, no copy
         }
     }
 }
@@ -120,5 +192,25 @@ mod tests {
         b.extend_from_slice(&[10]);
         assert_eq!(b.as_bytes(), &[1, 2, 3, 4, 10]);
         assert_eq!(b.as_bytes().as_ptr() as usize % 8, 0);
+    }
+
+    #[test]
+    fn shared_bytes_are_viewed_then_copied_on_write() {
+        let source: Arc<Vec<u64>> = Arc::new(vec![0x0807060504030201, 0x100f0e0d0c0b0a09]);
+        let ptr = source.as_ptr().cast::<u8>();
+        let owner: Arc<dyn Send + Sync> = source.clone();
+        // SAFETY: `source` is never mutated and lives in the owner.
+        let mut b = unsafe { AlignedBytes::from_shared(ptr, 13, owner) }.unwrap();
+        assert!(b.is_shared() && b.as_bytes().as_ptr() == ptr);
+        assert_eq!(b.as_bytes(), &(1..=13).collect::<Vec<u8>>()[..]);
+        let view = b.clone();
+        b.truncate(4);
+        assert!(b.is_shared() && b.as_bytes() == [1, 2, 3, 4]);
+        b.extend_from_slice(&[9]);
+        assert!(!b.is_shared() && b.as_bytes() == [1, 2, 3, 4, 9]);
+        assert_eq!(view.as_bytes().len(), 13);
+        let unaligned = source.clone() as Arc<dyn Send + Sync>;
+        // SAFETY: as above.
+        assert!(unsafe { AlignedBytes::from_shared(ptr.wrapping_add(1), 3, unaligned) }.is_none());
     }
 }

@@ -422,3 +422,17 @@ def test_arbitrary_pickle_arguments_never_crash(data: bytes) -> None:
         rx._core._from_raw(data[3:], shape, 0, "uint8")  # type: ignore[attr-defined]
     except rx.PayloadError:
         pass
+
+
+def test_only_immutable_buffers_are_viewed_without_a_copy() -> None:
+    p = rx.RoutedExperts.from_array(np.arange(24, dtype=np.uint8).reshape(2, 3, 4))
+    raw = bytes(p.array.tobytes())
+    viewed = rx.RoutedExperts.from_transport((raw, [2, 3, 4], "uint8"))
+    assert viewed == p
+    # Read-only to us, but its owner may still write: copied, so later writes change nothing.
+    mutable = bytearray(raw)
+    for data in (memoryview(mutable).toreadonly(), mutable, np.frombuffer(mutable, np.uint8)):
+        q = rx.RoutedExperts.from_transport((data, [2, 3, 4], "uint8"))
+        mutable[0] = 99
+        assert q == p, type(data)
+        mutable[0] = 0

@@ -5,7 +5,12 @@ use pyo3::basic::CompareOp;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString, PyTuple};
 
+use std::sync::Arc;
+
+use pyo3::buffer::PyBuffer;
+
 use super::convert;
+use crate::buffer::AlignedBytes;
 use crate::{limits, sidecar, validate, with_element, DType, Payload, Shape};
 use pyo3::exceptions::PyImportError;
 
@@ -286,17 +291,7 @@ impl RoutedExperts {
             )
             .into());
         };
-        // Any contiguous buffer, whatever its item format, read as bytes.
-        let bytes = match pyo3::buffer::PyBuffer::<u8>::get(&data) {
-            Ok(b) => b,
-            Err(_) => pyo3::buffer::PyBuffer::<u8>::get(
-                &py.import("builtins")?
-                    .getattr("memoryview")?
-                    .call1((&data,))?
-                    .call_method1("cast", ("B",))?,
-            )?,
-        };
-        _from_raw(py, bytes, (t, l, k), start, &dtype)
+        _from_raw(py, &data, (t, l, k), start, &dtype)
     }
 
     fn __richcmp__(&self, other: &Bound<'_, PyAny>, op: CompareOp) -> PyResult<Py<PyAny>> {
@@ -350,12 +345,14 @@ impl RoutedExperts {
     }
 }
 
-/// Rebuild a payload from raw native bytes (pickle's constructor): one copy, into aligned memory,
-/// after the length is checked against the shape.
+/// Rebuild a payload from raw native bytes (pickle's constructor, and the transport tuple's):
+/// the length is checked against the shape first. The bytes are viewed without a copy when
+/// their exporter can never change them (`immutable_exporter`) and they are aligned; otherwise
+/// they are copied once into aligned memory.
 #[pyfunction]
 pub fn _from_raw(
     py: Python<'_>,
-    data: pyo3::buffer::PyBuffer<u8>,
+    data: &Bound<'_, PyAny>,
     shape: (usize, usize, usize),
     start: u64,
     dtype: &str,
@@ -364,13 +361,58 @@ pub fn _from_raw(
     let shape = Shape::new(shape.0, shape.1, shape.2);
     limits::check_shape(shape, dtype, limits::max_bytes())?;
     let want = shape.nbytes(dtype)?;
-    if data.len_bytes() != want {
+    // Any contiguous buffer, whatever its item format, read as bytes.
+    let buffer = match PyBuffer::<u8>::get(data) {
+        Ok(b) => b,
+        Err(_) => PyBuffer::<u8>::get(
+            &py.import("builtins")?
+                .getattr("memoryview")?
+                .call1((data,))?
+                .call_method1("cast", ("B",))?,
+        )?,
+    };
+    if buffer.len_bytes() != want {
         let msg = format!("{want} bytes for shape {shape} of {dtype}");
-        return Err(crate::Error::field("data", msg, format!("{} bytes", data.len_bytes())).into());
+        let got = format!("{} bytes", buffer.len_bytes());
+        return Err(crate::Error::field("data", msg, got).into());
     }
-    let mut buf = crate::buffer::AlignedBytes::zeroed(want);
-    data.copy_to_slice(py, buf.as_mut_bytes())?;
-    Ok(RoutedExperts::new(Payload::new(start, shape, dtype, buf)?))
+    let ptr = buffer.buf_ptr().cast::<u8>().cast_const();
+    let viewable = buffer.readonly()
+        && buffer.is_c_contiguous()
+        && !ptr.is_null()
+        && ptr as usize % 8 == 0
+        && immutable_exporter(data)?;
+    let bytes = if viewable {
+        let owner: Arc<dyn Send + Sync> = Arc::new(buffer);
+        // SAFETY: `ptr` is the start of the buffer's `want` contiguous bytes (checked above);
+        // the exporter is `bytes` or a sealed Ray object, whose memory never changes, and the
+        // buffer (kept in `owner`) keeps the exporter alive: valid and unchanged while `owner`
+        // lives, which is from_shared's contract. Non-null and 8-aligned, checked above.
+        unsafe { AlignedBytes::from_shared(ptr, want, owner) }
+            .ok_or_else(|| crate::Error::payload("a shared buffer is not 8-aligned"))?
+    } else {
+        let mut copy = AlignedBytes::zeroed(want);
+        buffer.copy_to_slice(py, copy.as_mut_bytes())?;
+        copy
+    };
+    Ok(RoutedExperts::new(Payload::new(
+        start, shape, dtype, bytes,
+    )?))
+}
+
+/// Whether `data`'s memory can never change: a `bytes`, or a buffer of Ray's object store
+/// (sealed objects are immutable), directly or behind a read-only memoryview. A read-only
+/// buffer alone is not enough: `memoryview(bytearray).toreadonly()` is read-only to us while
+/// its owner may still write.
+fn immutable_exporter(data: &Bound<'_, PyAny>) -> PyResult<bool> {
+    if data.is_exact_instance_of::<PyBytes>() {
+        return Ok(true);
+    }
+    if data.is_instance_of::<pyo3::types::PyMemoryView>() {
+        return immutable_exporter(&data.getattr("obj")?);
+    }
+    let module = data.get_type().module()?;
+    Ok(module.to_str()? == "ray._raylet")
 }
 
 /// A read-only numpy view of `slf`'s buffer that keeps `slf` alive.
