@@ -65,7 +65,7 @@ fn merge(c: &mut Criterion) {
         0,
         p.shape(),
         p.dtype(),
-        routed_experts::buffer::AlignedBytes::from_slice(&zeroed),
+        routed_experts::AlignedBytes::from_slice(&zeroed),
     );
     let decode_body = body(&decoded.unwrap());
     let mut g = c.benchmark_group("merge-qwen3-235b-32k-prompt-3/4");

@@ -7,6 +7,7 @@ use std::sync::Arc;
 #[cfg(target_endian = "big")]
 compile_error!("routed_experts stores wire (little-endian) bytes as native ones; big-endian hosts are not supported");
 
+/// Bytes aligned to 8: owned, or a read-only view of memory kept alive by its owner.
 #[derive(Clone, Default)]
 pub struct AlignedBytes {
     /// Owned memory; empty while `shared` holds the bytes.
@@ -89,20 +90,24 @@ impl AlignedBytes {
         }
     }
 
+    /// A copy of `bytes`.
     pub fn from_slice(bytes: &[u8]) -> Self {
         let mut out = AlignedBytes::zeroed(bytes.len());
         out.as_mut_bytes().copy_from_slice(bytes);
         out
     }
 
+    /// Length in bytes.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// Whether there are no bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
+    /// Bytes it can hold without reallocating.
     pub fn capacity(&self) -> usize {
         match self.shared {
             Some(_) => self.len,
@@ -110,6 +115,7 @@ impl AlignedBytes {
         }
     }
 
+    /// The bytes.
     pub fn as_bytes(&self) -> &[u8] {
         match &self.shared {
             // SAFETY: valid, unchanged memory of at least `len` bytes while `self` (which holds
@@ -119,6 +125,7 @@ impl AlignedBytes {
         }
     }
 
+    /// The bytes, writable (a shared view is copied first).
     pub fn as_mut_bytes(&mut self) -> &mut [u8] {
         self.own();
         &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
@@ -129,6 +136,7 @@ impl AlignedBytes {
         bytemuck::cast_slice(self.as_bytes())
     }
 
+    /// View as mutable elements; `len` must be a multiple of `size_of::<T>()`.
     pub fn as_mut_slice<T: bytemuck::Pod>(&mut self) -> &mut [T] {
         bytemuck::cast_slice_mut(self.as_mut_bytes())
     }

@@ -2,18 +2,27 @@
 
 use crate::error::{Error, Result};
 
+/// An integer element type, named as numpy names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
+    /// `uint8`: models with up to 256 experts.
     U8,
+    /// `int8`.
     I8,
+    /// `uint16`: models with up to 65536 experts (Kimi K2's 384).
     U16,
+    /// `int16`: a `-1` sentinel with up to 32768 experts.
     I16,
+    /// `uint32`.
     U32,
+    /// `int32`: SGLang's default, and the trainer's.
     I32,
+    /// `int64`.
     I64,
 }
 
 impl DType {
+    /// Every dtype, smallest first within each signedness.
     pub const ALL: [DType; 7] = [
         DType::U8,
         DType::I8,
@@ -37,6 +46,7 @@ impl DType {
         }
     }
 
+    /// The dtype of a numpy name (`"uint8"`); an unknown name is a `PayloadError`.
     pub fn parse(name: &str) -> Result<DType> {
         DType::ALL
             .into_iter()
@@ -50,6 +60,7 @@ impl DType {
             })
     }
 
+    /// Bytes per value.
     pub fn itemsize(self) -> usize {
         match self {
             DType::U8 | DType::I8 => 1,
@@ -59,6 +70,7 @@ impl DType {
         }
     }
 
+    /// The smallest value it holds.
     pub fn min(self) -> i64 {
         match self {
             DType::U8 | DType::U16 | DType::U32 => 0,
@@ -69,6 +81,7 @@ impl DType {
         }
     }
 
+    /// The largest value it holds.
     pub fn max(self) -> i64 {
         match self {
             DType::U8 => u8::MAX.into(),
@@ -81,6 +94,7 @@ impl DType {
         }
     }
 
+    /// Whether `value` fits.
     pub fn holds(self, value: i64) -> bool {
         self.min() <= value && value <= self.max()
     }
@@ -137,6 +151,7 @@ impl std::fmt::Display for DType {
 
 /// An element type a payload can be viewed as.
 pub trait Element: bytemuck::Pod + Copy + Into<i64> + TryFrom<i64> + Send + Sync + 'static {
+    /// The dtype of this element type.
     const DTYPE: DType;
 }
 
@@ -145,8 +160,7 @@ macro_rules! element {
 }
 element!(u8 => U8, i8 => I8, u16 => U16, i16 => I16, u32 => U32, i32 => I32, i64 => I64);
 
-/// Run `$body` with `$t` bound to the Rust element type of `$dtype`.
-#[macro_export]
+/// Run `$body` with `$t` bound to the Rust element type of `$dtype` (crate-internal).
 macro_rules! with_element {
     ($dtype:expr, $t:ident => $body:expr) => {
         match $dtype {
@@ -181,6 +195,7 @@ macro_rules! with_element {
         }
     };
 }
+pub(crate) use with_element;
 
 #[cfg(test)]
 mod tests {

@@ -3,6 +3,7 @@
 
 use std::fmt::Display;
 
+/// What went wrong, with a message naming the field, the expected and the actual value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Error {
     /// Malformed input: bad JSON, bad base64, a shape that does not match the data, ...
@@ -13,6 +14,7 @@ pub enum Error {
     Merge(String),
 }
 
+/// `Result` with this crate's [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
@@ -21,10 +23,12 @@ impl Error {
         Error::Payload(format!("`{field}`: expected {expected}, got {actual}"))
     }
 
+    /// A [`Error::Payload`] with `msg`.
     pub fn payload(msg: impl Into<String>) -> Self {
         Error::Payload(msg.into())
     }
 
+    /// A [`Error::Merge`] with `msg`.
     pub fn merge(msg: impl Into<String>) -> Self {
         Error::Merge(msg.into())
     }

@@ -14,6 +14,7 @@ use crate::npy;
 use crate::payload::{DTypeChoice, Header, Payload, Shape};
 use crate::sidecar::{self, SidecarFields};
 
+/// A routing format of the wild (SPEC 3).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Format {
     /// `{"data": base64, "shape": [T, L, K], "start": S, "dtype": name}` (prime-rl, Dynamo).
@@ -29,6 +30,7 @@ pub enum Format {
 }
 
 impl Format {
+    /// Every format.
     pub const ALL: [Format; 5] = [
         Format::Compact,
         Format::VllmNpy,
@@ -37,6 +39,7 @@ impl Format {
         Format::Lists,
     ];
 
+    /// The format's name (`"compact"`, `"vllm_npy"`, ...).
     pub fn name(self) -> &'static str {
         match self {
             Format::Compact => "compact",
@@ -47,6 +50,7 @@ impl Format {
         }
     }
 
+    /// The format of a name; an unknown one is a `PayloadError`.
     pub fn parse(name: &str) -> Result<Format> {
         Format::ALL
             .into_iter()
@@ -65,9 +69,13 @@ impl Format {
 /// does carry is an error, never silently preferred.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Hints {
+    /// The position of row 0, for formats that carry none.
     pub start: Option<u64>,
+    /// Layers, for SGLang's flat values (checked against formats that carry them).
     pub num_layers: Option<usize>,
+    /// top_k, for SGLang's flat values (checked against formats that carry them).
     pub top_k: Option<usize>,
+    /// The element type, for SGLang's flat values (int32 if not given).
     pub dtype: Option<DType>,
 }
 
@@ -116,6 +124,7 @@ pub fn json_string_content(raw: &[u8]) -> Result<Cow<'_, [u8]>> {
     s.string_value(&st)
 }
 
+/// A hint that contradicts what the payload carries is an error, never silently preferred.
 pub fn check_hints(format: Format, h: &Header, hints: &Hints) -> Result<()> {
     let name = format.name();
     let mismatch = |field: &str, given: String, found: String| {

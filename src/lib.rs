@@ -1,33 +1,108 @@
-//! routed_experts: parse, merge, stitch and encode MoE routed-experts payloads.
+//! Parse, merge, stitch and encode the *routed experts* of Mixture-of-Experts models: the
+//! per-token, per-layer top-k expert ids that router replay ("R3") needs, as they travel from
+//! inference engine to router to orchestrator to trainer.
 //!
-//! The core modules are pure Rust (no pyo3), used by `cargo test` and criterion directly.
-//! This file also holds the Python module definition; the classes it registers live in
-//! `python/`, compiled only with the `python` feature that maturin enables.
+//! This crate is the pure-Rust core of the `routed_experts` Python package, and a dependency
+//! for Rust routers (the vLLM router, Dynamo's frontend, the SGLang gateway) that merge
+//! prefill/decode halves in disaggregated serving. It has no Python dependency unless the
+//! `python` feature is on (only the Python build turns it on).
+//!
+//! # Merging prefill and decode response bodies
+//!
+//! [`merge_response`] returns the decode body with every routing value replaced by its merge
+//! with the prefill routing of the same choice, by absolute position: prefill's rows, then
+//! decode's rows from prefill's end on, whatever `start` decode's delta has. Every other byte of
+//! the decode body is unchanged. Inconsistent halves (a gap, other layers or top_k) are an
+//! [`Error::Merge`]; malformed input an [`Error::Payload`]: never a guess.
+//!
+//! ```
+//! use routed_experts::{from_response, merge_response, Hints, MergeOptions, DEFAULT_MAX_BYTES};
+//!
+//! // 1 layer, top_k 2; a prompt of 3 tokens. Prefill computed rows 0..3; decode sent a delta
+//! // from position 2 (the last prompt token) with the generated rows.
+//! let prefill = br#"{"choices":[{"index":0,"routed_experts":
+//!     {"data":"CgsUFR4f","shape":[3,1,2],"start":0,"dtype":"uint8"}}]}"#;
+//! let decode = br#"{"choices":[{"index":0,"text":"hi","routed_experts":
+//!     {"data":"Hh8oKQ==","shape":[2,1,2],"start":2,"dtype":"uint8"}}]}"#;
+//!
+//! let merged = merge_response(prefill, decode, MergeOptions::new(DEFAULT_MAX_BYTES))?;
+//! let routing = from_response(&merged, 0, &Hints::default(), DEFAULT_MAX_BYTES)?
+//!     .expect("choice 0 carries routing");
+//! assert_eq!((routing.start(), routing.num_tokens()), (0, 4));
+//! assert_eq!(routing.values::<u8>(), &[10, 11, 20, 21, 30, 31, 40, 41]);
+//! # Ok::<(), routed_experts::Error>(())
+//! ```
+//!
+//! Routing is found where the engines put it ([`LOCATIONS`]: vLLM, prime-rl, NeMo-RL, SGLang,
+//! Dynamo), in any of their formats ([`Format`]); a `routed_experts` key anywhere else, a key
+//! given twice, or invalid UTF-8 is an error, so a body whose routing cannot be found never
+//! passes as one without.
+//!
+//! # Payloads
+//!
+//! A [`Payload`] is the routing of a contiguous run of positions: an array of shape
+//! `(num_tokens, num_layers, top_k)` whose row 0 is absolute position `start`.
+//!
+//! ```
+//! use routed_experts::{decode_sidecar, encode_sidecar, merge, DType, DEFAULT_MAX_BYTES};
+//!
+//! let prefill = decode_sidecar(br#"{"data":"CgsUFR4f","shape":[3,1,2],"start":0,"dtype":"uint8"}"#,
+//!     DEFAULT_MAX_BYTES)?;
+//! let decode = decode_sidecar(br#"{"data":"AAAAAAAAKCk=","shape":[4,1,2],"start":0}"#,
+//!     DEFAULT_MAX_BYTES)?;
+//! let merged = merge(&prefill, &decode)?;
+//! assert_eq!(merged.dtype(), DType::U8);
+//! assert_eq!(encode_sidecar(&merged),
+//!     br#"{"data":"CgsUFR4fKCk=","shape":[4,1,2],"start":0,"dtype":"uint8"}"#.to_vec());
+//! # Ok::<(), routed_experts::Error>(())
+//! ```
+//!
+//! [`Trajectory`] stitches the turns of a multi-turn rollout by position (SPEC 5); the modules
+//! below hold the rest (formats, validation, packing for the trainer).
 
 // `with_element!` instantiates generic code for every dtype; in the int64 arm `.into()` to i64
 // is the identity, which is what the generic code means.
 #![allow(clippy::useless_conversion)]
+#![warn(missing_docs)]
 
-pub mod b64;
-pub mod buffer;
+mod b64;
+mod buffer;
+/// The integer dtypes a payload may carry, their ranges and promotion.
 pub mod dtype;
-pub mod error;
+mod error;
+/// Every routing format in the wild (SPEC 3.2): detection, decoding, encoding.
 pub mod formats;
-pub mod jsonscan;
+mod jsonscan;
+/// The size limit on decoded payloads.
 pub mod limits;
+/// Prefill/decode merge by absolute position (SPEC 4).
 pub mod merge;
+/// The `.npy` header (vLLM's format): parsing and writing.
 pub mod npy;
+/// Packing samples into one batch for the trainer (SPEC 6).
 pub mod pack;
-pub mod payload;
+mod payload;
+/// Routing inside whole response bodies: finding it, and merging bodies (SPEC 3.2, 4).
 pub mod response;
+/// The compact sidecar (SPEC 3.1).
 pub mod sidecar;
-pub mod strscan;
+mod strscan;
+/// Multi-turn stitching and the trainer handoff (SPEC 5).
 pub mod trajectory;
+/// Opt-in checks a trainer wants before a step (SPEC 7).
 pub mod validate;
 
+pub use buffer::AlignedBytes;
+pub(crate) use dtype::with_element;
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
-pub use payload::{DTypeChoice, Payload, Shape};
+pub use formats::{Format, Hints};
+pub use limits::DEFAULT_MAX_BYTES;
+pub use merge::merge;
+pub use payload::{DTypeChoice, Header, Payload, Shape, MAX_DECLARED_BYTES};
+pub use response::{find_routing, from_response, merge_response, Found, MergeOptions, LOCATIONS};
+pub use sidecar::{decode as decode_sidecar, encode as encode_sidecar};
+pub use trajectory::{Overlap, Pad, Trajectory};
 
 #[cfg(feature = "python")]
 mod python;

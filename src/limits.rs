@@ -11,10 +11,12 @@ pub const DEFAULT_MAX_BYTES: usize = 1 << 30;
 
 static MAX_BYTES: AtomicUsize = AtomicUsize::new(DEFAULT_MAX_BYTES);
 
+/// The process-wide limit (default [`DEFAULT_MAX_BYTES`]).
 pub fn max_bytes() -> usize {
     MAX_BYTES.load(Ordering::Relaxed)
 }
 
+/// Set the process-wide limit.
 pub fn set_max_bytes(n: usize) {
     MAX_BYTES.store(n, Ordering::Relaxed);
 }
@@ -37,6 +39,7 @@ pub fn check_shape(shape: Shape, dtype: DType, limit: usize) -> crate::Result<()
     }
 }
 
+/// `nbytes` must fit `limit`.
 pub fn check(nbytes: usize, limit: usize) -> crate::Result<()> {
     if nbytes > limit {
         return Err(crate::Error::payload(format!(

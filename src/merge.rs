@@ -9,7 +9,9 @@ use crate::with_element;
 /// How two halves combine: all of prefill's rows, then decode's rows from `skip` on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Plan {
+    /// Rows of decode that prefill already covers (skipped).
     pub skip: usize,
+    /// The merged payload's header.
     pub header: Header,
 }
 

@@ -10,8 +10,11 @@ const MAGIC: &[u8] = b"\x93NUMPY";
 /// A parsed header: the array's dtype and shape, and where its data begins.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NpyHeader {
+    /// The array's element type.
     pub dtype: DType,
+    /// The array's shape (3-d).
     pub shape: Shape,
+    /// Where the array's data starts in the file.
     pub data_offset: usize,
 }
 
@@ -19,10 +22,12 @@ fn err(msg: impl std::fmt::Display) -> Error {
     Error::payload(format!("vllm_npy: {msg}"))
 }
 
+/// Whether `bytes` starts with the `.npy` magic.
 pub fn is_npy(bytes: &[u8]) -> bool {
     bytes.starts_with(MAGIC)
 }
 
+/// Parse a `.npy` file's header: what `np.load` accepts of a 3-d integer array, nothing it refuses.
 pub fn parse_header(file: &[u8]) -> Result<NpyHeader> {
     if !is_npy(file) {
         return Err(err("expected the .npy magic \\x93NUMPY at the start"));

@@ -6,14 +6,19 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::with_element;
 
+/// An array shape `(num_tokens, num_layers, top_k)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Shape {
+    /// Token positions (rows).
     pub tokens: usize,
+    /// MoE layers.
     pub layers: usize,
+    /// Experts per token and layer.
     pub top_k: usize,
 }
 
 impl Shape {
+    /// A shape.
     pub fn new(tokens: usize, layers: usize, top_k: usize) -> Self {
         Shape {
             tokens,
@@ -29,6 +34,7 @@ impl Shape {
             .ok_or_else(|| self.overflow())
     }
 
+    /// Elements in the array, or an error if that overflows.
     pub fn elems(&self) -> Result<usize> {
         self.row_elems()?
             .checked_mul(self.tokens)
@@ -75,10 +81,12 @@ pub enum DTypeChoice {
     Compact,
     /// uint8 up to 256 experts, else uint16: one dtype for every payload of a model.
     NumExperts(u64),
+    /// Exactly this dtype.
     Exact(DType),
 }
 
 impl DTypeChoice {
+    /// The dtype for values in `[lo, hi]` (`None`: no values).
     pub fn resolve(self, min_max: Option<(i64, i64)>) -> Result<DType> {
         match self {
             DTypeChoice::Exact(d) => Ok(d),
@@ -94,8 +102,11 @@ impl DTypeChoice {
 /// Everything about a payload but its values: enough to plan a merge before decoding anything.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
+    /// Absolute position of row 0.
     pub start: u64,
+    /// The array's shape.
     pub shape: Shape,
+    /// The element type.
     pub dtype: DType,
 }
 
@@ -129,15 +140,19 @@ impl Header {
         })
     }
 
+    /// Position after the last row (`start + num_tokens`).
     pub fn stop(&self) -> u64 {
         self.start + self.shape.tokens as u64
     }
 
+    /// Bytes of one token row.
     pub fn row_bytes(&self) -> usize {
         self.shape.layers * self.shape.top_k * self.dtype.itemsize()
     }
 }
 
+/// The routing of a contiguous run of token positions (SPEC 2): an array of shape
+/// `(num_tokens, num_layers, top_k)` whose row 0 is absolute position `start`. Immutable once made.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Payload {
     start: u64,
@@ -166,6 +181,7 @@ impl Payload {
         })
     }
 
+    /// All-zero values.
     pub fn zeros(start: u64, shape: Shape, dtype: DType) -> Result<Self> {
         Header::new(start, shape, dtype)?; // before allocating
         Payload::new(
@@ -198,6 +214,7 @@ impl Payload {
         Ok(out)
     }
 
+    /// Start, shape and dtype.
     pub fn header(&self) -> Header {
         Header {
             start: self.start,
@@ -205,33 +222,43 @@ impl Payload {
             dtype: self.dtype,
         }
     }
+    /// Absolute position of row 0.
     pub fn start(&self) -> u64 {
         self.start
     }
+    /// Position after the last row.
     pub fn stop(&self) -> u64 {
         self.header().stop()
     }
+    /// The array's shape.
     pub fn shape(&self) -> Shape {
         self.shape
     }
+    /// Rows.
     pub fn num_tokens(&self) -> usize {
         self.shape.tokens
     }
+    /// Layers per row.
     pub fn num_layers(&self) -> usize {
         self.shape.layers
     }
+    /// Experts per token and layer.
     pub fn top_k(&self) -> usize {
         self.shape.top_k
     }
+    /// The element type.
     pub fn dtype(&self) -> DType {
         self.dtype
     }
+    /// The values' raw bytes (native endian, C order).
     pub fn bytes(&self) -> &[u8] {
         self.data.as_bytes()
     }
+    /// The values' buffer.
     pub fn into_data(self) -> AlignedBytes {
         self.data
     }
+    /// The values as `T`, which must be the payload's element type (else a panic: a programming error).
     pub fn values<T: Element>(&self) -> &[T] {
         assert_eq!(
             T::DTYPE,

@@ -17,7 +17,9 @@ use crate::sidecar::{self, SidecarText};
 /// One routing value found in a body: the choice it belongs to and where its bytes are.
 #[derive(Debug, Clone)]
 pub struct Found<'a> {
+    /// The choice's index (its `index` key, else its position).
     pub index: u64,
+    /// Where the value's bytes are in the body.
     pub span: Range<usize>,
     /// The value's raw JSON text (an object, a string or a list).
     pub text: &'a [u8],
@@ -234,8 +236,10 @@ pub fn from_response(
         .transpose()
 }
 
+/// How [`merge_response`] works.
 #[derive(Clone, Copy, Debug)]
 pub struct MergeOptions {
+    /// Limit on each decoded payload.
     pub max_bytes: usize,
     /// Join base64 text directly when the cut falls on a 3-byte boundary (same result, faster).
     pub splice: bool,
@@ -248,6 +252,7 @@ pub struct MergeOptions {
 }
 
 impl MergeOptions {
+    /// Defaults: splice on, no hints, merged values written as compact sidecars.
     pub fn new(max_bytes: usize) -> Self {
         MergeOptions {
             max_bytes,
@@ -266,10 +271,12 @@ pub struct Spliced<'a> {
 }
 
 impl Spliced<'_> {
+    /// Length in bytes.
     pub fn len(&self) -> usize {
         self.pieces.iter().map(|p| p.len()).sum()
     }
 
+    /// Whether it is empty.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -282,6 +289,7 @@ impl Spliced<'_> {
         }
     }
 
+    /// The body as one vector.
     pub fn to_vec(&self) -> Vec<u8> {
         b64::filled_vec(self.len(), |out| self.write_into(out))
     }

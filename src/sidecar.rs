@@ -16,16 +16,22 @@ use crate::payload::{Header, Payload, Shape};
 /// The `data` field as found: base64 text, or the JSON type it had instead.
 #[derive(Debug)]
 pub enum DataField<'a> {
+    /// The base64 text.
     Base64(Cow<'a, [u8]>),
+    /// The JSON type it had instead (for the error).
     NotAString(&'static str),
 }
 
 /// The four fields of a sidecar, from JSON text or from a Python dict.
 #[derive(Debug, Default)]
 pub struct SidecarFields<'a> {
+    /// `data`.
     pub data: Option<DataField<'a>>,
+    /// `shape`, as JSON.
     pub shape: Option<Value>,
+    /// `start`, as JSON.
     pub start: Option<Value>,
+    /// `dtype`, as JSON.
     pub dtype: Option<Value>,
     /// A key of `BODY_KEYS` the object has: it is a response body, not a sidecar.
     pub body_key: Option<&'static str>,
@@ -128,11 +134,14 @@ fn value_type_name(v: &Value) -> String {
 /// decoded: what a merge needs to plan, and to splice base64 text without decoding it.
 #[derive(Debug)]
 pub struct SidecarText<'a> {
+    /// Start, shape and dtype, validated.
     pub header: Header,
+    /// The base64 text, its length checked against the shape.
     pub data: Cow<'a, [u8]>,
 }
 
 impl SidecarText<'_> {
+    /// Decode the base64 into a payload.
     pub fn decode(&self) -> Result<Payload> {
         let mut data = AlignedBytes::zeroed(self.header.shape.nbytes(self.header.dtype)?);
         b64::decode_into(&self.data, data.as_mut_bytes(), "data")?;
@@ -259,6 +268,7 @@ pub fn encode_into(p: &Payload, out: &mut [MaybeUninit<u8>]) {
     b64::write_uninit(end, tail(&p.header()).as_bytes());
 }
 
+/// The canonical encoding as a vector.
 pub fn encode(p: &Payload) -> Vec<u8> {
     b64::filled_vec(encoded_len(p), |out| encode_into(p, out))
 }

@@ -20,6 +20,7 @@ pub enum Overlap {
 }
 
 impl Overlap {
+    /// The policy of a name: `"keep"`, `"replace"` or `"check"`.
     pub fn parse(name: &str) -> Result<Overlap> {
         match name {
             "keep" => Ok(Overlap::Keep),
@@ -39,10 +40,12 @@ impl Overlap {
 pub enum Pad {
     /// Repeat the last row (default).
     Repeat,
+    /// Zero rows.
     Zero,
 }
 
 impl Pad {
+    /// The padding of a name: `"repeat"` or `"zero"`.
     pub fn parse(name: &str) -> Result<Pad> {
         match name {
             "repeat" => Ok(Pad::Repeat),
@@ -64,6 +67,7 @@ pub struct Trajectory {
 }
 
 impl Trajectory {
+    /// An empty trajectory.
     pub fn new() -> Self {
         Trajectory { rows: None }
     }
@@ -73,22 +77,27 @@ impl Trajectory {
         Trajectory { rows: Some(p) }
     }
 
+    /// Position of the first row (`None` while empty).
     pub fn start(&self) -> Option<u64> {
         self.rows.as_ref().map(Payload::start)
     }
 
+    /// Position after the last row (`None` while empty).
     pub fn stop(&self) -> Option<u64> {
         self.rows.as_ref().map(Payload::stop)
     }
 
+    /// Rows held.
     pub fn len(&self) -> usize {
         self.rows.as_ref().map_or(0, Payload::num_tokens)
     }
 
+    /// Whether no rows are held.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
+    /// The element type rows are held in (`None` while empty).
     pub fn dtype(&self) -> Option<DType> {
         self.rows.as_ref().map(Payload::dtype)
     }

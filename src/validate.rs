@@ -5,28 +5,36 @@ use crate::error::{Error, Result};
 use crate::payload::Payload;
 use crate::with_element;
 
+/// Which checks to run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Checks {
     /// Ids must be `< num_experts` (and never negative, which is checked always).
     pub num_experts: Option<u64>,
+    /// An expert twice in one token's top_k.
     pub duplicates: bool,
+    /// A token row that is zero in every layer (lost prompt rows).
     pub zero_rows: bool,
 }
 
 /// Counts of each failure, with the first (position, layer) of each.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Report {
+    /// Ids out of range.
     pub out_of_range: usize,
+    /// The first id out of range: (position, layer, value).
     pub first_out_of_range: Option<(u64, usize, i64)>,
     /// (token, layer) groups whose top_k holds an expert twice.
     pub duplicates: usize,
+    /// The first duplicate: (position, layer, value).
     pub first_duplicate: Option<(u64, usize, i64)>,
     /// Token rows that are zero in every layer.
     pub zero_rows: usize,
+    /// The position of the first all-zero row.
     pub first_zero_row: Option<u64>,
 }
 
 impl Report {
+    /// Whether every check passed.
     pub fn is_clean(&self) -> bool {
         self.out_of_range == 0 && self.duplicates == 0 && self.zero_rows == 0
     }
@@ -61,10 +69,12 @@ impl Report {
     }
 }
 
+/// Count every failure of `checks`.
 pub fn report(p: &Payload, checks: &Checks) -> Report {
     with_element!(p.dtype(), T => scan(p, p.values::<T>(), checks))
 }
 
+/// A `PayloadError` at the first failure of `checks`, naming its position and layer.
 pub fn validate(p: &Payload, checks: &Checks) -> Result<()> {
     report(p, checks).into_result(checks)
 }

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import routed_experts as rx
-from conftest import assert_payload, error_class, vector_params
+from conftest import REPO, assert_payload, error_class, load_vectors, vector_params
 
 
 @pytest.mark.parametrize("case", vector_params("merge"))
@@ -74,3 +77,22 @@ def _assert_same_outside_routing(merged: bytes, decode: bytes) -> None:
         return bytes(out + body[at:])
 
     assert cut(merged) == cut(decode)
+
+
+@pytest.mark.skipif(shutil.which("cargo") is None, reason="needs cargo")
+def test_the_rust_example_merges_bodies_as_the_python_api_does(tmp_path: Path) -> None:
+    # `cargo run --example merge -- PREFILL DECODE`: the crate as a Rust router uses it.
+    for case in load_vectors("responses"):
+        prefill, decode = tmp_path / "p.json", tmp_path / "d.json"
+        prefill.write_text(case["prefill_body"])
+        decode.write_text(case["decode_body"])
+        r = subprocess.run(
+            ["cargo", "run", "--quiet", "--example", "merge", "--", str(prefill), str(decode)],
+            cwd=REPO, capture_output=True, timeout=600,
+        )
+        if "error" in case:
+            assert r.returncode in (1, 2) and r.stderr, case["name"]
+        else:
+            assert r.returncode == 0, r.stderr
+            want = rx.merge_response(case["prefill_body"], case["decode_body"])
+            assert r.stdout == want + b"\n", case["name"]
