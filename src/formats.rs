@@ -303,7 +303,39 @@ fn decode_vllm_npy(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Paylo
     Ok(p)
 }
 
+/// lmdeploy with Ray transport puts base64 of a pickled Ray ObjectRef (or pickled array) where
+/// routing goes, or a key into its Ray shared store. Neither is routing data: say so, rather
+/// than decode a pickle as expert ids or report only a bad base64 character.
+fn refuse_lmdeploy_reference(text: &[u8]) -> Result<()> {
+    const WHAT: &str = "lmdeploy with Ray transport returns a Ray ObjectRef or a shared-store key \
+                        here; resolve it in lmdeploy's client (ray.get) and pass the array, nested \
+                        lists or a compact sidecar instead";
+    let Ok(n) = b64::decoded_len(text, "sglang") else {
+        return Ok(());
+    };
+    if n >= 3 && b64::check(text, "sglang").is_ok() {
+        let head = b64::decode_range(text, 0, 2)?;
+        let last = b64::decode_range(text, n - 1, n)?;
+        // Pickle protocols 2-5 open with PROTO (0x80, version) and close with STOP ('.').
+        if head[0] == 0x80 && (2..=5).contains(&head[1]) && last[0] == b'.' {
+            return Err(Error::payload(format!(
+                "a pickled Python object, not routing data: {WHAT}"
+            )));
+        }
+    }
+    Ok(())
+}
+
 fn decode_sglang(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Payload> {
+    refuse_lmdeploy_reference(text)?;
+    if text.len() < 256 {
+        b64::check(text, "sglang").map_err(|e| {
+            e.context(
+                "sglang (a short string that is not base64 may be a key into lmdeploy's Ray \
+                 shared store, to be fetched from that store first)",
+            )
+        })?;
+    }
     let (Some(layers), Some(top_k)) = (hints.num_layers, hints.top_k) else {
         return Err(Error::payload(
             "sglang: flat base64 values carry no shape: give num_layers and top_k".to_string(),
