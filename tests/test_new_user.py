@@ -145,3 +145,14 @@ def test_git_tracks_only_intended_files() -> None:
     assert not odd, odd
     built = [f for f in files if f.endswith((".so", ".pyd", ".whl")) or "/target/" in f]
     assert not built, built
+
+
+def test_cli_bench_says_when_the_bench_extra_is_missing() -> None:
+    code = (
+        "import sys; sys.modules['orjson'] = None\n"  # as if the extra were not installed
+        "from routed_experts.cli import main\n"
+        "sys.exit(main(['bench', '--model', 'qwen3-30b-a3b', '--tokens', '16', '--repeat', '1']))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "pip install 'routed_experts[bench]'" in r.stderr
