@@ -1,0 +1,117 @@
+"""The base64 kernels (simdutf to decode and encode, base64-simd to check) against the standard
+library on random and mutated texts. Accepted means what `base64.b64decode(validate=True)`
+accepts and that re-encodes to the same text (padding required, no white space, zero padding
+bits: SPEC 3.1); everything else is a PayloadError, on the decoding and the splicing paths."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import routed_experts as rx
+
+ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+
+def python_accepts(text: str) -> bytes | None:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return raw if base64.b64encode(raw).decode() == text else None
+
+
+def sidecar(text: str, n: int) -> dict[str, object]:
+    return {"data": text, "shape": [n, 1, 1], "start": 0, "dtype": "uint8"}
+
+
+def declared_len(text: str) -> int:
+    """The byte count the text's length and padding claim (what the shape must say)."""
+    if len(text) % 4:
+        return 0
+    return len(text) // 4 * 3 - len(text[-2:]) + len(text[-2:].rstrip("="))
+
+
+def check_against_python(text: str) -> None:
+    want = python_accepts(text)
+    n = len(want) if want is not None else declared_len(text)
+    # The decoding path.
+    if want is None:
+        with pytest.raises(rx.PayloadError):
+            rx.RoutedExperts.from_json(sidecar(text, n))
+    else:
+        assert rx.RoutedExperts.from_json(sidecar(text, n)).array.tobytes() == want
+    # The splicing path checks both halves' text without decoding it: the same verdict.
+    if n == 0:
+        return
+    body = lambda s: json.dumps({"choices": [{"index": 0, "routed_experts": s}]})  # noqa: E731
+    prefill = body(sidecar(base64.b64encode(b"\x01").decode(), 1))
+    decode = body(sidecar(text, n))
+    if want is None:
+        with pytest.raises(rx.PayloadError):
+            rx.merge_response(prefill, decode)
+    else:
+        merged = rx.from_response(rx.merge_response(prefill, decode))
+        assert merged is not None and merged.array.tobytes() == b"\x01" + want[1:]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=200))
+def test_every_valid_text_decodes_and_encodes_as_python_does(raw: bytes) -> None:
+    text = base64.b64encode(raw).decode()
+    check_against_python(text)
+    p = rx.RoutedExperts.from_json(sidecar(text, len(raw)))
+    assert p.to_dict()["data"] == text
+    assert json.loads(p.to_json())["data"] == text
+
+
+mutations = st.sampled_from(["replace", "insert", "delete", "whitespace", "pad_bits", "pad"])
+
+
+@settings(max_examples=1500, deadline=None)
+@given(
+    raw=st.binary(min_size=1, max_size=120),
+    how=mutations,
+    at=st.integers(0, 10_000),
+    char=st.characters(codec="latin-1"),
+)
+def test_mutated_texts_get_the_same_verdict_as_python(
+    raw: bytes, how: str, at: int, char: str
+) -> None:
+    text = base64.b64encode(raw).decode()
+    i = at % len(text)
+    if how == "replace":
+        text = text[:i] + char + text[i + 1 :]
+    elif how == "insert":
+        text = text[:i] + char + text[i:]
+    elif how == "delete":
+        text = text[:i] + text[i + 1 :]
+    elif how == "whitespace":
+        text = text[:i] + " \t\n\r"[at % 4] + text[i:]
+    elif how == "pad_bits":  # flip low bits of the last data character: non-canonical padding
+        body = text.rstrip("=")
+        last = ALPHABET[(ALPHABET.index(body[-1]) + 1 + at % 3) % 64]
+        text = body[:-1] + last + text[len(body) :]
+    else:  # padding added, removed or moved
+        text = [text.rstrip("="), text + "=", "=" + text, text.replace("=", "") + "=="][at % 4]
+    check_against_python(text)
+
+
+@pytest.mark.parametrize("length", range(0, 13))
+def test_every_length_mod_4(length: int) -> None:
+    for text in ("A" * length, "QUJD" * (length // 4) + "=" * (length % 4)):
+        check_against_python(text)
+
+
+def test_errors_name_the_first_bad_character() -> None:
+    with pytest.raises(rx.PayloadError, match=r"'\*' at offset 2"):
+        rx.RoutedExperts.from_json(sidecar("ab*d", 3))
+    with pytest.raises(rx.PayloadError, match=r"' ' at offset 4"):
+        rx.RoutedExperts.from_json(sidecar("CgsU FR4f"[:8], 6))
+    with pytest.raises(rx.PayloadError, match="non-zero padding bits"):
+        rx.RoutedExperts.from_json(sidecar("QR==", 1))
