@@ -100,6 +100,11 @@ impl<'a> Scanner<'a> {
         self.buf
     }
 
+    /// The byte offset the scanner has reached.
+    pub fn pos(&self) -> usize {
+        self.pos
+    }
+
     pub fn error(&self, expected: &str) -> Error {
         let found = match self.buf.get(self.pos) {
             None => "the end of the input".to_string(),

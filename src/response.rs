@@ -12,7 +12,7 @@ use crate::formats::{self, Format, Hints};
 use crate::jsonscan::Scanner;
 use crate::merge;
 use crate::payload::Payload;
-use crate::sidecar::{self, SidecarText};
+use crate::sidecar::{self, SidecarFields, SidecarText};
 
 /// One routing value found in a body: the choice it belongs to and where its bytes are.
 #[derive(Debug, Clone)]
@@ -27,6 +27,8 @@ pub struct Found<'a> {
     pub dtype: Option<DType>,
     /// Where it was found, e.g. `$.choices[0].routed_experts`.
     pub path: String,
+    /// A compact sidecar's fields, read while the body was walked (`None` for other formats).
+    pub fields: Option<SidecarFields<'a>>,
 }
 
 /// Where routing sits in response bodies (SPEC 3.2), and who puts it there: the one table the
@@ -194,7 +196,14 @@ fn routing_value<'a>(
     dtype: Option<DType>,
     found: &mut Vec<Found<'a>>,
 ) -> Result<()> {
-    let span = s.value()?;
+    // A compact sidecar is read here, in the walk's one pass over its (large) data string.
+    let (span, fields) = if s.peek() == Some(b'{') {
+        let start = s.pos();
+        let fields = sidecar::read_fields(s)?;
+        (start..s.pos(), Some(fields))
+    } else {
+        (s.value()?, None)
+    };
     let text = &s.buf()[span.clone()];
     if text != b"null" {
         found.push(Found {
@@ -203,6 +212,7 @@ fn routing_value<'a>(
             text,
             dtype,
             path: s.path(),
+            fields,
         });
     }
     Ok(())
@@ -214,7 +224,13 @@ pub fn decode_found(f: &Found, hints: &Hints, max_bytes: usize) -> Result<(Forma
         dtype: hints.dtype.or(f.dtype),
         ..*hints
     };
-    formats::decode_json_value(f.text, &hints, max_bytes)
+    match &f.fields {
+        Some(fields) => Ok((
+            Format::Compact,
+            formats::decode_compact_fields(fields.clone(), &hints, max_bytes)?,
+        )),
+        None => formats::decode_json_value(f.text, &hints, max_bytes),
+    }
 }
 
 /// The routing of the choice whose index is `choice`, or `None` when it carries none.
@@ -350,14 +366,14 @@ fn merge_found<'a>(
 ) -> Result<Vec<Cow<'a, [u8]>>> {
     // Compact values carry their own start: the start hints are for formats that carry none.
     // Two compact values merge on their text (keep_format changes nothing: compact stays compact).
-    let is_compact = |f: &Found| f.text.first() == Some(&b'{');
-    if is_compact(p)
-        && is_compact(d)
-        && opts.hints.num_layers.is_none()
-        && opts.hints.top_k.is_none()
-        && opts.hints.dtype.is_none()
-    {
-        return merge_values(p.text, d.text, opts);
+    let is_compact = |f: &Found| f.fields.is_some();
+    if let (Some(pf), Some(df)) = (&p.fields, &d.fields) {
+        if opts.hints.num_layers.is_none()
+            && opts.hints.top_k.is_none()
+            && opts.hints.dtype.is_none()
+        {
+            return merge_sidecars(pf.clone(), df.clone(), opts);
+        }
     }
     let side_hints = |f: &Found, start: Option<u64>| Hints {
         start: if is_compact(f) { None } else { start },
@@ -384,8 +400,19 @@ pub fn merge_values<'a>(
     decode: &'a [u8],
     opts: &MergeOptions,
 ) -> Result<Vec<Cow<'a, [u8]>>> {
-    let p = value_text(prefill, opts.max_bytes).map_err(|e| e.context("prefill"))?;
-    let d = value_text(decode, opts.max_bytes).map_err(|e| e.context("decode"))?;
+    let p = sidecar::parse_fields(prefill).map_err(|e| e.context("prefill"))?;
+    let d = sidecar::parse_fields(decode).map_err(|e| e.context("decode"))?;
+    merge_sidecars(p, d, opts)
+}
+
+/// Merge two compact sidecars' fields into (the pieces of) the canonical sidecar text.
+fn merge_sidecars<'a>(
+    prefill: SidecarFields<'a>,
+    decode: SidecarFields<'a>,
+    opts: &MergeOptions,
+) -> Result<Vec<Cow<'a, [u8]>>> {
+    let p = sidecar::validate(prefill, opts.max_bytes).map_err(|e| e.context("prefill"))?;
+    let d = sidecar::validate(decode, opts.max_bytes).map_err(|e| e.context("decode"))?;
     let plan = merge::plan(&p.header, &d.header)?;
     if opts.splice && can_splice(&p, &d) {
         return splice_text(p, d, &plan);
@@ -399,10 +426,6 @@ fn merge_decoded<'a>(p: &SidecarText, d: &SidecarText) -> Result<Vec<Cow<'a, [u8
     Ok(vec![Cow::Owned(sidecar::encode(&merge::merge(
         &prefill, &decode,
     )?))])
-}
-
-fn value_text(text: &[u8], max_bytes: usize) -> Result<SidecarText<'_>> {
-    sidecar::validate(sidecar::parse_fields(text)?, max_bytes)
 }
 
 /// Halves of one dtype can be joined on their base64 text: the merged bytes are prefill's bytes

@@ -14,7 +14,7 @@ use crate::limits;
 use crate::payload::{Header, Payload, Shape};
 
 /// The `data` field as found: base64 text, or the JSON type it had instead.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum DataField<'a> {
     /// The base64 text.
     Base64(Cow<'a, [u8]>),
@@ -23,7 +23,7 @@ pub enum DataField<'a> {
 }
 
 /// The four fields of a sidecar, from JSON text or from a Python dict.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct SidecarFields<'a> {
     /// `data`.
     pub data: Option<DataField<'a>>,
@@ -51,6 +51,16 @@ pub fn parse_fields(json: &[u8]) -> Result<SidecarFields<'_>> {
         Some(c) => return Err(Error::field("sidecar", "a JSON object", json_type_name(c))),
         None => return Err(Error::field("sidecar", "a JSON object", "empty input")),
     }
+    let fields = read_fields(&mut s)?;
+    s.end()?;
+    Ok(fields)
+}
+
+/// The fields of the sidecar object at the scanner's position (its `{` next), read in the same
+/// pass that walks the document around it: a response body's walker reads routing values with
+/// this instead of skipping them and parsing them again.
+pub(crate) fn read_fields<'a>(s: &mut Scanner<'a>) -> Result<SidecarFields<'a>> {
+    let json = s.buf();
     let mut fields = SidecarFields::default();
     s.object(|s, key| {
         let duplicate = || {
@@ -92,7 +102,6 @@ pub fn parse_fields(json: &[u8]) -> Result<SidecarFields<'_>> {
         *slot = Some(v);
         Ok(())
     })?;
-    s.end()?;
     Ok(fields)
 }
 
