@@ -73,8 +73,28 @@ pub fn check(text: &[u8], field: &str) -> Result<()> {
     STANDARD.check(text).map_err(|_| invalid(text, field))
 }
 
+/// Whether `text` (whole 4-character groups) is valid base64 on its own, without decoding it.
+/// Padding is allowed only where the text ends its value (`last`): a chunk cut from the middle
+/// must not end in `=`, which would otherwise pass as that chunk's padding.
+pub fn groups_valid(text: &[u8], last: bool) -> bool {
+    text.len() % 4 == 0 && (last || text.last() != Some(&b'=')) && STANDARD.check(text).is_ok()
+}
+
+/// A vector of `len` bytes written by `fill`, which must write all of them unless it fails
+/// (then nothing is returned and nothing uninitialised is ever read).
+pub fn try_filled_vec(
+    len: usize,
+    fill: impl FnOnce(&mut [MaybeUninit<u8>]) -> Result<()>,
+) -> Result<Vec<u8>> {
+    let mut out = Vec::with_capacity(len);
+    fill(&mut out.spare_capacity_mut()[..len])?;
+    // SAFETY: `fill` succeeded, and its contract is then to have initialised all `len` bytes.
+    unsafe { out.set_len(len) };
+    Ok(out)
+}
+
 /// Name the first offending character, so the message says what was wrong.
-fn invalid(text: &[u8], field: &str) -> Error {
+pub fn invalid(text: &[u8], field: &str) -> Error {
     let body = text.len()
         - text
             .iter()

@@ -283,13 +283,81 @@ impl MergeOptions {
 /// The merged body as pieces (mostly slices of the inputs), so it is assembled with one copy
 /// straight into its final buffer.
 pub struct Spliced<'a> {
-    pieces: Vec<Cow<'a, [u8]>>,
+    pieces: Vec<Piece<'a>>,
 }
+
+/// One piece of a merged body.
+#[derive(Debug)]
+enum Piece<'a> {
+    /// Bytes copied as they are.
+    Copy(Cow<'a, [u8]>),
+    /// Whole base64 groups of a routing value, checked as they are copied: each chunk is checked
+    /// while the copy has it in cache, so the text is read once. `whole` is the value's entire
+    /// text and `context` where it sits, to report a bad character as the decoding path would.
+    Base64 {
+        text: &'a [u8],
+        last: bool,
+        whole: &'a [u8],
+        context: String,
+    },
+}
+
+impl<'a> From<Cow<'a, [u8]>> for Piece<'a> {
+    fn from(bytes: Cow<'a, [u8]>) -> Self {
+        Piece::Copy(bytes)
+    }
+}
+
+impl Piece<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Piece::Copy(b) => b.len(),
+            Piece::Base64 { text, .. } => text.len(),
+        }
+    }
+
+    /// Say which choice the piece belongs to (for its error message).
+    fn in_choice(mut self, index: u64) -> Self {
+        if let Piece::Base64 { context, .. } = &mut self {
+            *context = format!("choice {index}: {context}");
+        }
+        self
+    }
+
+    /// Copy into the start of `out`, checking base64 on the way; return the rest of `out`.
+    fn write<'o>(&self, out: &'o mut [MaybeUninit<u8>]) -> Result<&'o mut [MaybeUninit<u8>]> {
+        let (text, last, whole, context) = match self {
+            Piece::Copy(b) => return Ok(b64::write_uninit(out, b)),
+            Piece::Base64 {
+                text,
+                last,
+                whole,
+                context,
+            } => (*text, *last, *whole, context),
+        };
+        let mut rest = out;
+        let chunks = text.len().div_ceil(CHECK_CHUNK);
+        for (i, chunk) in text.chunks(CHECK_CHUNK).enumerate() {
+            if !b64::groups_valid(chunk, last && i + 1 == chunks) {
+                let e = b64::check(whole, "data")
+                    .err()
+                    .unwrap_or_else(|| b64::invalid(whole, "data"));
+                return Err(e.context(context));
+            }
+            rest = b64::write_uninit(rest, chunk);
+        }
+        Ok(rest)
+    }
+}
+
+/// Base64 is checked this many characters at a time as it is copied (a multiple of 4, small
+/// enough to stay in L1 between the check and the copy).
+const CHECK_CHUNK: usize = 16 * 1024;
 
 impl Spliced<'_> {
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.pieces.iter().map(|p| p.len()).sum()
+        self.pieces.iter().map(Piece::len).sum()
     }
 
     /// Whether it is empty.
@@ -297,17 +365,19 @@ impl Spliced<'_> {
         self.len() == 0
     }
 
-    /// Write the body into `out` (which may be uninitialised), `len()` bytes long.
-    pub fn write_into(&self, out: &mut [MaybeUninit<u8>]) {
+    /// Write the body into `out` (which may be uninitialised), `len()` bytes long. Base64 text
+    /// still to be checked is checked on the way: an error leaves `out` partly written.
+    pub fn write_into(&self, out: &mut [MaybeUninit<u8>]) -> Result<()> {
         let mut rest = out;
         for piece in &self.pieces {
-            rest = b64::write_uninit(rest, piece);
+            rest = piece.write(rest)?;
         }
+        Ok(())
     }
 
     /// The body as one vector.
-    pub fn to_vec(&self) -> Vec<u8> {
-        b64::filled_vec(self.len(), |out| self.write_into(out))
+    pub fn to_vec(&self) -> Result<Vec<u8>> {
+        b64::try_filled_vec(self.len(), |out| self.write_into(out))
     }
 }
 
@@ -318,7 +388,7 @@ pub fn merge_response(
     decode_body: &[u8],
     opts: MergeOptions,
 ) -> Result<Vec<u8>> {
-    Ok(merge_response_pieces(prefill_body, decode_body, opts)?.to_vec())
+    merge_response_pieces(prefill_body, decode_body, opts)?.to_vec()
 }
 
 /// `merge_response`, before assembly.
@@ -330,7 +400,7 @@ pub fn merge_response_pieces<'a>(
     let decode = find_routing(decode_body)?;
     if decode.is_empty() {
         return Ok(Spliced {
-            pieces: vec![Cow::Borrowed(decode_body)],
+            pieces: vec![Piece::Copy(Cow::Borrowed(decode_body))],
         });
     }
     let prefill = find_routing(prefill_body)?;
@@ -348,22 +418,18 @@ pub fn merge_response_pieces<'a>(
                     d.index
                 ))
             })?;
-        pieces.push(Cow::Borrowed(&decode_body[at..d.span.start]));
-        pieces.extend(
-            merge_found(p, d, &opts).map_err(|e| e.context(format!("choice {}", d.index)))?,
-        );
+        pieces.push(Piece::Copy(Cow::Borrowed(&decode_body[at..d.span.start])));
+        let merged =
+            merge_found(p, d, &opts).map_err(|e| e.context(format!("choice {}", d.index)))?;
+        pieces.extend(merged.into_iter().map(|piece| piece.in_choice(d.index)));
         at = d.span.end;
     }
-    pieces.push(Cow::Borrowed(&decode_body[at..]));
+    pieces.push(Piece::Copy(Cow::Borrowed(&decode_body[at..])));
     Ok(Spliced { pieces })
 }
 
 /// Merge two routing values into the pieces of the JSON text that replaces the decode value.
-fn merge_found<'a>(
-    p: &Found<'a>,
-    d: &Found<'a>,
-    opts: &MergeOptions,
-) -> Result<Vec<Cow<'a, [u8]>>> {
+fn merge_found<'a>(p: &Found<'a>, d: &Found<'a>, opts: &MergeOptions) -> Result<Vec<Piece<'a>>> {
     // Compact values carry their own start: the start hints are for formats that carry none.
     // Two compact values merge on their text (keep_format changes nothing: compact stays compact).
     let is_compact = |f: &Found| f.fields.is_some();
@@ -391,18 +457,19 @@ fn merge_found<'a>(
     } else {
         Format::Compact
     };
-    Ok(vec![Cow::Owned(formats::encode_json(&merged, format)?)])
+    Ok(vec![Piece::Copy(Cow::Owned(formats::encode_json(
+        &merged, format,
+    )?))])
 }
 
 /// Merge two compact sidecar values into (the pieces of) the canonical sidecar text.
-pub fn merge_values<'a>(
-    prefill: &'a [u8],
-    decode: &'a [u8],
-    opts: &MergeOptions,
-) -> Result<Vec<Cow<'a, [u8]>>> {
+pub fn merge_values(prefill: &[u8], decode: &[u8], opts: &MergeOptions) -> Result<Vec<u8>> {
     let p = sidecar::parse_fields(prefill).map_err(|e| e.context("prefill"))?;
     let d = sidecar::parse_fields(decode).map_err(|e| e.context("decode"))?;
-    merge_sidecars(p, d, opts)
+    Spliced {
+        pieces: merge_sidecars(p, d, opts)?,
+    }
+    .to_vec()
 }
 
 /// Merge two compact sidecars' fields into (the pieces of) the canonical sidecar text.
@@ -410,7 +477,7 @@ fn merge_sidecars<'a>(
     prefill: SidecarFields<'a>,
     decode: SidecarFields<'a>,
     opts: &MergeOptions,
-) -> Result<Vec<Cow<'a, [u8]>>> {
+) -> Result<Vec<Piece<'a>>> {
     let p = sidecar::validate(prefill, opts.max_bytes).map_err(|e| e.context("prefill"))?;
     let d = sidecar::validate(decode, opts.max_bytes).map_err(|e| e.context("decode"))?;
     let plan = merge::plan(&p.header, &d.header)?;
@@ -420,12 +487,11 @@ fn merge_sidecars<'a>(
     merge_decoded(&p, &d)
 }
 
-fn merge_decoded<'a>(p: &SidecarText, d: &SidecarText) -> Result<Vec<Cow<'a, [u8]>>> {
+fn merge_decoded<'a>(p: &SidecarText, d: &SidecarText) -> Result<Vec<Piece<'a>>> {
     let prefill = p.decode().map_err(|e| e.context("prefill"))?;
     let decode = d.decode().map_err(|e| e.context("decode"))?;
-    Ok(vec![Cow::Owned(sidecar::encode(&merge::merge(
-        &prefill, &decode,
-    )?))])
+    let merged = merge::merge(&prefill, &decode)?;
+    Ok(vec![Piece::Copy(Cow::Owned(sidecar::encode(&merged)))])
 }
 
 /// Halves of one dtype can be joined on their base64 text: the merged bytes are prefill's bytes
@@ -440,40 +506,79 @@ fn splice_text<'a>(
     p: SidecarText<'a>,
     d: SidecarText<'a>,
     plan: &merge::Plan,
-) -> Result<Vec<Cow<'a, [u8]>>> {
-    // Check all of both texts, so that bad input fails exactly as the decoding path would.
-    b64::check(&p.data, "data").map_err(|e| e.context("prefill"))?;
-    b64::check(&d.data, "data").map_err(|e| e.context("decode"))?;
+) -> Result<Vec<Piece<'a>>> {
     let prefill_len = p.header.shape.tokens * p.header.row_bytes();
     let decode_len = d.header.shape.tokens * d.header.row_bytes();
     let skip = plan.skip * d.header.row_bytes();
     // Whole groups of prefill keep their text; its last `rem` bytes join decode's first `fill`.
     let whole = prefill_len / 3 * 3;
     let fill = ((3 - (prefill_len - whole)) % 3).min(decode_len - skip);
-    let mut head = b64::decode_range(&p.data, whole, prefill_len)?;
-    head.extend(b64::decode_range(&d.data, skip, skip + fill)?);
     let rest = skip + fill;
+    // Every character of both texts is validated, so bad input fails exactly as the decoding
+    // path would: the straddling groups and a misaligned tail by decoding them; decode's rows
+    // that prefill replaces by a check of their own (they are dropped, not copied); the text
+    // that is copied as it is, while it is copied (`Piece::Base64`).
+    // What the decoding below and the copy do not cover: decode's groups before `skip`, or all
+    // of its text when none of it is decoded or copied (every decode row already in prefill).
+    let covered_elsewhere = fill > 0 || rest < decode_len;
+    let dropped_end = if covered_elsewhere {
+        (skip / 3 * 4).min(d.data.len())
+    } else {
+        d.data.len()
+    };
+    let dropped = &d.data[..dropped_end];
+    if !b64::groups_valid(dropped, dropped.len() == d.data.len()) {
+        let e = b64::check(&d.data, "data")
+            .err()
+            .unwrap_or_else(|| b64::invalid(&d.data, "data"));
+        return Err(e.context("decode"));
+    }
+    let mut head =
+        b64::decode_range(&p.data, whole, prefill_len).map_err(|e| e.context("prefill"))?;
+    head.extend(b64::decode_range(&d.data, skip, skip + fill).map_err(|e| e.context("decode"))?);
     let mut pieces = vec![
-        sub_cow(&p.data, 0, whole / 3 * 4),
-        Cow::Owned(b64::encode(&head)),
+        checked_copy(&p.data, 0, whole / 3 * 4, "prefill")?,
+        Piece::Copy(Cow::Owned(b64::encode(&head))),
     ];
     if rest < decode_len {
         pieces.push(if rest % 3 == 0 {
-            sub_cow(&d.data, rest / 3 * 4, d.data.len())
+            checked_copy(&d.data, rest / 3 * 4, d.data.len(), "decode")?
         } else {
             // Decode's groups are misaligned with the output's (a delta decode): re-encode its
             // tail, which is then only the generated rows.
-            Cow::Owned(b64::encode(&b64::decode_range(&d.data, rest, decode_len)?))
+            let tail =
+                b64::decode_range(&d.data, rest, decode_len).map_err(|e| e.context("decode"))?;
+            Piece::Copy(Cow::Owned(b64::encode(&tail)))
         });
     }
     Ok(sidecar::wrap_base64(&plan.header, pieces))
 }
 
-/// `text[from..to]`, borrowed from the input where the text was.
-fn sub_cow<'a>(text: &Cow<'a, [u8]>, from: usize, to: usize) -> Cow<'a, [u8]> {
+/// `text[from..to]` (whole groups) as a piece checked while it is copied; text that had escapes
+/// (so is owned, not borrowed from the body) is checked here and copied as it is.
+fn checked_copy<'a>(
+    text: &Cow<'a, [u8]>,
+    from: usize,
+    to: usize,
+    side: &'static str,
+) -> Result<Piece<'a>> {
+    let last = to == text.len();
     match text {
-        Cow::Borrowed(t) => Cow::Borrowed(&t[from..to]),
-        Cow::Owned(t) => Cow::Owned(t[from..to].to_vec()),
+        Cow::Borrowed(t) => Ok(Piece::Base64 {
+            text: &t[from..to],
+            last,
+            whole: t,
+            context: side.to_string(),
+        }),
+        Cow::Owned(t) => {
+            if !b64::groups_valid(&t[from..to], last) {
+                let e = b64::check(t, "data")
+                    .err()
+                    .unwrap_or_else(|| b64::invalid(t, "data"));
+                return Err(e.context(side));
+            }
+            Ok(Piece::Copy(Cow::Owned(t[from..to].to_vec())))
+        }
     }
 }
 

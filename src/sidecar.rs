@@ -284,11 +284,11 @@ pub fn encode(p: &Payload) -> Vec<u8> {
 
 /// The pieces of the canonical encoding of `header` around base64 text that is already
 /// encoded (the splice path of a merge: no decode, no re-encode, no copy until assembly).
-pub fn wrap_base64<'a>(header: &Header, base64: Vec<Cow<'a, [u8]>>) -> Vec<Cow<'a, [u8]>> {
+pub fn wrap_base64<'a, P: From<Cow<'a, [u8]>>>(header: &Header, base64: Vec<P>) -> Vec<P> {
     let mut pieces = Vec::with_capacity(base64.len() + 2);
-    pieces.push(Cow::Borrowed(DATA_KEY));
+    pieces.push(Cow::<'a, [u8]>::Borrowed(DATA_KEY).into());
     pieces.extend(base64);
-    pieces.push(Cow::Owned(tail(header).into_bytes()));
+    pieces.push(Cow::<'a, [u8]>::Owned(tail(header).into_bytes()).into());
     pieces
 }
 

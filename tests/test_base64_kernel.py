@@ -73,7 +73,7 @@ def test_every_valid_text_decodes_and_encodes_as_python_does(raw: bytes) -> None
 mutations = st.sampled_from(["replace", "insert", "delete", "whitespace", "pad_bits", "pad"])
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=3000, deadline=None)
 @given(
     raw=st.binary(min_size=1, max_size=120),
     how=mutations,
@@ -115,3 +115,43 @@ def test_errors_name_the_first_bad_character() -> None:
         rx.RoutedExperts.from_json(sidecar("CgsU FR4f"[:8], 6))
     with pytest.raises(rx.PayloadError, match="non-zero padding bits"):
         rx.RoutedExperts.from_json(sidecar("QR==", 1))
+
+
+@settings(max_examples=1500, deadline=None)
+@given(
+    data=st.data(),
+    top_k=st.integers(1, 3),
+    tokens=st.integers(1, 12),
+    side=st.sampled_from(["prefill", "decode"]),
+    char=st.sampled_from(list("=A/+Q*- \n") + ["\u00e9"]),
+)
+def test_splice_and_decoding_paths_agree_on_every_cut_and_mutation(
+    data: st.DataObject, top_k: int, tokens: int, side: str, char: str
+) -> None:
+    # Every alignment of 3-byte groups against the cut: rows of 1..3 bytes, any prefill end,
+    # any decode start at or before it; then one character of either text changed anywhere.
+    rows = data.draw(st.binary(min_size=tokens * top_k, max_size=tokens * top_k))
+    p_end = data.draw(st.integers(1, tokens))
+    d_start = data.draw(st.integers(0, p_end))
+
+    def side_text(lo: int, hi: int) -> str:
+        return base64.b64encode(rows[lo * top_k : hi * top_k]).decode()
+
+    texts = {"prefill": side_text(0, p_end), "decode": side_text(d_start, tokens)}
+    if texts[side]:
+        i = data.draw(st.integers(0, len(texts[side]) - 1))
+        texts[side] = texts[side][:i] + char + texts[side][i + 1 :]
+
+    def body(text: str, start: int, n: int) -> str:
+        value = {"data": text, "shape": [n, 1, top_k], "start": start, "dtype": "uint8"}
+        return json.dumps({"choices": [{"index": 0, "routed_experts": value}]})
+
+    prefill = body(texts["prefill"], 0, p_end)
+    decode = body(texts["decode"], d_start, tokens - d_start)
+    results = []
+    for splice in (True, False):
+        try:
+            results.append(rx.merge_response(prefill, decode, splice=splice))
+        except rx.PayloadError as e:
+            results.append(type(e))
+    assert results[0] == results[1], (texts, results)

@@ -44,11 +44,11 @@ impl From<crate::Error> for PyErr {
 
 /// A new `bytes` of `len` bytes, all written by `fill` with the GIL released. Unlike
 /// `PyBytes::new_with`, nothing is zeroed first: for tens of MB that would be a second pass over
-/// every page. `fill` gets the memory as `MaybeUninit` and must write every byte.
+/// every page. `fill` gets the memory as `MaybeUninit` and must write every byte, or fail.
 pub fn bytes_filled<'py>(
     py: Python<'py>,
     len: usize,
-    fill: impl FnOnce(&mut [MaybeUninit<u8>]) + Send,
+    fill: impl FnOnce(&mut [MaybeUninit<u8>]) -> crate::Result<()> + Send,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let size =
         ffi::Py_ssize_t::try_from(len).map_err(|_| crate::Error::payload("output too large"))?;
@@ -62,7 +62,8 @@ pub fn bytes_filled<'py>(
             ffi::PyBytes_AsString(ptr).cast::<MaybeUninit<u8>>(),
             len,
         );
-        py.detach(|| fill(buf));
+        // On an error the object is released unread (its bytes were never shared).
+        py.detach(|| fill(buf))?;
         Ok(bytes)
     }
 }

@@ -151,7 +151,8 @@ impl RoutedExperts {
     fn to_json<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         let p = &self.inner;
         super::bytes_filled(py, sidecar::encoded_len(p), |out| {
-            sidecar::encode_into(p, out)
+            sidecar::encode_into(p, out);
+            Ok(())
         })
     }
 
