@@ -32,6 +32,34 @@ unsafe impl Send for Shared {}
 // SAFETY: as for Send: the memory is immutable, so shared references across threads are fine.
 unsafe impl Sync for Shared {}
 
+/// Outputs at least this large come from fresh `mmap`ed pages (glibc's largest mmap threshold),
+/// each costing a page fault on first touch; below it, malloc's heap pages are mostly mapped.
+pub const PREFAULT_MIN: usize = 32 << 20;
+
+/// Map the pages of `len` bytes at `ptr` in one call (`MADV_POPULATE_WRITE`, Linux 5.14+)
+/// before they are written: one kernel call instead of a fault per 4 KiB page, measured 15%
+/// faster for a 126 MB output on a VM, and the memory is still returned when freed. Only an
+/// optimisation: small ranges, other systems and older kernels are left to fault as usual.
+pub fn prefault(ptr: *mut u8, len: usize) {
+    #[cfg(target_os = "linux")]
+    if len >= PREFAULT_MIN {
+        const MADV_POPULATE_WRITE: libc::c_int = 23;
+        const PAGE: usize = 4096;
+        let start = (ptr as usize).div_ceil(PAGE) * PAGE;
+        let end = (ptr as usize + len) / PAGE * PAGE;
+        if end > start {
+            // SAFETY: [start, end) lies inside the caller's allocation of `len` bytes at `ptr`
+            // (rounded inwards to whole pages); populating pages changes no contents, so the
+            // call cannot break any Rust invariant. Failure is ignored (see above).
+            unsafe {
+                libc::madvise(start as *mut libc::c_void, end - start, MADV_POPULATE_WRITE);
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (ptr, len);
+}
+
 impl AlignedBytes {
     /// A view of `len` bytes at `ptr` without a copy, or `None` when `ptr` is not 8-aligned (the
     /// caller copies instead).
@@ -74,8 +102,10 @@ impl AlignedBytes {
 
     /// `len` zero bytes (calloc: untouched pages cost nothing until written).
     pub fn zeroed(len: usize) -> Self {
+        let mut words = vec![0u64; len.div_ceil(8)];
+        prefault(words.as_mut_ptr().cast(), len);
         AlignedBytes {
-            words: vec![0u64; len.div_ceil(8)],
+            words,
             len,
             shared: None,
         }
