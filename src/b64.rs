@@ -80,6 +80,14 @@ pub fn groups_valid(text: &[u8], last: bool) -> bool {
     text.len() % 4 == 0 && (last || text.last() != Some(&b'=')) && STANDARD.check(text).is_ok()
 }
 
+/// The error the decoding path reports for `text`, for a part of it found invalid on its own:
+/// `check`'s verdict on the whole text (the first bad character, bad padding), else `invalid`'s.
+pub fn error_in(text: &[u8], field: &str) -> Error {
+    check(text, field)
+        .err()
+        .unwrap_or_else(|| invalid(text, field))
+}
+
 /// A vector of `len` bytes written by `fill`, which must write all of them unless it fails
 /// (then nothing is returned and nothing uninitialised is ever read).
 pub fn try_filled_vec(
@@ -94,7 +102,7 @@ pub fn try_filled_vec(
 }
 
 /// Name the first offending character, so the message says what was wrong.
-pub fn invalid(text: &[u8], field: &str) -> Error {
+fn invalid(text: &[u8], field: &str) -> Error {
     let body = text.len()
         - text
             .iter()

@@ -339,10 +339,7 @@ impl Piece<'_> {
         let chunks = text.len().div_ceil(CHECK_CHUNK);
         for (i, chunk) in text.chunks(CHECK_CHUNK).enumerate() {
             if !b64::groups_valid(chunk, last && i + 1 == chunks) {
-                let e = b64::check(whole, "data")
-                    .err()
-                    .unwrap_or_else(|| b64::invalid(whole, "data"));
-                return Err(e.context(context));
+                return Err(b64::error_in(whole, "data").context(context));
             }
             rest = b64::write_uninit(rest, chunk);
         }
@@ -528,10 +525,7 @@ fn splice_text<'a>(
     };
     let dropped = &d.data[..dropped_end];
     if !b64::groups_valid(dropped, dropped.len() == d.data.len()) {
-        let e = b64::check(&d.data, "data")
-            .err()
-            .unwrap_or_else(|| b64::invalid(&d.data, "data"));
-        return Err(e.context("decode"));
+        return Err(b64::error_in(&d.data, "data").context("decode"));
     }
     let mut head =
         b64::decode_range(&p.data, whole, prefill_len).map_err(|e| e.context("prefill"))?;
@@ -572,10 +566,7 @@ fn checked_copy<'a>(
         }),
         Cow::Owned(t) => {
             if !b64::groups_valid(&t[from..to], last) {
-                let e = b64::check(t, "data")
-                    .err()
-                    .unwrap_or_else(|| b64::invalid(t, "data"));
-                return Err(e.context(side));
+                return Err(b64::error_in(t, "data").context(side));
             }
             Ok(Piece::Copy(Cow::Owned(t[from..to].to_vec())))
         }
