@@ -123,18 +123,28 @@ fn invalid(text: &[u8], field: &str) -> Error {
     }
 }
 
-/// Bytes `[start, end)` of what valid base64 `text` decodes to, decoding only the groups that
-/// hold them.
+/// Bytes `[start, end)` of what base64 `text` decodes to, decoding only the groups that hold
+/// them. The groups are validated as they are decoded, with padding allowed only at the end of
+/// the text (a group from the middle ending in `=` decodes on its own, to fewer bytes): text
+/// that is not valid there is the decoding path's error, never a short or wrong slice.
 pub fn decode_range(text: &[u8], start: usize, end: usize) -> Result<Vec<u8>> {
     if start >= end {
         return Ok(Vec::new());
     }
     let (first, last) = (start / 3 * 4, (end.div_ceil(3) * 4).min(text.len()));
-    let groups = &text[first..last];
-    let mut out = vec![0u8; decoded_len(groups, "data")?];
-    decode_into(groups, &mut out, "data")?;
+    let groups = text
+        .get(first..last)
+        .ok_or_else(|| error_in(text, "data"))?;
+    let n = decoded_len(groups, "data")?;
+    if last < text.len() && n != groups.len() / 4 * 3 {
+        return Err(error_in(text, "data"));
+    }
+    let mut out = vec![0u8; n];
+    decode_into(groups, &mut out, "data").map_err(|_| error_in(text, "data"))?;
     let offset = start - first / 4 * 3;
-    Ok(out[offset..offset + (end - start)].to_vec())
+    out.get(offset..offset + (end - start))
+        .map(<[u8]>::to_vec)
+        .ok_or_else(|| error_in(text, "data"))
 }
 
 /// Standard padded base64 of `bytes`.
@@ -211,6 +221,11 @@ mod tests {
                 );
             }
         }
+        // Padding inside the text is refused, not decoded to a short group (and never sliced).
+        for (start, end) in [(0, 1), (1, 2), (2, 3), (0, 3)] {
+            assert!(decode_range(b"AA==BA==", start, end).is_err());
+        }
+        assert_eq!(decode_range(b"AAADBA==", 2, 4).unwrap(), vec![3, 4]);
         let mut out = [0u8; 3];
         let e = decode_into(b"ab*d", &mut out, "data")
             .unwrap_err()

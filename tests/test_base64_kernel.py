@@ -155,3 +155,16 @@ def test_splice_and_decoding_paths_agree_on_every_cut_and_mutation(
         except rx.PayloadError as e:
             results.append(type(e))
     assert results[0] == results[1], (texts, results)
+
+
+def test_padding_inside_a_straddling_group_is_an_error_not_a_panic() -> None:
+    # Found by the property test above: decode's group that straddles the cut ends in '=' in
+    # the middle of its text. It decodes on its own to fewer bytes; the splice must refuse it.
+    def body(text: str, n: int) -> str:
+        value = {"data": text, "shape": [n, 1, 1], "start": 0, "dtype": "uint8"}
+        return json.dumps({"choices": [{"index": 0, "routed_experts": value}]})
+
+    prefill, decode = body("AQI=", 2), body("AA==BA==", 4)
+    for splice in (True, False):
+        with pytest.raises(rx.PayloadError, match="'=' at offset 2"):
+            rx.merge_response(prefill, decode, splice=splice)
