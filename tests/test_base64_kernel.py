@@ -168,3 +168,22 @@ def test_padding_inside_a_straddling_group_is_an_error_not_a_panic() -> None:
     for splice in (True, False):
         with pytest.raises(rx.PayloadError, match="'=' at offset 2"):
             rx.merge_response(prefill, decode, splice=splice)
+
+
+@pytest.mark.parametrize("at", [16380, 16382, 16384, 32764])
+def test_padding_at_a_check_chunk_boundary_is_refused(at: int) -> None:
+    # The splice checks copied text 16 KiB at a time: '=' ending a chunk in the middle of the
+    # text must not pass as that chunk's padding.
+    n = 30000  # 40000 characters: several chunks
+    text = base64.b64encode(bytes(range(256)) * (n // 256) + bytes(n % 256)).decode()
+    bad = text[: at - 2] + "==" + text[at:]
+
+    def body(t: str, rows: int, start: int = 0) -> str:
+        value = {"data": t, "shape": [rows, 1, 1], "start": start, "dtype": "uint8"}
+        return json.dumps({"choices": [{"index": 0, "routed_experts": value}]})
+
+    tail = base64.b64encode(b"\x05\x06\x07").decode()
+    for prefill, decode in ((body(bad, n), body(tail, 3, n)), (body(tail, 3), body(bad, n, 3))):
+        for splice in (True, False):
+            with pytest.raises(rx.PayloadError, match="'=' at offset"):
+                rx.merge_response(prefill, decode, splice=splice)
