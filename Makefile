@@ -41,6 +41,7 @@ test: build-dev
 lint: build-dev
 	cargo fmt --check
 	cargo clippy --all-targets --features python -- -D warnings
+	cargo clippy --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
 	ruff check python tests benches
 	$(PY) -m mypy.stubtest routed_experts._core --allowlist stubtest-allowlist.txt

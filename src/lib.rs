@@ -92,7 +92,6 @@ pub mod trajectory;
 /// Opt-in checks a trainer wants before a step (SPEC 7).
 pub mod validate;
 
-pub(crate) use buffer::prefault;
 pub use buffer::AlignedBytes;
 pub(crate) use dtype::with_element;
 pub use dtype::{DType, Element};

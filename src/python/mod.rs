@@ -59,7 +59,7 @@ pub fn bytes_filled<'py>(
         let ptr = ffi::PyBytes_FromStringAndSize(std::ptr::null(), size);
         let bytes = Bound::from_owned_ptr_or_err(py, ptr)?.cast_into_unchecked::<PyBytes>();
         let data = ffi::PyBytes_AsString(ptr).cast::<u8>();
-        crate::prefault(data, len);
+        crate::buffer::prefault(data, len);
         let buf = std::slice::from_raw_parts_mut(data.cast::<MaybeUninit<u8>>(), len);
         // On an error the object is released unread (its bytes were never shared).
         py.detach(|| fill(buf))?;
@@ -155,7 +155,7 @@ pub fn numpy_filled<'py, D: crate::Element + numpy::Element>(
     // SAFETY: the array was just created here, C-contiguous; nothing else can see it yet.
     let dst = unsafe { arr.as_slice_mut() }
         .map_err(|_| crate::Error::payload("a new numpy array is not contiguous"))?;
-    crate::prefault(dst.as_mut_ptr().cast(), std::mem::size_of_val(dst));
+    crate::buffer::prefault(dst.as_mut_ptr().cast(), std::mem::size_of_val(dst));
     py.detach(|| fill(dst))?;
     Ok(arr.into_any())
 }
