@@ -436,3 +436,28 @@ def test_only_immutable_buffers_are_viewed_without_a_copy() -> None:
         mutable[0] = 99
         assert q == p, type(data)
         mutable[0] = 0
+
+
+def test_views_of_python_memory_are_released_safely_from_any_thread() -> None:
+    # A payload unpickled from bytes views them; promoting a trajectory that holds it drops the
+    # view with the GIL released, from several threads at once.
+    base = rx.RoutedExperts.from_array(np.arange(4000, dtype=np.uint8).reshape(1000, 2, 2) % 200)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(100):
+                t = rx.Trajectory()
+                t.append(pickle.loads(pickle.dumps(base, 2)))
+                t.append(rx.RoutedExperts.from_array(np.full((1, 2, 2), 300), start=1000))
+                p = t.payload
+                assert p is not None and p.slice(0, 1000) == base and p.dtype == np.uint16
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[:3]
