@@ -114,7 +114,7 @@ mod _core {
 
     #[pymodule_export]
     use crate::python::functions::{
-        decode, detect_format, encode, from_response, merge, merge_response, pack,
+        _routing_count, decode, detect_format, encode, from_response, merge, merge_response, pack,
     };
     #[pymodule_export]
     use crate::python::payload::{_from_raw, RoutedExperts};

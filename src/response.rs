@@ -265,6 +265,10 @@ pub struct MergeOptions {
     pub decode_start: Option<u64>,
     /// Write the merged value in the decode value's format instead of a compact sidecar.
     pub keep_format: bool,
+    /// Refuse a decode body without routing when the prefill body has some (a proxy's policy:
+    /// a client that asked for routing must not get a 200 without it). Off by default: SPEC 4
+    /// passes a decode body without routing through unchanged.
+    pub require_routing: bool,
 }
 
 impl MergeOptions {
@@ -276,6 +280,7 @@ impl MergeOptions {
             hints: Hints::default(),
             decode_start: None,
             keep_format: false,
+            require_routing: false,
         }
     }
 }
@@ -396,6 +401,15 @@ pub fn merge_response_pieces<'a>(
 ) -> Result<Spliced<'a>> {
     let decode = find_routing(decode_body)?;
     if decode.is_empty() {
+        if opts.require_routing {
+            if let Some(p) = find_routing(prefill_body)?.first() {
+                return Err(Error::merge(format!(
+                    "missing routing on the decode side: the prefill body carries routing \
+                     (choice {}) but the decode body has none",
+                    p.index
+                )));
+            }
+        }
         return Ok(Spliced {
             pieces: vec![Piece::Copy(Cow::Borrowed(decode_body))],
         });
@@ -407,11 +421,16 @@ pub fn merge_response_pieces<'a>(
         let p = prefill
             .iter()
             .find(|p| p.index == d.index)
-            .or(if prefill.len() == 1 { prefill.first() } else { None })
+            .or(if prefill.len() == 1 {
+                prefill.first()
+            } else {
+                None
+            })
             .ok_or_else(|| {
                 Error::merge(format!(
-                    "decode choice {} carries routed_experts but the prefill body has no routing for it \
-                     (passing decode's prompt rows on would corrupt training)",
+                    "missing routing on the prefill side: decode choice {} carries routed_experts \
+                     but the prefill body has no routing for it (passing decode's prompt rows on \
+                     would corrupt training)",
                     d.index
                 ))
             })?;
@@ -589,6 +608,7 @@ mod tests {
         },
         decode_start: None,
         keep_format: false,
+        require_routing: false,
     };
 
     fn body(routing: &str) -> String {

@@ -54,8 +54,12 @@ def max_tokens(body: dict[str, Any]) -> int:
 class Engine:
     mode: str = "full"  # decode form: "full" (zeroed prompt rows) or "delta" (from P-1)
     fmt: str = "compact"  # "compact" sidecar or "vllm_npy"
-    fail: str | None = None  # "500", "400", "gap"
+    # "500", "400", "gap"; decode faults: "no_done" (stream cut short), "json_reply" (JSON to a
+    # stream request), "sse_reply" (a stream to a plain one), "no_routing", "escaped_key";
+    # prefill fault: "array" (a JSON array body)
+    fail: str | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
 
     def routing(self, arr: np.ndarray, start: int) -> Any:
         p = rx.RoutedExperts.from_array(arr, start=start, num_experts=EXPERTS)
@@ -64,6 +68,9 @@ class Engine:
     async def handle(self, request: Request) -> Response:
         body = await request.json()
         self.requests.append(body)
+        self.headers.append(dict(request.headers))
+        if self.fail == "array":
+            return JSONResponse([1, 2])
         if self.fail == "500":
             return JSONResponse({"error": "engine crashed"}, 500)
         if self.fail == "400":
@@ -95,7 +102,12 @@ class Engine:
             rows[: P - S] = 0  # decode never computed the prompt: its rows are invalid
             routing = self.routing(rows, S)
         text = " tok" * G
-        if body.get("stream"):
+        stream = bool(body.get("stream"))
+        if self.fail == "json_reply":
+            stream = False
+        elif self.fail == "sse_reply":
+            stream = True
+        if stream:
             return StreamingResponse(self.sse(routing, G, chat), media_type="text/event-stream")
         choice = {
             "index": 0,
@@ -103,6 +115,8 @@ class Engine:
             "routed_experts": routing,
             "logprobs": {"content": [{"token": "a", "logprob": -0.12345678901234568}]},
         }
+        if self.fail == "no_routing":
+            del choice["routed_experts"]
         choice.update(
             {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
         )
@@ -120,16 +134,26 @@ class Engine:
             delta = {"delta": {"content": " tok"}} if chat else {"text": " tok"}
             chunk: dict[str, Any] = {"id": "d", "choices": [{"index": 0, **delta}]}
             if i == generated - 1:  # the routing comes with the last chunk
-                chunk["choices"][0]["routed_experts"] = routing
+                if self.fail != "no_routing":
+                    chunk["choices"][0]["routed_experts"] = routing
                 chunk["choices"][0]["finish_reason"] = "length"
-            yield f"data: {json.dumps(chunk)}\n\n".encode()
-        yield b"data: [DONE]\n\n"
+            line = json.dumps(chunk)
+            if self.fail == "escaped_key":
+                line = line.replace('"routed_experts"', '"routed\\u005fexperts"')
+            yield f"data: {line}\n\n".encode()
+        if self.fail != "no_done":
+            yield b"data: [DONE]\n\n"
+
+    async def models(self, request: Request) -> Response:
+        self.headers.append(dict(request.headers))
+        return JSONResponse({"object": "list", "data": [{"id": "moe", "object": "model"}]})
 
     def app(self) -> Starlette:
         routes = [
             Route(p, self.handle, methods=["POST"])
             for p in ("/v1/completions", "/v1/chat/completions")
         ]
+        routes.append(Route("/v1/models", self.models, methods=["GET"]))
         return Starlette(routes=routes)
 
 

@@ -37,10 +37,10 @@ def stack(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     decode_urls = [s.url for s in servers[2:]]
     if opts.get("prefill_down"):
         prefill_urls = ["http://127.0.0.1:9"]  # discard port: nothing listens
-    proxy = Server(create_app(prefill_urls, decode_urls, timeout=10))
+    proxy = Server(create_app(prefill_urls, decode_urls, timeout=10, **opts.get("proxy", {})))
     proxy.__enter__()
     try:
-        yield {"url": proxy.url, "prefills": prefills, "decodes": decodes}
+        yield {"url": proxy.url, "prefills": prefills, "decodes": decodes, "opts": opts}
     finally:
         proxy.__exit__()
         for s in servers:
@@ -207,3 +207,138 @@ def test_app_mounts_in_a_users_asgi_app_with_in_process_engines() -> None:
     got = rx.from_response(r.content)
     assert got is not None
     np.testing.assert_array_equal(got.array, expected(COMPLETION).array)
+
+
+# --- integrity: never a 200 with wrong or missing routing (issue 12) ----------------------------
+
+def stream_events(url: str, body: dict[str, Any], **kw: Any) -> tuple[httpx.Response, list[str]]:
+    with httpx.stream("POST", url, json=body, timeout=30, **kw) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    return r, events
+
+
+@pytest.mark.parametrize("stack", [{"decode_fail": "no_done"}], indirect=True)
+def test_a_stream_cut_short_ends_with_an_error_event(stack: dict[str, Any]) -> None:
+    r, events = stream_events(stack["url"] + "/v1/completions", dict(COMPLETION, stream=True))
+    assert r.status_code == 200  # headers were sent before the cut
+    last = json.loads(events[-1])
+    assert last["error"]["side"] == "decode" and "[DONE]" in last["error"]["message"]
+
+
+@pytest.mark.parametrize("stack", [{"decode_fail": "json_reply"}], indirect=True)
+def test_a_json_reply_to_a_stream_request_is_502(stack: dict[str, Any]) -> None:
+    body = dict(COMPLETION, stream=True)
+    r = httpx.post(stack["url"] + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 502 and r.json()["error"]["side"] == "decode"
+
+
+@pytest.mark.parametrize("stack", [{"decode_fail": "sse_reply"}], indirect=True)
+def test_a_stream_reply_to_a_plain_request_is_502(stack: dict[str, Any]) -> None:
+    r = httpx.post(stack["url"] + "/v1/completions", json=COMPLETION, timeout=30)
+    assert r.status_code == 502 and r.json()["error"]["side"] == "decode"
+
+
+@pytest.mark.parametrize("stack", [{"decode_fail": "no_routing"}], indirect=True)
+def test_decode_without_routing_is_502_decode_never_a_200(stack: dict[str, Any]) -> None:
+    r = httpx.post(stack["url"] + "/v1/completions", json=COMPLETION, timeout=30)
+    assert r.status_code == 502 and r.json()["error"]["side"] == "decode"
+    _, events = stream_events(stack["url"] + "/v1/completions", dict(COMPLETION, stream=True))
+    last = json.loads(events[-1])
+    assert last["error"]["side"] == "decode" and "missing routing" in last["error"]["message"]
+
+
+@pytest.mark.parametrize("stack", [{"decode_fail": "escaped_key"}], indirect=True)
+def test_an_escaped_routing_key_in_a_stream_is_merged(stack: dict[str, Any]) -> None:
+    body = dict(COMPLETION, stream=True)
+    _, events = stream_events(stack["url"] + "/v1/completions", body)
+    assert events[-1] == "[DONE]"
+    routed = [json.loads(e) for e in events[:-1] if "routed" in e]
+    got = rx.RoutedExperts.from_json(routed[-1]["choices"][0]["routed_experts"])
+    assert got == expected(body)  # prompt rows from prefill, not decode's zeros
+
+
+# --- protocol -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_request_id_for_both_halves_and_back(stack: dict[str, Any], stream: bool) -> None:
+    body = dict(COMPLETION, stream=stream)
+    for given in (None, "client-id-7"):
+        headers = {"X-Request-Id": given} if given else {}
+        with httpx.stream(
+            "POST", stack["url"] + "/v1/completions", json=body, headers=headers, timeout=30
+        ) as r:
+            r.read()
+        rid = r.headers["x-request-id"]
+        assert rid == given if given else rid.startswith("rx-")
+        seen = [h["x-request-id"] for e in stack["prefills"] + stack["decodes"] for h in e.headers]
+        assert seen.count(rid) == 2  # the prefill and the decode half
+
+
+@pytest.mark.parametrize(
+    "stack",
+    [{}, {"proxy": {"upstream_api_key": "server-key"}}],
+    indirect=True,
+    ids=["client", "flag"],
+)
+def test_authorization_reaches_both_servers(stack: dict[str, Any]) -> None:
+    r = httpx.post(
+        stack["url"] + "/v1/completions",
+        json=COMPLETION,
+        headers={"Authorization": "Bearer client-key"},
+        timeout=30,
+    )
+    assert r.status_code == 200
+    key = stack["opts"].get("proxy", {}).get("upstream_api_key")
+    want = f"Bearer {key}" if key else "Bearer client-key"
+    for e in stack["prefills"][:1] + stack["decodes"][:1]:
+        assert e.headers[0]["authorization"] == want
+
+
+def test_min_tokens_go_to_decode_only(stack: dict[str, Any]) -> None:
+    body = dict(COMPLETION, min_tokens=3, min_completion_tokens=3)
+    assert httpx.post(stack["url"] + "/v1/completions", json=body, timeout=30).status_code == 200
+    prefill, decode = stack["prefills"][0].requests[0], stack["decodes"][0].requests[0]
+    assert "min_tokens" not in prefill and "min_completion_tokens" not in prefill
+    assert decode["min_tokens"] == 3 and decode["min_completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("start", [-1, "3", 2.5, True, 10_000])
+def test_a_bad_prompt_start_is_a_400(stack: dict[str, Any], start: Any) -> None:
+    body = dict(COMPLETION, routed_experts_prompt_start=start)
+    r = httpx.post(stack["url"] + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["side"] == "client" and "routed_experts_prompt_start" in err["message"]
+    assert err["type"] == "invalid_request_error" and "param" in err
+
+
+def test_models_and_healthcheck_answer(stack: dict[str, Any]) -> None:
+    m = httpx.get(stack["url"] + "/v1/models", timeout=30)
+    assert m.status_code == 200 and m.json()["data"][0]["id"] == "moe"
+    h = httpx.get(stack["url"] + "/healthcheck", timeout=30)
+    assert h.status_code == 200 and h.json() == {"status": "ok"}
+
+
+def test_malformed_client_bodies_are_400_not_500_or_502(stack: dict[str, Any]) -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    nan = b'{"model": "moe", "prompt": [1, 2], "temperature": NaN}'
+    for bad in (deep, nan, b'{"model": "moe", "prompt": [1], "max_tokens": Infinity}'):
+        r = httpx.post(stack["url"] + "/v1/completions", content=bad, timeout=30)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["side"] == "client"
+    assert all(not e.requests for e in stack["prefills"] + stack["decodes"])
+
+
+@pytest.mark.parametrize("stack", [{"prefill_fail": "array"}], indirect=True)
+def test_a_prefill_body_that_is_not_an_object_is_502_prefill(stack: dict[str, Any]) -> None:
+    r = httpx.post(stack["url"] + "/v1/completions", json=COMPLETION, timeout=30)
+    assert r.status_code == 502 and r.json()["error"]["side"] == "prefill"
+
+
+@pytest.mark.parametrize(
+    "stack", [{"prefill_down": True}, {"decode_fail": "500"}], indirect=True, ids=["down", "500"]
+)
+def test_client_messages_do_not_name_upstream_addresses(stack: dict[str, Any]) -> None:
+    r = httpx.post(stack["url"] + "/v1/completions", json=COMPLETION, timeout=30)
+    assert r.status_code == 502
+    assert "127.0.0.1" not in r.text and "http://" not in r.text

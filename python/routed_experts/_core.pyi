@@ -12,6 +12,7 @@ __all__ = [
     "RoutedExpertsError",
     "Trajectory",
     "_from_raw",
+    "_routing_count",
     "_trajectory_from_payload",
     "decode",
     "detect_format",
@@ -130,6 +131,7 @@ def merge_response(
     keep_format: bool = False,
     splice: bool = True,
     max_bytes: int | None = None,
+    require_routing: bool = False,
 ) -> bytes: ...
 def decode(
     value: Any,
@@ -149,3 +151,4 @@ def set_max_bytes(n: int) -> None: ...
 def get_max_bytes() -> int: ...
 def _from_raw(data: Any, shape: tuple[int, int, int], start: int, dtype: str) -> RoutedExperts: ...
 def _trajectory_from_payload(payload: RoutedExperts | None) -> Trajectory: ...
+def _routing_count(body: _Body | dict[str, Any] | list[Any]) -> int: ...

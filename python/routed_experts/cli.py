@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -13,6 +14,9 @@ import numpy as np
 import routed_experts as rx
 from routed_experts import RoutedExperts, RoutedExpertsError
 from routed_experts.synthetic import MODELS, best_of, synthetic_rollout
+
+# Where `routed-experts proxy` reads the upstream API key when --upstream-api-key is not given.
+UPSTREAM_KEY_ENV = "ROUTED_EXPERTS_UPSTREAM_API_KEY"
 
 # The top-level keys of a response body (SPEC 3.2), as the Rust core's sidecar::BODY_KEYS.
 BODY_KEYS = ("choices", "sglext", "meta_info", "nvext")
@@ -148,7 +152,15 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    serve(args.prefill, args.decode, args.host, args.port)
+    serve(
+        args.prefill,
+        args.decode,
+        args.host,
+        args.port,
+        timeout=args.read_timeout,
+        connect_timeout=args.connect_timeout,
+        upstream_api_key=args.upstream_api_key or os.environ.get(UPSTREAM_KEY_ENV),
+    )
     return 0
 
 
@@ -165,6 +177,17 @@ def _count(minimum: int) -> Any:
         return n
 
     return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a positive number of seconds."""
+    try:
+        n = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not n > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return n
 
 
 def _add_hints(p: argparse.ArgumentParser) -> None:
@@ -255,6 +278,17 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--decode", nargs="+", required=True, help="decode server URL(s)")
     proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
     proxy.add_argument("--port", type=_count(1), default=8000, help="port to listen on")
+    proxy.add_argument(
+        "--read-timeout", type=_seconds, default=600.0, help="seconds to wait for an upstream"
+    )
+    proxy.add_argument(
+        "--connect-timeout", type=_seconds, default=10.0, help="seconds to connect to an upstream"
+    )
+    proxy.add_argument(
+        "--upstream-api-key",
+        help="API key sent to the servers instead of the client's Authorization "
+        "(or ROUTED_EXPERTS_UPSTREAM_API_KEY)",
+    )
     proxy.set_defaults(func=cmd_proxy)
     return parser
 

@@ -90,10 +90,12 @@ pub fn from_response(
 /// `start`, `num_layers`, `top_k`, `dtype` supply what a format does not carry (vLLM's .npy
 /// has no start; SGLang's flat values no shape); `decode_start` gives the decode values' start
 /// when it differs from prefill's (a delta). Compact sidecars carry their own start, so the
-/// start hints are not applied to them (a router can always pass the requested prompt start). `splice=False` forces the decode/concat/encode path
-/// (same result; the flag exists to compare the two).
+/// start hints are not applied to them (a router can always pass the requested prompt start).
+/// `splice=False` forces the decode/concat/encode path (same result; the flag exists to compare
+/// the two). `require_routing=True` refuses a decode body without routing when the prefill body
+/// has some (MergeError "missing routing on the decode side"), for proxies.
 #[pyfunction]
-#[pyo3(signature = (prefill_body, decode_body, *, start = None, decode_start = None, num_layers = None, top_k = None, dtype = None, keep_format = false, splice = true, max_bytes = None))]
+#[pyo3(signature = (prefill_body, decode_body, *, start = None, decode_start = None, num_layers = None, top_k = None, dtype = None, keep_format = false, splice = true, max_bytes = None, require_routing = false))]
 #[allow(clippy::too_many_arguments)]
 pub fn merge_response<'py>(
     py: Python<'py>,
@@ -107,6 +109,7 @@ pub fn merge_response<'py>(
     keep_format: bool,
     splice: bool,
     max_bytes: Option<usize>,
+    require_routing: bool,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let (p, d) = (
         convert::body_arg(prefill_body)?,
@@ -118,6 +121,7 @@ pub fn merge_response<'py>(
         hints: hints(start, num_layers, top_k, dtype)?,
         decode_start,
         keep_format,
+        require_routing,
     };
     let spliced = py.detach(|| response::merge_response_pieces(&p, &d, opts))?;
     // One copy: the pieces (mostly slices of the inputs) go straight into the result bytes.
@@ -248,6 +252,14 @@ fn check_list_objects(p: &Payload, limit: usize) -> PyResult<()> {
         ))
         .into()),
     }
+}
+
+/// How many routing values a response body carries (found as `from_response` finds them, none
+/// decoded). For the proxy's stream merger, which must know whether an event carried routing.
+#[pyfunction]
+pub fn _routing_count(py: Python<'_>, body: &Bound<'_, PyAny>) -> PyResult<usize> {
+    let text = convert::body_arg(body)?;
+    Ok(py.detach(|| response::find_routing(&text).map(|found| found.len()))?)
 }
 
 /// The format `decode` would detect for a value: "compact", "vllm_npy", "sglang", "nemo", "lists".
