@@ -200,8 +200,7 @@ class PDProxy:
         try:
             r = await self.client.post(url, json=body, headers=headers)
         except httpx.HTTPError as e:
-            log.warning("%s server %s failed: %r", side, url, e)
-            raise UpstreamError(side, 502, f"the {side} server failed: {type(e).__name__}") from e
+            raise _upstream_failed(side, url, e) from e
         if r.status_code >= 400:
             raise _status_error(side, url, r.status_code, r.content)
         if not r.headers.get("content-type", "").startswith("application/json"):
@@ -212,7 +211,7 @@ class PDProxy:
     async def handle(self, request: Request) -> Response:
         # The endpoint, whatever prefix the app is mounted under.
         path = next(e for e in ENDPOINTS if request.url.path.endswith(e))
-        request_id = request.headers.get(REQUEST_ID) or f"rx-{uuid.uuid4().hex}"
+        request_id = _request_id(request)
         ids = {REQUEST_ID: request_id}
         try:
             body = parse_client_body(await request.body())
@@ -256,9 +255,7 @@ class PDProxy:
         try:
             upstream = await self.client.send(request, stream=True)
         except httpx.HTTPError as e:
-            log.warning("decode server %s failed: %r", url, e)
-            failed = f"the decode server failed: {type(e).__name__}"
-            raise UpstreamError("decode", 502, failed) from e
+            raise _upstream_failed("decode", url, e) from e
         if upstream.status_code >= 400:
             content = await upstream.aread()
             await upstream.aclose()
@@ -306,13 +303,24 @@ class PDProxy:
     async def models(self, request: Request) -> Response:
         """`GET /v1/models`, relayed from a decode server (clients call it first)."""
         url = next(self._decode).rstrip("/") + "/v1/models"
-        request_id = request.headers.get(REQUEST_ID) or f"rx-{uuid.uuid4().hex}"
+        request_id = _request_id(request)
         try:
             r = await self.client.get(url, headers=self._headers(request, request_id))
         except httpx.HTTPError as e:
-            log.warning("decode server %s failed: %r", url, e)
-            return error_response(502, "decode", f"the decode server failed: {type(e).__name__}")
+            err = _upstream_failed("decode", url, e)
+            return error_response(err.status, err.side, err.message)
         return Response(r.content, r.status_code, media_type="application/json")
+
+
+def _request_id(request: Request) -> str:
+    """The client's `X-Request-Id`, or a new one: what both halves and the response carry."""
+    return request.headers.get(REQUEST_ID) or f"rx-{uuid.uuid4().hex}"
+
+
+def _upstream_failed(side: str, url: str, e: httpx.HTTPError) -> UpstreamError:
+    """A server that could not be reached or read: its address in the log, not to the client."""
+    log.warning("%s server %s failed: %r", side, url, e)
+    return UpstreamError(side, 502, f"the {side} server failed: {type(e).__name__}")
 
 
 def _json_object(side: str, body: bytes) -> dict[str, Any]:
