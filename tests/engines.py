@@ -157,20 +157,19 @@ class Engine:
         return Starlette(routes=routes)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Server:
-    """An ASGI app served by uvicorn on a loopback port in a background thread."""
+    """An ASGI app served by uvicorn on a loopback port in a background thread. The socket is
+    bound here and handed to uvicorn, so no other process can take the port in between."""
 
     def __init__(self, app: Any) -> None:
-        self.port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = int(self.socket.getsockname()[1])
+        config = uvicorn.Config(app, log_level="warning")
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True
+        )
 
     @property
     def url(self) -> str:
@@ -188,3 +187,4 @@ class Server:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+        self.socket.close()
