@@ -478,16 +478,6 @@ fn merge_found<'a>(p: &Found<'a>, d: &Found<'a>, opts: &MergeOptions) -> Result<
     )?))])
 }
 
-/// Merge two compact sidecar values into (the pieces of) the canonical sidecar text.
-pub fn merge_values(prefill: &[u8], decode: &[u8], opts: &MergeOptions) -> Result<Vec<u8>> {
-    let p = sidecar::parse_fields(prefill).map_err(|e| e.context("prefill"))?;
-    let d = sidecar::parse_fields(decode).map_err(|e| e.context("decode"))?;
-    Spliced {
-        pieces: merge_sidecars(p, d, opts)?,
-    }
-    .to_vec()
-}
-
 /// Merge two compact sidecars' fields into (the pieces of) the canonical sidecar text.
 fn merge_sidecars<'a>(
     prefill: SidecarFields<'a>,

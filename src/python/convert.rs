@@ -20,18 +20,29 @@ use crate::{DType, DTypeChoice, Payload, Shape};
 /// a list, for SGLang batches), written back to JSON text first.
 pub fn body_arg<'a>(value: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u8]>> {
     if value.is_instance_of::<PyDict>() || value.is_instance_of::<PyList>() {
-        let text = value
-            .py()
-            .import("json")?
-            .getattr("dumps")?
-            .call1((value,))
-            .map_err(|e| {
-                crate::Error::field("body", "a JSON-serialisable dict", format!("({e})"))
-            })?;
-        let text = str_utf8(text.cast::<PyString>()?, "body")?;
-        return Ok(Cow::Owned(text.as_bytes().to_vec()));
+        return Ok(Cow::Owned(json_text(
+            value,
+            "body",
+            "a JSON-serialisable dict",
+        )?));
     }
     text_arg(value)
+}
+
+/// A parsed Python value written back to JSON text with `json.dumps`; what it refuses (objects
+/// that are not JSON, nesting beyond the recursion limit) is malformed input about `field`.
+pub fn json_text(value: &Bound<'_, PyAny>, field: &str, expected: &str) -> PyResult<Vec<u8>> {
+    let text = value
+        .py()
+        .import("json")?
+        .getattr("dumps")?
+        .call1((value,))
+        .map_err(|e| {
+            crate::Error::field(field, expected, format!("a value json.dumps refuses ({e})"))
+        })?;
+    Ok(str_utf8(text.cast::<PyString>()?, field)?
+        .as_bytes()
+        .to_vec())
 }
 
 pub fn text_arg<'a>(value: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u8]>> {

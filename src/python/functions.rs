@@ -172,22 +172,9 @@ pub fn decode_any(
         return Ok((Format::Compact, convert::decode_dict(d, hints, limit)?));
     }
     if value.is_instance_of::<PyList>() || value.is_instance_of::<PyTuple>() {
-        // Nested lists (lmdeploy) go through JSON text so that one parser checks them. What
-        // json.dumps refuses (objects that are not JSON, nesting beyond the recursion limit)
-        // is malformed input.
-        let json = py
-            .import("json")?
-            .getattr("dumps")?
-            .call1((value,))
-            .map_err(|e| {
-                crate::Error::field(
-                    "lists",
-                    "nested lists of integers",
-                    format!("a value json.dumps refuses ({e})"),
-                )
-            })?;
-        let text = convert::str_utf8(json.cast::<PyString>()?, "lists")?.as_bytes();
-        return Ok(py.detach(|| formats::decode_text(text, hints, limit))?);
+        // Nested lists (lmdeploy) go through JSON text so that one parser checks them.
+        let text = convert::json_text(value, "lists", "nested lists of integers")?;
+        return Ok(py.detach(|| formats::decode_text(&text, hints, limit))?);
     }
     if value.hasattr("__array__")? {
         let choice = hints.dtype.map_or(DTypeChoice::Compact, DTypeChoice::Exact);
