@@ -100,7 +100,10 @@ pub use formats::{Format, Hints};
 pub use limits::DEFAULT_MAX_BYTES;
 pub use merge::merge;
 pub use payload::{DTypeChoice, Header, Payload, Shape, MAX_DECLARED_BYTES};
-pub use response::{find_routing, from_response, merge_response, Found, MergeOptions, LOCATIONS};
+pub use response::{
+    find_routing, from_response, merge_response, read_prefill, routing_rows, Found, MergeOptions,
+    PrefillBody, LOCATIONS,
+};
 pub use sidecar::{decode as decode_sidecar, encode as encode_sidecar};
 pub use trajectory::{Overlap, Pad, Trajectory};
 
@@ -114,7 +117,8 @@ mod _core {
 
     #[pymodule_export]
     use crate::python::functions::{
-        _routing_count, decode, detect_format, encode, from_response, merge, merge_response, pack,
+        _read_prefill, _routing_count, decode, detect_format, encode, from_response, merge,
+        merge_response, pack,
     };
     #[pymodule_export]
     use crate::python::payload::{_from_raw, RoutedExperts};

@@ -48,6 +48,7 @@ pub const LOCATIONS: &[(&str, &str)] = &[
 ];
 
 const ROUTING_KEY: &[u8] = b"routed_experts";
+const KV_TRANSFER_PARAMS: &[u8] = b"kv_transfer_params";
 
 /// Every routing value in `body`, in body order, with the index of its choice, found at the
 /// places `LOCATIONS` lists; the top-level holders serve choice 0, or their position in a
@@ -58,14 +59,31 @@ const ROUTING_KEY: &[u8] = b"routed_experts";
 /// `choices` or `index` twice in one object, is a `PayloadError`; keys are compared unescaped.
 /// One pass, no DOM: everything else is skipped (strings at memchr speed).
 pub fn find_routing(body: &[u8]) -> Result<Vec<Found<'_>>> {
+    Ok(walk(body, false)?.found)
+}
+
+/// What one walk of a body collects: its routing values, and where top-level
+/// `kv_transfer_params` sits (vLLM's disaggregated-serving handshake), if it is there.
+struct Walk<'a> {
+    found: Vec<Found<'a>>,
+    kv_transfer_params: Option<Range<usize>>,
+}
+
+/// Walk a body; `want_kv` also reads (and polices) top-level `kv_transfer_params`.
+fn walk(body: &[u8], want_kv: bool) -> Result<Walk<'_>> {
     let mut s = Scanner::new(body, "response body").watch(ROUTING_KEY);
-    let mut found = Vec::new();
+    let mut w = Walk {
+        found: Vec::new(),
+        kv_transfer_params: None,
+    };
     if s.peek() == Some(b'[') {
-        s.array(|s, i| top_object(s, i as u64, &mut found))?;
+        s.array(|s, i| top_object(s, i as u64, &mut w.found, None))?;
     } else {
-        top_object(&mut s, 0, &mut found)?;
+        let kv = want_kv.then_some(&mut w.kv_transfer_params);
+        top_object(&mut s, 0, &mut w.found, kv)?;
     }
     s.end()?;
+    let found = &w.found;
     for (i, f) in found.iter().enumerate() {
         if let Some(g) = found[..i].iter().find(|g| g.index == f.index) {
             return Err(Error::payload(format!(
@@ -74,7 +92,46 @@ pub fn find_routing(body: &[u8]) -> Result<Vec<Found<'_>>> {
             )));
         }
     }
-    Ok(found)
+    Ok(w)
+}
+
+/// What a prefill/decode proxy reads from a prefill body before it calls decode, in one walk
+/// of the body (the same walk as [`find_routing`], none of the routing decoded).
+#[derive(Debug)]
+pub struct PrefillBody<'a> {
+    /// The raw JSON text of top-level `kv_transfer_params` (what the decode request must carry
+    /// for vLLM's KV connector), or `None` when the key is absent or `null`.
+    pub kv_transfer_params: Option<&'a [u8]>,
+    /// The routing values, as [`find_routing`] finds them.
+    pub routing: Vec<Found<'a>>,
+}
+
+/// Read a prefill body as a proxy needs it: `kv_transfer_params` and the routing values, strict
+/// as [`find_routing`] is (a `kv_transfer_params` key given twice is a `PayloadError` too: the
+/// two halves of a request must never be joined by a guess).
+pub fn read_prefill(body: &[u8]) -> Result<PrefillBody<'_>> {
+    let w = walk(body, true)?;
+    let kv_transfer_params = w
+        .kv_transfer_params
+        .map(|r| &body[r])
+        .filter(|t| *t != b"null");
+    Ok(PrefillBody {
+        kv_transfer_params,
+        routing: w.found,
+    })
+}
+
+/// How many rows (token positions) a routing value holds. A compact sidecar's shape is read and
+/// checked against its data's length without decoding; other formats are decoded (their shape
+/// sits inside the encoded bytes).
+pub fn routing_rows(f: &Found, hints: &Hints, max_bytes: usize) -> Result<usize> {
+    match &f.fields {
+        Some(fields) => Ok(sidecar::validate(fields.clone(), max_bytes)?
+            .header
+            .shape
+            .tokens),
+        None => Ok(decode_found(f, hints, max_bytes)?.1.num_tokens()),
+    }
 }
 
 /// The keys of one object that may each appear once (their index in a caller's list).
@@ -102,13 +159,27 @@ impl<const N: usize> Once<N> {
     }
 }
 
-fn top_object<'a>(s: &mut Scanner<'a>, position: u64, found: &mut Vec<Found<'a>>) -> Result<()> {
+/// One top-level object: its routing holders, and (when `kv` is given) the span of its
+/// `kv_transfer_params`.
+fn top_object<'a>(
+    s: &mut Scanner<'a>,
+    position: u64,
+    found: &mut Vec<Found<'a>>,
+    mut kv: Option<&mut Option<Range<usize>>>,
+) -> Result<()> {
     if s.peek() != Some(b'{') {
         return Err(s.error("a JSON object"));
     }
     let mut once = Once::new([b"choices", b"meta_info", b"nvext", b"sglext"]);
     s.object(|s, key| {
         once.see(s, key)?;
+        if let (KV_TRANSFER_PARAMS, Some(slot)) = (key, kv.as_deref_mut()) {
+            if slot.is_some() {
+                return Err(s.duplicate(key));
+            }
+            *slot = Some(s.value()?);
+            return Ok(());
+        }
         match key {
             b"choices" => match s.peek() {
                 Some(b'[') => s.array(|s, i| choice(s, i as u64, found)),
@@ -633,6 +704,29 @@ mod tests {
         let decode = body(r#"{"data":"Hh8oKQ==","shape":[2,1,2],"start":2}"#);
         let err = merge_response(plain.as_bytes(), decode.as_bytes(), OPTS).unwrap_err();
         assert!(matches!(err, Error::Merge(_)), "{err}");
+    }
+
+    #[test]
+    fn read_prefill_finds_kv_params_and_rows_in_one_walk() {
+        let b = br#"{"kv_transfer_params":{"remote_block_ids":[3,5],"remote_host":"h"},"choices":[{"index":0,"routed_experts":{"data":"CgsUFR4f","shape":[3,1,2],"start":0}}]}"#;
+        let p = read_prefill(b).unwrap();
+        assert_eq!(
+            p.kv_transfer_params.unwrap(),
+            br#"{"remote_block_ids":[3,5],"remote_host":"h"}"#
+        );
+        let rows = routing_rows(&p.routing[0], &Hints::default(), DEFAULT_MAX_BYTES).unwrap();
+        assert_eq!(rows, 3);
+        let none = read_prefill(br#"{"kv_transfer_params":null,"choices":[]}"#).unwrap();
+        assert!(none.kv_transfer_params.is_none() && none.routing.is_empty());
+        let twice = br#"{"kv_transfer_params":{},"choices":[],"kv_transfer_params":{"a":1}}"#;
+        let err = read_prefill(twice).unwrap_err();
+        assert!(err.to_string().contains("duplicate"), "{err}");
+        // Other readers keep their rules: the key is not theirs to police.
+        assert!(find_routing(twice).unwrap().is_empty());
+        // A shape that does not match its data is refused without decoding.
+        let bad = br#"{"choices":[{"routed_experts":{"data":"CgsU","shape":[3,1,2]}}]}"#;
+        let p = read_prefill(bad).unwrap();
+        assert!(routing_rows(&p.routing[0], &Hints::default(), DEFAULT_MAX_BYTES).is_err());
     }
 
     #[test]

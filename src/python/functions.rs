@@ -293,3 +293,31 @@ pub fn pack<'py>(
     });
     Ok((packed, cu_seqlens))
 }
+
+/// What the proxy reads from a prefill body before it calls decode, in one walk (GIL released):
+/// the raw JSON text of top-level `kv_transfer_params` (None when absent or null), and the number
+/// of rows of each routing value (none decoded where the format carries its shape).
+#[pyfunction]
+#[pyo3(signature = (body, *, start = None))]
+pub fn _read_prefill<'py>(
+    py: Python<'py>,
+    body: &Bound<'py, PyAny>,
+    start: Option<u64>,
+) -> PyResult<(Option<Bound<'py, PyBytes>>, Vec<usize>)> {
+    let text = convert::body_arg(body)?;
+    let hints = hints(start, None, None, None)?;
+    let limit = limits::max_bytes();
+    let (kv, rows) = py.detach(|| -> crate::Result<_> {
+        let read = response::read_prefill(&text)?;
+        let rows = read
+            .routing
+            .iter()
+            .map(|f| {
+                response::routing_rows(f, &hints, limit)
+                    .map_err(|e| e.context(format!("choice {}", f.index)))
+            })
+            .collect::<crate::Result<Vec<_>>>()?;
+        Ok((read.kv_transfer_params.map(|t| t.to_vec()), rows))
+    })?;
+    Ok((kv.map(|t| PyBytes::new(py, &t)), rows))
+}
