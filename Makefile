@@ -9,7 +9,7 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 # The dev tools and the optional runtime extras the tests exercise.
 DEV_DEPS := "maturin>=1.7,<2" numpy pytest hypothesis pytest-benchmark orjson pybase64 \
-	starlette httpx uvicorn mypy ruff ray
+	aiohttp prometheus-client uvicorn uvloop httptools fastapi starlette httpx mypy ruff ray
 
 .PHONY: run test build-dev lint bench bench-rust bench-python bench-table clean fuzz fuzz-build
 

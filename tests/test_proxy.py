@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -37,7 +38,7 @@ def stack(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     decode_urls = [s.url for s in servers[2:]]
     if opts.get("prefill_down"):
         prefill_urls = ["http://127.0.0.1:9"]  # discard port: nothing listens
-    proxy = Server(create_app(prefill_urls, decode_urls, timeout=10, **opts.get("proxy", {})))
+    proxy = Server(create_app(prefill_urls, decode_urls, read_timeout=10, **opts.get("proxy", {})))
     proxy.__enter__()
     try:
         yield {"url": proxy.url, "prefills": prefills, "decodes": decodes, "opts": opts}
@@ -173,37 +174,32 @@ def test_client_mistakes_are_400_and_health_answers(stack: dict[str, Any]) -> No
     assert all(not e.requests for e in stack["prefills"] + stack["decodes"])
 
 
-def test_app_mounts_in_a_users_asgi_app_with_in_process_engines() -> None:
-    """The proxy as a piece of the user's own ASGI app, engines reached through ASGI transports."""
-    import asyncio
-
+def test_app_mounts_in_a_users_asgi_app() -> None:
+    """The proxy as a piece of the user's own ASGI app, beside the user's own routes."""
     from starlette.applications import Starlette
-    from starlette.routing import Mount
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Mount, Route
 
     prefill, decode = Engine(), Engine(mode="delta")
+    with Server(prefill.app()) as p, Server(decode.app()) as d:
+        proxy = create_app([p.url], [d.url])
 
-    class Router(httpx.AsyncBaseTransport):
-        def __init__(self) -> None:
-            self.p = httpx.ASGITransport(app=prefill.app())
-            self.d = httpx.ASGITransport(app=decode.app())
+        async def own(request: Any) -> PlainTextResponse:
+            return PlainTextResponse("mine")
 
-        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-            target = self.p if request.url.host == "prefill" else self.d
-            return await target.handle_async_request(request)
+        @contextlib.asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            yield
+            await proxy.aclose()  # a mounted app's own lifespan does not run
 
-    client = httpx.AsyncClient(transport=Router())
-    user_app = Starlette(
-        routes=[Mount("/moe", app=create_app(["http://prefill"], ["http://decode"], client=client))]
-    )
-
-    async def call() -> httpx.Response:
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=user_app), base_url="http://app"
-        ) as c:
-            return await c.post("/moe/v1/completions", json=COMPLETION)
-
-    r = asyncio.run(call())
-    assert r.status_code == 200, r.text
+        user_app = Starlette(
+            routes=[Route("/own", own), Mount("/moe", app=proxy)], lifespan=lifespan
+        )
+        with Server(user_app) as app:
+            r = httpx.post(app.url + "/moe/v1/completions", json=COMPLETION, timeout=30)
+            assert r.status_code == 200, r.text
+            assert httpx.get(app.url + "/own", timeout=30).text == "mine"
+            assert httpx.get(app.url + "/moe/health", timeout=30).json()["status"] == "ok"
     got = rx.from_response(r.content)
     assert got is not None
     np.testing.assert_array_equal(got.array, expected(COMPLETION).array)

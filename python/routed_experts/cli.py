@@ -144,7 +144,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_proxy(args: argparse.Namespace) -> int:
     try:
-        from routed_experts.proxy import serve
+        from routed_experts.proxy import ProxyConfig, serve
     except ImportError as e:
         print(
             "routed-experts proxy needs the proxy extra: "
@@ -152,16 +152,31 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    serve(
-        args.prefill,
-        args.decode,
-        args.host,
-        args.port,
-        timeout=args.read_timeout,
+    config = ProxyConfig(
+        read_timeout=args.read_timeout,
         connect_timeout=args.connect_timeout,
+        max_in_flight=args.max_in_flight,
+        max_request_bytes=args.max_request_bytes,
+        max_upstream_bytes=args.max_upstream_bytes,
+        eject_after=args.eject_after,
+        eject_seconds=args.eject_seconds,
         upstream_api_key=args.upstream_api_key or os.environ.get(UPSTREAM_KEY_ENV),
     )
+    serve(args.prefill, args.decode, args.host, args.port, config, log_level=args.log_level)
     return 0
+
+
+def cmd_bench_proxy(args: argparse.Namespace) -> int:
+    try:
+        from routed_experts.proxy.bench import run_bench
+    except ImportError as e:
+        print(
+            "routed-experts bench-proxy needs the proxy and bench extras: "
+            f"pip install 'routed_experts[proxy,bench]' ({e})",
+            file=sys.stderr,
+        )
+        return 2
+    return run_bench(args)
 
 
 def _count(minimum: int) -> Any:
@@ -278,19 +293,90 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--decode", nargs="+", required=True, help="decode server URL(s)")
     proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
     proxy.add_argument("--port", type=_count(1), default=8000, help="port to listen on")
-    proxy.add_argument(
-        "--read-timeout", type=_seconds, default=600.0, help="seconds to wait for an upstream"
-    )
-    proxy.add_argument(
-        "--connect-timeout", type=_seconds, default=10.0, help="seconds to connect to an upstream"
-    )
+    _add_proxy_limits(proxy)
     proxy.add_argument(
         "--upstream-api-key",
         help="API key sent to the servers instead of the client's Authorization "
         "(or ROUTED_EXPERTS_UPSTREAM_API_KEY)",
     )
+    proxy.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="info logs one line per request",
+    )
     proxy.set_defaults(func=cmd_proxy)
+    bench_proxy = sub.add_parser(
+        "bench-proxy",
+        help="bounded loopback load and fault benchmark of the proxy beside a pass-through relay",
+    )
+    bench_proxy.add_argument(
+        "--requests", type=_count(1), default=500, help="requests per load round"
+    )
+    bench_proxy.add_argument(
+        "--concurrency", type=_count(1), default=32, help="requests in flight in a load round"
+    )
+    bench_proxy.add_argument(
+        "--memory-concurrency", type=_count(1), default=64, help="in flight in the memory rounds"
+    )
+    bench_proxy.add_argument(
+        "--tokens", type=_count(2), default=8192, help="rows of routing per response"
+    )
+    bench_proxy.add_argument("--layers", type=_count(1), default=48, help="MoE layers")
+    bench_proxy.add_argument("--top-k", type=_count(1), default=8, help="experts per token")
+    bench_proxy.add_argument(
+        "--only",
+        nargs="+",
+        choices=["load", "stream", "memory", "faults"],
+        help="run only these parts (default: all)",
+    )
+    bench_proxy.add_argument("--json", help="also write the results to this JSON file")
+    bench_proxy.set_defaults(func=cmd_bench_proxy)
     return parser
+
+
+def _add_proxy_limits(p: argparse.ArgumentParser) -> None:
+    """The proxy's timeouts, limits and health-check flags (defaults: ProxyConfig's)."""
+    p.add_argument(
+        "--read-timeout",
+        type=_seconds,
+        default=600.0,
+        help="seconds an upstream may stay silent (a plain request waits for the whole "
+        "generation)",
+    )
+    p.add_argument(
+        "--connect-timeout", type=_seconds, default=10.0, help="seconds to connect to an upstream"
+    )
+    p.add_argument(
+        "--max-in-flight",
+        type=_count(1),
+        default=256,
+        help="completion requests served at once; more get 503 with Retry-After",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=_count(1),
+        default=64 * 2**20,
+        help="largest client body; larger gets 413",
+    )
+    p.add_argument(
+        "--max-upstream-bytes",
+        type=_count(1),
+        default=256 * 2**20,
+        help="largest upstream body or stream event; larger is a 502",
+    )
+    p.add_argument(
+        "--eject-after",
+        type=_count(1),
+        default=3,
+        help="failures in a row that take an upstream out of rotation",
+    )
+    p.add_argument(
+        "--eject-seconds",
+        type=_seconds,
+        default=10.0,
+        help="seconds an ejected upstream stays out before a trial request",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
