@@ -13,7 +13,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from .app import PDProxy, ProxyConfig
+from .app import PDProxy, ProxyConfig, keep_freed_memory
 from .protocol import (
     ENDPOINTS,
     PREFILL_KV_TRANSFER_PARAMS,
@@ -35,6 +35,7 @@ __all__ = [
     "StreamMerger",
     "UpstreamError",
     "create_app",
+    "keep_freed_memory",
     "decode_request",
     "error_body",
     "parse_client_body",
@@ -72,6 +73,7 @@ def serve(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    keep_freed_memory()
     uvicorn.run(
         create_app(prefill, decode, config),
         host=host,

@@ -527,6 +527,28 @@ class PDProxy:
 # --- helpers ----------------------------------------------------------------------------------
 
 
+def keep_freed_memory(threshold: int = 512 * MiB) -> bool:
+    """Ask glibc to serve buffers below `threshold` bytes from its heap and to keep what is freed
+    there, instead of mapping fresh pages for each multi-MB body and returning them when it is
+    freed. Every request reads and writes several MB: with fresh mappings each byte is a page
+    fault first (measured: the proxy's kernel time halves). Resident memory then stays at its
+    peak instead of falling between bursts. Process-wide, so `serve()` calls it and a mounted
+    app leaves it to its host; False where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, threshold)) and bool(
+        mallopt(m_trim_threshold, 2 * threshold)
+    )
+
+
+
 def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope["headers"]:
         if key == name:
@@ -589,7 +611,9 @@ async def _read_limited(r: aiohttp.ClientResponse, limit: int, side: str) -> byt
     if r.content_length is not None and r.content_length > limit:
         raise _upstream_too_large(side, r.content_length, limit)
     chunks, size = [], 0
-    async for chunk in r.content.iter_any():
+    # iter_chunks hands over the parser's pieces one by one (iter_any would join what is
+    # buffered first): the one join below is the only copy made here.
+    async for chunk, _ in r.content.iter_chunks():
         size += len(chunk)
         if size > limit:
             raise _upstream_too_large(side, size, limit)

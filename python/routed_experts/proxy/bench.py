@@ -1,0 +1,618 @@
+"""`routed-experts bench-proxy`: a bounded loopback load and fault benchmark of the P/D proxy,
+side by side with a plain pass-through relay (FastAPI + httpx, as vLLM's example disaggregated
+proxy is: it forwards the decode reply without merging) on the same stand-in engines.
+
+Every process is local: stand-in engines (a few lines of uvloop + httptools serving prebuilt
+vLLM-shaped bodies, so they cost little CPU), the proxy under test, and this process as the load
+generator. The proxy's CPU time is read from /proc (Linux) before and after each round. Every
+request is bounded (count and time), and every 200 the proxy returns is checked byte for byte
+against the merge it must produce: a 200 with wrong or missing routing is counted, not hidden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+
+import routed_experts as rx
+
+PREFILL_KV = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "bench-prefill",
+    "remote_block_ids": list(range(64)),
+    "remote_host": "127.0.0.1",
+    "remote_port": 14579,
+}
+GENERATED = 512  # tokens each request generates (the last one has no row)
+
+
+# --- the bodies the stand-in engines serve ------------------------------------------------------
+
+
+@dataclass
+class Bodies:
+    """One request's prebuilt traffic: a vLLM-shaped prefill body (rows [0, P)), a decode body
+    (the full sequence with zeroed prompt rows, as a decode server that did not compute the
+    prompt sends), its stream form, the client's request, and the merge the proxy must return."""
+
+    request: bytes
+    prefill: bytes
+    decode: bytes
+    stream: bytes
+    merged: bytes
+    merged_stream: bytes
+
+    @classmethod
+    def make(cls, tokens: int, layers: int, top_k: int) -> Bodies:
+        generated = min(GENERATED, tokens - 1)
+        prompt = tokens - generated + 1  # rows: prompt + generated - 1 = tokens
+        rng = np.random.default_rng(7)
+        truth = rng.integers(0, 128, size=(tokens, layers, top_k), dtype=np.uint8)
+        prefill_rows = rx.RoutedExperts.from_array(truth[:prompt], num_experts=128)
+        zeroed = truth.copy()
+        zeroed[:prompt] = 0
+        decode_rows = rx.RoutedExperts.from_array(zeroed, num_experts=128)
+        request = json.dumps(
+            {"model": "moe", "prompt": list(range(prompt)), "max_tokens": generated}
+        ).encode()
+        prefill = json.dumps(
+            {
+                "id": "cmpl-p",
+                "object": "text_completion",
+                "model": "moe",
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "x",
+                        "finish_reason": "length",
+                        "routed_experts": prefill_rows.to_dict(),
+                    }
+                ],
+                "usage": {"prompt_tokens": prompt, "completion_tokens": 1},
+                "kv_transfer_params": PREFILL_KV,
+            }
+        ).encode()
+        text = " tok" * generated
+        decode = json.dumps(
+            {
+                "id": "cmpl-d",
+                "object": "text_completion",
+                "model": "moe",
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": text,
+                        "finish_reason": "length",
+                        "routed_experts": decode_rows.to_dict(),
+                    }
+                ],
+                "usage": {"prompt_tokens": prompt, "completion_tokens": generated},
+            }
+        ).encode()
+        events = []
+        for i in range(generated):
+            choice: dict[str, Any] = {"index": 0, "text": " tok"}
+            if i == generated - 1:  # vLLM sends the routing with the last chunk
+                choice.update(finish_reason="length", routed_experts=decode_rows.to_dict())
+            events.append(b"data: " + json.dumps({"id": "cmpl-d", "choices": [choice]}).encode())
+        stream = b"\n\n".join([*events, b"data: [DONE]"]) + b"\n\n"
+        merged = rx.merge_response(prefill, decode)
+        merged_stream = stream.replace(events[-1][6:], rx.merge_response(prefill, events[-1][6:]))
+        return cls(request, prefill, decode, stream, merged, merged_stream)
+
+    def without_routing(self) -> bytes:
+        doc = json.loads(self.decode)
+        del doc["choices"][0]["routed_experts"]
+        return json.dumps(doc).encode()
+
+
+# --- stand-in engines (run as child processes) --------------------------------------------------
+
+
+class Engine:
+    """Serves prebuilt bodies. `fault`: None, "hang" (reads requests, never answers),
+    "no_routing", "status500", "truncated" (closes half way through a body)."""
+
+    def __init__(self, role: str, bodies: Bodies, fault: str | None) -> None:
+        self.role, self.bodies, self.fault = role, bodies, fault
+        self.requests = 0
+        self.disconnects = 0
+
+    def reply(self, url: bytes, body: bytes) -> list[bytes] | None:
+        if url == b"/stats":
+            stats = {"requests": self.requests, "disconnects": self.disconnects}
+            return _http(200, json.dumps(stats).encode())
+        self.requests += 1
+        if self.fault == "hang":
+            return None
+        if self.fault == "status500":
+            return _http(500, b'{"error":"engine failed"}')
+        if self.role == "prefill":
+            if b'"do_remote_decode":true' not in body:
+                return _http(400, b'{"error":"not a prefill request"}')
+            return _http(200, self.bodies.prefill)
+        if b'"bench-prefill"' not in body:  # decode needs prefill's kv_transfer_params
+            return _http(400, b'{"error":"no kv_transfer_params from prefill"}')
+        if b'"stream":true' in body:
+            return _http(200, self.bodies.stream, b"text/event-stream")
+        if self.fault == "no_routing":
+            return _http(200, self.bodies.without_routing())
+        if self.fault == "truncated":
+            head, data = _http(200, self.bodies.decode)
+            return [head, data[: len(data) // 2], b""]  # b"": close the connection
+        return _http(200, self.bodies.decode)
+
+
+def _http(status: int, body: bytes, content_type: bytes = b"application/json") -> list[bytes]:
+    head = b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n" % (
+        status,
+        content_type,
+        len(body),
+    )
+    return [head, body]
+
+
+def _engine_main(role: str, fault: str | None, tokens: int, layers: int, top_k: int) -> None:
+    import httptools
+    import uvloop
+
+    engine = Engine(role, Bodies.make(tokens, layers, top_k), fault)
+
+    class Connection(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+            self.parser = httptools.HttpRequestParser(self)
+            self.url, self.body = b"", []  # type: tuple[bytes, list[bytes]]
+
+        def on_url(self, url: bytes) -> None:
+            self.url += url
+
+        def on_body(self, body: bytes) -> None:
+            self.body.append(body)
+
+        def on_message_complete(self) -> None:
+            parts = engine.reply(self.url, b"".join(self.body))
+            self.url, self.body = b"", []
+            for part in parts or []:
+                if not part:
+                    self.transport.close()
+                    return
+                self.transport.write(part)
+
+        def data_received(self, data: bytes) -> None:
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                self.transport.close()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            engine.disconnects += 1
+
+    async def main() -> None:
+        sock = _bound_socket()
+        server = await asyncio.get_running_loop().create_server(Connection, sock=sock)
+        print(f"PORT {sock.getsockname()[1]}", flush=True)
+        await server.serve_forever()
+
+    uvloop.run(main())
+
+
+def _serve_main(kind: str, prefill: list[str], decode: list[str], settings: dict[str, Any]) -> None:
+    import uvicorn
+
+    from routed_experts.proxy import create_app, keep_freed_memory
+
+    if kind == "proxy" and not os.environ.get("BENCH_NO_MALLOPT"):
+        keep_freed_memory()  # as `routed-experts proxy` does
+    sock = _bound_socket()
+    from .passthrough import passthrough_app
+
+    if kind == "proxy":
+        app = create_app(prefill, decode, **settings)
+    else:
+        app = passthrough_app(prefill, decode)
+    config = uvicorn.Config(app, access_log=False, log_level="warning")
+    print(f"PORT {sock.getsockname()[1]}", flush=True)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _bound_socket() -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    return sock
+
+
+# --- processes ----------------------------------------------------------------------------------
+
+
+class Child:
+    """A child process that prints `PORT n` once it listens."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "routed_experts.proxy.bench", *args],
+            stdout=subprocess.PIPE,
+            stderr=None if os.environ.get("BENCH_DEBUG") else subprocess.DEVNULL,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("PORT "):
+            self.stop()
+            raise RuntimeError(f"child {args} did not start")
+        self.url = f"http://127.0.0.1:{int(line.split()[1])}"
+
+    def cpu_seconds(self) -> float:
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def memory_mb(self) -> tuple[float, float]:
+        """(VmRSS, VmHWM) in MB."""
+        values = {}
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS", "VmHWM")):
+                    values[line.split(":")[0]] = int(line.split()[1]) / 1024
+        return values["VmRSS"], values["VmHWM"]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@contextlib.contextmanager
+def children(*specs: list[str]) -> Iterator[list[Child]]:
+    started: list[Child] = []
+    try:
+        for spec in specs:
+            started.append(Child(spec))
+        yield started
+    finally:
+        for c in started:
+            c.stop()
+
+
+def _engine(role: str, args: argparse.Namespace, fault: str | None = None) -> list[str]:
+    spec = ["engine", role, str(args.tokens), str(args.layers), str(args.top_k)]
+    return spec + ([fault] if fault else [])
+
+
+def _server(kind: str, prefill: list[Child], decode: list[Child], **settings: Any) -> list[str]:
+    return [
+        "serve",
+        kind,
+        ",".join(c.url for c in prefill),
+        ",".join(c.url for c in decode),
+        json.dumps(settings),
+    ]
+
+
+# --- load ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Round:
+    name: str
+    requests: int = 0
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    statuses: dict[int, int] = field(default_factory=dict)
+    wrong_200: int = 0  # a 200 whose body is not the expected merge
+    latencies: list[float] = field(default_factory=list)
+
+    @property
+    def ok(self) -> int:
+        return self.statuses.get(200, 0) - self.wrong_200
+
+    def summary(self) -> dict[str, Any]:
+        lat = sorted(self.latencies) or [0.0]
+        return {
+            "name": self.name,
+            "requests": self.requests,
+            "ok": self.ok,
+            "wrong_200": self.wrong_200,
+            "statuses": {str(k): v for k, v in sorted(self.statuses.items())},
+            "requests_per_s": round(self.requests / self.seconds, 1) if self.seconds else 0.0,
+            "cpu_ms_per_request": round(self.cpu_seconds / max(self.requests, 1) * 1e3, 2),
+            "p50_ms": round(lat[len(lat) // 2] * 1e3, 1),
+            "p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3, 1),
+        }
+
+
+async def _load(
+    url: str,
+    body: bytes,
+    expect: bytes | None,
+    requests: int,
+    concurrency: int,
+    timeout: float,
+    name: str,
+) -> Round:
+    """`requests` POSTs, `concurrency` at a time, each bounded by `timeout` seconds; a 200 must
+    carry exactly `expect` (when given)."""
+    import aiohttp
+
+    r = Round(name, requests)
+    todo = iter(range(requests))
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)
+    ) as session:
+
+        async def worker() -> None:
+            for i in todo:
+                began = time.perf_counter()
+                try:
+                    async with session.post(
+                        url + "/v1/completions",
+                        data=body,
+                        headers={"content-type": "application/json", "x-request-id": f"b{i}"},
+                    ) as resp:
+                        content = await resp.read()
+                        status = resp.status
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    status, content = 0, b""  # no answer in time: counted as status 0
+                r.latencies.append(time.perf_counter() - began)
+                r.statuses[status] = r.statuses.get(status, 0) + 1
+                if status == 200 and expect is not None and content != expect:
+                    r.wrong_200 += 1
+
+        began = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        r.seconds = time.perf_counter() - began
+    return r
+
+
+def _measure(
+    target: Child,
+    body: bytes,
+    expect: bytes | None,
+    requests: int,
+    concurrency: int,
+    name: str,
+    timeout: float = 60.0,
+) -> Round:
+    cpu = target.cpu_seconds()
+    r = asyncio.run(_load(target.url, body, expect, requests, concurrency, timeout, name))
+    r.cpu_seconds = target.cpu_seconds() - cpu
+    return r
+
+
+def _get(url: str) -> tuple[int, Any]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as f:  # noqa: S310 (loopback only)
+            return f.status, json.loads(f.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+# --- the parts ----------------------------------------------------------------------------------
+
+
+def bench_load(args: argparse.Namespace, bodies: Bodies, stream: bool) -> dict[str, Any]:
+    """The proxy and the pass-through relay on the same engines, one after the other."""
+    body = bodies.request
+    if stream:
+        body = body[:-1] + b',"stream":true}'
+    results = {}
+    with children(_engine("prefill", args), _engine("decode", args)) as (p, d):
+        for kind in ("passthrough", "proxy"):
+            expect = (
+                (bodies.merged_stream if stream else bodies.merged)
+                if kind == "proxy"
+                else (bodies.stream if stream else bodies.decode)
+            )
+            with children(_server(kind, [p], [d])) as (server,):
+                # Steady state: one round at full concurrency first, so the heap has grown to
+                # what this load needs (a proxy runs for days; its first minute is not the case).
+                _measure(server, body, None, args.concurrency * 2, args.concurrency, "warm-up")
+                results[kind] = _measure(
+                    server, body, expect, args.requests, args.concurrency, kind
+                ).summary()
+    results["ratio_requests_per_s"] = round(
+        results["proxy"]["requests_per_s"] / max(results["passthrough"]["requests_per_s"], 1e-9), 2
+    )
+    return results
+
+
+def bench_memory(args: argparse.Namespace, bodies: Bodies) -> dict[str, Any]:
+    """Repeated rounds at `memory_concurrency` in flight: resident memory after each round, and
+    the peak."""
+    rounds = []
+    with children(_engine("prefill", args), _engine("decode", args)) as (p, d):
+        with children(_server("proxy", [p], [d])) as (proxy,):
+            base = proxy.memory_mb()[0]
+            for i in range(3):
+                r = _measure(
+                    proxy,
+                    bodies.request,
+                    bodies.merged,
+                    args.memory_concurrency * 4,
+                    args.memory_concurrency,
+                    f"round {i + 1}",
+                )
+                rss, hwm = proxy.memory_mb()
+                rounds.append({**r.summary(), "rss_mb": round(rss), "peak_rss_mb": round(hwm)})
+    return {"idle_rss_mb": round(base), "rounds": rounds}
+
+
+FAULTS = {
+    # name: (prefill engine faults, decode engine faults, proxy settings)
+    "one decode hung": ([None], [None, "hang"], {"read_timeout": 2.0, "eject_seconds": 5.0}),
+    "one decode 500s": ([None], [None, "status500"], {}),
+    "decode drops routing": ([None], ["no_routing"], {}),
+    "decode cut mid-body": ([None], ["truncated"], {}),
+    "one prefill down": (["down", None], [None], {}),
+}
+
+
+def bench_faults(args: argparse.Namespace, bodies: Bodies) -> dict[str, Any]:
+    """Each fault against the proxy: how many requests succeed, how many to the healthy
+    servers succeed, and (always 0) how many 200s carry wrong or missing routing."""
+    out = {}
+    requests = max(args.requests // 2, 50)
+    for name, (prefill_faults, decode_faults, settings) in FAULTS.items():
+        specs = [_engine("prefill", args, f) for f in prefill_faults if f != "down"]
+        specs += [_engine("decode", args, f) for f in decode_faults]
+        with children(*specs) as engines:
+            prefill = engines[: len(specs) - len(decode_faults)]
+            decode = engines[len(prefill) :]
+            prefill_urls = [c.url for c in prefill]
+            if "down" in prefill_faults:
+                prefill_urls.insert(0, f"http://127.0.0.1:{_closed_port()}")
+            server_spec = [
+                "serve",
+                "proxy",
+                ",".join(prefill_urls),
+                ",".join(c.url for c in decode),
+                json.dumps(settings),
+            ]
+            with children(server_spec) as (proxy,):
+                r = _measure(
+                    proxy, bodies.request, bodies.merged, requests, args.concurrency, name
+                )
+                health_status, health = _get(proxy.url + "/health")
+            healthy = [
+                c for c, f in zip(decode, decode_faults) if f is None
+            ]
+            to_healthy = sum(_get(c.url + "/stats")[1]["requests"] for c in healthy)
+        summary = r.summary()
+        summary["decode_requests_to_healthy"] = to_healthy
+        if to_healthy:
+            summary["ok_of_healthy_pct"] = round(100 * min(r.ok, to_healthy) / to_healthy, 1)
+        summary["ejected"] = [
+            f"{side}[{i}]"
+            for side in ("prefill", "decode")
+            for i, u in enumerate(health[side])
+            if not u["healthy"]
+        ]
+        summary["health_status"] = health_status
+        out[name] = summary
+    return out
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- the command --------------------------------------------------------------------------------
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    parts = args.only or ["load", "stream", "memory", "faults"]
+    bodies = Bodies.make(args.tokens, args.layers, args.top_k)
+    results: dict[str, Any] = {
+        "shape": [args.tokens, args.layers, args.top_k],
+        "request_bytes": len(bodies.request),
+        "prefill_bytes": len(bodies.prefill),
+        "decode_bytes": len(bodies.decode),
+        "merged_bytes": len(bodies.merged),
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "cpus": os.cpu_count(),
+    }
+    print(
+        f"bench-proxy: {args.tokens} x {args.layers} x {args.top_k}; prefill body "
+        f"{len(bodies.prefill) / 1e6:.1f} MB, decode {len(bodies.decode) / 1e6:.1f} MB, merged "
+        f"{len(bodies.merged) / 1e6:.1f} MB; {args.requests} requests, {args.concurrency} in "
+        "flight",
+        flush=True,
+    )
+    if "load" in parts:
+        results["load"] = bench_load(args, bodies, stream=False)
+        _print_load("plain", results["load"])
+    if "stream" in parts:
+        results["stream"] = bench_load(args, bodies, stream=True)
+        _print_load("stream", results["stream"])
+    if "memory" in parts:
+        results["memory"] = bench_memory(args, bodies)
+        _print_memory(results["memory"], args.memory_concurrency)
+    if "faults" in parts:
+        results["faults"] = bench_faults(args, bodies)
+        _print_faults(results["faults"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    wrong = sum(
+        r.get("wrong_200", 0)
+        for part in ("load", "stream")
+        for r in [results.get(part, {}).get("proxy", {})]
+    ) + sum(r["wrong_200"] for r in results.get("faults", {}).values())
+    if wrong:
+        print(f"bench-proxy: {wrong} responses were 200 with wrong routing", flush=True)
+        return 1
+    return 0
+
+
+def _print_load(title: str, r: dict[str, Any]) -> None:
+    print(f"\n{title}: requests/s, proxy CPU per request, latency p50/p99, statuses")
+    for kind in ("passthrough", "proxy"):
+        s = r[kind]
+        print(
+            f"  {kind:12} {s['requests_per_s']:7.1f} req/s  {s['cpu_ms_per_request']:6.2f} ms CPU"
+            f"  p50 {s['p50_ms']:7.1f} ms  p99 {s['p99_ms']:7.1f} ms  {s['statuses']}"
+            f"  wrong 200s: {s['wrong_200']}"
+        )
+    print(f"  proxy / pass-through requests/s: {r['ratio_requests_per_s']}x", flush=True)
+
+
+def _print_memory(r: dict[str, Any], concurrency: int) -> None:
+    print(f"\nmemory at {concurrency} in flight (idle RSS {r['idle_rss_mb']} MB)")
+    for s in r["rounds"]:
+        print(
+            f"  {s['name']}: RSS {s['rss_mb']} MB, peak {s['peak_rss_mb']} MB, "
+            f"{s['requests_per_s']} req/s, {s['statuses']}"
+        )
+
+
+def _print_faults(r: dict[str, Any]) -> None:
+    print("\nfaults: statuses, success on the healthy servers, ejected, 200s with wrong routing")
+    for name, s in r.items():
+        healthy = s.get("ok_of_healthy_pct", "-")
+        print(
+            f"  {name:22} {s['statuses']}  ok {s['ok']}/{s['requests']}  ok of healthy "
+            f"{healthy}%  ejected {s['ejected'] or '-'} (/health {s['health_status']})  "
+            f"wrong 200s: {s['wrong_200']}",
+            flush=True,
+        )
+
+
+def _child_main(argv: list[str]) -> None:
+    if argv[0] == "engine":
+        role, tokens, layers, top_k = argv[1], int(argv[2]), int(argv[3]), int(argv[4])
+        _engine_main(role, argv[5] if len(argv) > 5 else None, tokens, layers, top_k)
+    elif argv[0] == "serve":
+        kind, prefill, decode, settings = argv[1], argv[2], argv[3], json.loads(argv[4])
+        _serve_main(kind, prefill.split(","), decode.split(","), settings)
+    else:
+        raise SystemExit(f"unknown child {argv[0]!r}")
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1:])
