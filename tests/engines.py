@@ -4,6 +4,7 @@ returns the full sequence with zeroed prompt rows [S, P+G-1), or a delta from P-
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -56,10 +57,14 @@ class Engine:
     fmt: str = "compact"  # "compact" sidecar or "vllm_npy"
     # "500", "400", "gap"; decode faults: "no_done" (stream cut short), "json_reply" (JSON to a
     # stream request), "sse_reply" (a stream to a plain one), "no_routing", "escaped_key";
-    # prefill fault: "array" (a JSON array body)
+    # prefill fault: "array" (a JSON array body); either side: "hang" (never answers; records
+    # the client's disconnect), "slow" (answers after `delay` seconds), "slow_stream" (a stream
+    # that never ends, one event per 20 ms; records when the client goes)
     fail: str | None = None
+    delay: float = 1.0
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
+    disconnected: list[str] = field(default_factory=list)  # request ids whose client left
 
     def routing(self, arr: np.ndarray, start: int) -> Any:
         p = rx.RoutedExperts.from_array(arr, start=start, num_experts=EXPERTS)
@@ -69,6 +74,13 @@ class Engine:
         body = await request.json()
         self.requests.append(body)
         self.headers.append(dict(request.headers))
+        if self.fail == "hang":
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.02)
+            self.disconnected.append(request.headers.get("x-request-id", ""))
+            return Response(status_code=499)
+        if self.fail == "slow":
+            await asyncio.sleep(self.delay)
         if self.fail == "array":
             return JSONResponse([1, 2])
         if self.fail == "500":
@@ -107,6 +119,9 @@ class Engine:
             stream = False
         elif self.fail == "sse_reply":
             stream = True
+        if self.fail == "slow_stream":
+            rid = request.headers.get("x-request-id", "")
+            return StreamingResponse(self.endless(rid), media_type="text/event-stream")
         if stream:
             return StreamingResponse(self.sse(routing, G, chat), media_type="text/event-stream")
         choice = {
@@ -143,6 +158,14 @@ class Engine:
             yield f"data: {line}\n\n".encode()
         if self.fail != "no_done":
             yield b"data: [DONE]\n\n"
+
+    async def endless(self, request_id: str):  # type: ignore[no-untyped-def]
+        try:
+            while True:
+                yield b'data: {"choices":[{"index":0,"text":" tok"}]}\n\n'
+                await asyncio.sleep(0.02)
+        finally:  # the client went: the server stops generating
+            self.disconnected.append(request_id)
 
     async def models(self, request: Request) -> Response:
         self.headers.append(dict(request.headers))

@@ -81,13 +81,20 @@ class StreamMerger:
     def _hold(self, piece: bytes) -> None:
         self._partial_len += len(piece)
         if self._partial_len > self.max_line_bytes:
-            raise rx.PayloadError(
-                f"decode stream: a line of more than {self.max_line_bytes} bytes "
-                f"(the limit on one event)"
-            )
+            raise self._too_long()
         self._partial.append(piece)
 
+    def _too_long(self) -> rx.PayloadError:
+        return rx.PayloadError(
+            f"decode stream: a line of more than {self.max_line_bytes} bytes "
+            "(the limit on one event)"
+        )
+
     def _block(self, block: bytes) -> bytes:
+        if len(block) > self.max_line_bytes:
+            longest = max(len(line) for line in block.split(b"\n"))
+            if longest > self.max_line_bytes:
+                raise self._too_long()
         if not any(marker in block for marker in _LOOK_CLOSER):
             return block
         return b"".join(self.line(line) for line in block.splitlines(keepends=True))

@@ -1,0 +1,237 @@
+"""The proxy under faults, end to end on loopback (issue 12): limits, timeouts, passive health
+checks, retries, cancellation, metrics and the per-request log line. Every wait is bounded."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from engines import Engine, Server
+from test_proxy import COMPLETION, expected
+
+import routed_experts as rx
+from routed_experts.cli import build_parser
+from routed_experts.proxy import ProxyConfig, create_app
+
+
+def closed_port_url() -> str:
+    """A loopback address nothing listens on (connections are refused at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@contextlib.contextmanager
+def stack(
+    prefills: list[Engine | str], decodes: list[Engine | str], **settings: Any
+) -> Iterator[str]:
+    """Engines (or plain URLs) behind a proxy with `settings`; yields the proxy's URL."""
+    servers = [Server(e.app()) for e in prefills + decodes if isinstance(e, Engine)]
+    with contextlib.ExitStack() as stack:
+        for s in servers:
+            stack.enter_context(s)
+        urls = iter(s.url for s in servers)
+        p = [e if isinstance(e, str) else next(urls) for e in prefills]
+        d = [e if isinstance(e, str) else next(urls) for e in decodes]
+        settings.setdefault("read_timeout", 10)
+        proxy = stack.enter_context(Server(create_app(p, d, **settings)))
+        yield proxy.url
+
+
+def post(url: str, body: dict[str, Any] | None = None, **kw: Any) -> httpx.Response:
+    kw.setdefault("timeout", 30)
+    return httpx.post(url + "/v1/completions", json=body or COMPLETION, **kw)
+
+
+def in_thread(fn: Any) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    return t, out
+
+
+def wait_for(cond: Any, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.01)
+
+
+def test_requests_beyond_the_in_flight_limit_get_503_with_retry_after() -> None:
+    slow = Engine(fail="slow", delay=1.0)
+    with stack([slow], [Engine()], max_in_flight=1) as url:
+        first, result = in_thread(lambda: post(url))
+        wait_for(lambda: slow.requests)  # the first request holds the only slot
+        r = post(url)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["side"] == "proxy"
+        first.join(10)
+        assert result[0].status_code == 200  # the one in flight was served
+        assert post(url).status_code == 200  # and the slot is free again
+
+
+def test_a_hung_decode_server_times_out_is_ejected_and_does_not_starve_the_other() -> None:
+    hung, healthy = Engine(fail="hang"), Engine()
+    with stack([Engine()], [hung, healthy], read_timeout=1.0, eject_after=2) as url:
+        # Round robin: the first request goes to the hung server, the second to the healthy
+        # one, which answers while the first is still waiting (the pool is per server).
+        stuck, stuck_result = in_thread(lambda: post(url))
+        wait_for(lambda: hung.requests)
+        r = post(url)
+        assert r.status_code == 200 and rx.from_response(r.content) == expected(COMPLETION)
+        assert stuck.is_alive()
+        stuck.join(10)
+        err = stuck_result[0]
+        assert err.status_code == 504 and err.json()["error"]["side"] == "decode"
+        # The next turn of the hung server is its second timeout in a row: out of rotation,
+        # and from then on every request succeeds.
+        assert post(url).status_code == 504
+        statuses = [post(url).status_code for _ in range(6)]
+        assert statuses == [200] * 6
+        assert len(hung.requests) == 2
+        health = httpx.get(url + "/health", timeout=10)
+        assert health.status_code == 200  # a decode server is still in rotation
+        decode = health.json()["decode"]
+        assert [u["healthy"] for u in decode] == [False, True]
+        assert decode[0]["consecutive_failures"] == 2 and decode[0]["retry_in_s"] > 0
+
+
+def test_an_ejected_server_gets_a_trial_after_eject_seconds_and_rejoins() -> None:
+    flaky = Engine(fail="500")
+    with stack([Engine()], [flaky], eject_after=2, eject_seconds=0.3) as url:
+        assert [post(url).status_code for _ in range(2)] == [502, 502]
+        r = post(url)
+        assert r.status_code == 503 and r.json()["error"]["side"] == "proxy"
+        assert int(r.headers["retry-after"]) >= 1
+        assert "no decode server is in rotation" in r.json()["error"]["message"]
+        health = httpx.get(url + "/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "unavailable"
+        assert len(flaky.requests) == 2  # the ejected server was not called
+        flaky.fail = None
+        time.sleep(0.35)
+        assert post(url).status_code == 200  # the trial request
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert 'routed_experts_proxy_upstream_healthy{side="decode"' in metrics
+        assert 'routed_experts_proxy_rejected_total{reason="no_upstream"} 1.0' in metrics
+
+
+def test_a_prefill_server_that_refuses_connections_is_retried_on_the_next() -> None:
+    good = Engine()
+    with stack([closed_port_url(), good], [Engine()]) as url:
+        for _ in range(4):
+            r = post(url)
+            assert r.status_code == 200 and rx.from_response(r.content) == expected(COMPLETION)
+        assert len(good.requests) == 4
+
+
+def test_a_prefill_that_is_unreachable_everywhere_is_502_after_one_retry() -> None:
+    with stack([closed_port_url(), closed_port_url()], [Engine()]) as url:
+        r = post(url)
+        assert r.status_code == 502 and r.json()["error"]["side"] == "prefill"
+        assert "could not be reached" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_cancels_the_upstream_request(stream: bool) -> None:
+    decode = Engine(fail="slow_stream" if stream else "hang")
+    with stack([Engine()], [decode]) as url:
+        body = dict(COMPLETION, stream=stream)
+        headers = {"X-Request-Id": f"leaving-{stream}"}
+        if stream:
+            with httpx.stream(
+                "POST", url + "/v1/completions", json=body, headers=headers, timeout=10
+            ) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")  # events flow; then the client leaves
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                post(url, body, headers=headers, timeout=0.5)
+        wait_for(lambda: decode.disconnected)
+        assert decode.disconnected == [f"leaving-{stream}"]
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert 'status="499"' in metrics
+
+
+def test_body_limits_413_for_clients_502_for_upstreams() -> None:
+    with stack([Engine()], [Engine()], max_request_bytes=2000) as url:
+        big = dict(COMPLETION, prompt=list(range(2000)))
+        r = post(url, big)
+        assert r.status_code == 413 and r.json()["error"]["side"] == "client"
+        assert "over the limit of 2000" in r.json()["error"]["message"]
+        assert post(url).status_code == 200  # a small one still passes
+    with stack([Engine()], [Engine()], max_upstream_bytes=500) as url:
+        r = post(url)
+        assert r.status_code == 502 and r.json()["error"]["side"] == "prefill"
+        assert "--max-upstream-bytes" in r.json()["error"]["message"]
+
+
+def test_a_stream_event_over_the_upstream_limit_ends_in_an_error_event() -> None:
+    # The prefill body is small enough; the decode event with its routing is not.
+    with stack([Engine()], [Engine()], max_upstream_bytes=700) as url:
+        body = dict(COMPLETION, prompt=[1, 2], max_tokens=200, stream=True)
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert '"side":"decode"' in events[-1] and "limit on one event" in events[-1]
+
+
+def test_metrics_and_one_log_line_per_request(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="routed_experts.proxy")
+    with stack([Engine()], [Engine()]) as url:
+        assert post(url, headers={"X-Request-Id": "metered-1"}).status_code == 200
+        assert httpx.post(url + "/v1/completions", content=b"{", timeout=10).status_code == 400
+        text = httpx.get(url + "/metrics", timeout=10).text
+    assert (
+        'routed_experts_proxy_requests_total{endpoint="/v1/completions",side="none",'
+        'status="200"} 1.0' in text
+    )
+    assert 'status="400"' in text and 'side="client"' in text
+    for phase in ("prefill", "decode", "merge", "total"):
+        assert f'routed_experts_proxy_phase_seconds_count{{phase="{phase}"}}' in text
+    assert "routed_experts_proxy_merged_bytes_total" in text
+    assert "routed_experts_proxy_requests_in_flight 0.0" in text
+    lines = [r.getMessage() for r in caplog.records if "request_id=metered-1" in r.getMessage()]
+    assert len(lines) == 1
+    line = lines[0]
+    for part in ("status=200", "side=none", "prefill_ms=", "decode_ms=", "merge_ms=", "total_ms="):
+        assert part in line
+
+
+def test_unknown_routes_and_methods() -> None:
+    with stack([Engine()], [Engine()]) as url:
+        assert httpx.get(url + "/nope", timeout=10).status_code == 404
+        r = httpx.get(url + "/v1/completions", timeout=10)
+        assert r.status_code == 405 and r.json()["error"]["side"] == "client"
+
+
+def test_cli_defaults_are_the_config_defaults() -> None:
+    args = build_parser().parse_args(["proxy", "--prefill", "p", "--decode", "d"])
+    defaults = ProxyConfig()
+    for name in (
+        "read_timeout",
+        "connect_timeout",
+        "max_in_flight",
+        "max_request_bytes",
+        "max_upstream_bytes",
+        "eject_after",
+        "eject_seconds",
+    ):
+        assert getattr(args, name) == getattr(defaults, name), name
+
+
+def test_config_refuses_nonsense() -> None:
+    with pytest.raises(ValueError, match="read_timeout"):
+        ProxyConfig(read_timeout=0)
+    with pytest.raises(ValueError, match="max_in_flight"):
+        ProxyConfig(max_in_flight=0)
+    with pytest.raises(TypeError):
+        create_app(["p"], ["d"], no_such_setting=1)
