@@ -101,7 +101,11 @@ class Engine:
             choice.update(
                 {"message": {"role": "assistant", "content": "x"}} if chat else {"text": "x"}
             )
-            return JSONResponse({"id": "p", "choices": [choice], "kv_transfer_params": KV_PARAMS})
+            doc = {"id": "p", "choices": [choice], "kv_transfer_params": KV_PARAMS}
+            if self.fail == "dup_kv":  # two kv_transfer_params: which one decode gets is a guess
+                text = json.dumps(doc)[:-1] + ', "kv_transfer_params": {}}'
+                return Response(text, media_type="application/json")
+            return JSONResponse(doc)
         if kv != KV_PARAMS:
             return JSONResponse({"error": "decode needs the prefill's kv_transfer_params"}, 400)
         G = max_tokens(body)

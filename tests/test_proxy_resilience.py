@@ -235,3 +235,41 @@ def test_config_refuses_nonsense() -> None:
         ProxyConfig(max_in_flight=0)
     with pytest.raises(TypeError):
         create_app(["p"], ["d"], no_such_setting=1)
+
+
+def test_a_prefill_body_with_two_kv_transfer_params_is_502_prefill() -> None:
+    decode = Engine()
+    with stack([Engine(fail="dup_kv")], [decode]) as url:
+        r = post(url)
+        assert r.status_code == 502 and r.json()["error"]["side"] == "prefill"
+        assert "duplicate key `kv_transfer_params`" in r.json()["error"]["message"]
+        assert not decode.requests  # decode was never called with a guess
+
+
+def test_bench_proxy_runs_every_part_small(tmp_path: Any) -> None:
+    """The benchmark command end to end on a small shape: every part runs, bounded, and no 200
+    carries wrong routing."""
+    import json
+
+    from routed_experts.cli import main
+
+    out = tmp_path / "bench.json"
+    rc = main(
+        [
+            "bench-proxy",
+            "--tokens", "64", "--layers", "2", "--top-k", "2",
+            "--requests", "20", "--concurrency", "4", "--memory-concurrency", "4",
+            "--json", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    results = json.loads(out.read_text())
+    for part in ("load", "stream"):
+        assert results[part]["proxy"]["ok"] == 20 and results[part]["passthrough"]["ok"] == 20
+    assert len(results["memory"]["rounds"]) == 3
+    faults = results["faults"]
+    assert all(f["wrong_200"] == 0 for f in faults.values())
+    assert faults["one decode hung"]["ejected"] == ["decode[1]"]
+    assert faults["one decode hung"]["ok_of_healthy_pct"] == 100.0
+    assert faults["decode drops routing"]["ok"] == 0
+    assert faults["one prefill down"]["ok"] == faults["one prefill down"]["requests"]
