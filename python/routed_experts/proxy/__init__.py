@@ -45,7 +45,10 @@ __all__ = [
 
 
 def create_app(
-    prefill: Sequence[str], decode: Sequence[str], config: ProxyConfig | None = None, **settings: Any
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    config: ProxyConfig | None = None,
+    **settings: Any,
 ) -> PDProxy:
     """The proxy as an ASGI app: mount it in your own app, or serve it with any ASGI server.
     `settings` are `ProxyConfig` fields (`read_timeout=30`, `max_in_flight=64`, ...), applied on
@@ -81,4 +84,3 @@ def serve(
         access_log=False,
         log_level=log_level,
     )
-

@@ -250,9 +250,7 @@ class PDProxy:
         chat = ex.endpoint.endswith("chat/completions")
         # The requested prompt start: what vLLM's .npy routing (which carries none) starts at.
         start = body.get("routed_experts_prompt_start")
-        prefill_body = await self._prefill(
-            ex, orjson.dumps(prefill_request(body, chat)), headers
-        )
+        prefill_body = await self._prefill(ex, orjson.dumps(prefill_request(body, chat)), headers)
         try:
             kv, rows = await _offload(len(prefill_body), _read_prefill, prefill_body, start=start)
         except rx.RoutedExpertsError as e:
@@ -317,9 +315,7 @@ class PDProxy:
         u, side = lease.upstream, lease.upstream.side
         began, outcome = time.perf_counter(), UNKNOWN
         try:
-            async with self.session().post(
-                u.url + ex.endpoint, data=data, headers=headers
-            ) as r:
+            async with self.session().post(u.url + ex.endpoint, data=data, headers=headers) as r:
                 content = await _read_limited(r, self.config.max_upstream_bytes, side)
                 outcome = FAILED if r.status >= 500 else OK
                 if r.status >= 400:
@@ -354,7 +350,9 @@ class PDProxy:
         response: aiohttp.ClientResponse | None = None
         try:
             try:
-                response = await self.session().post(u.url + ex.endpoint, data=data, headers=headers)
+                response = await self.session().post(
+                    u.url + ex.endpoint, data=data, headers=headers
+                )
                 if response.status >= 400:
                     content = await _read_limited(
                         response, self.config.max_upstream_bytes, "decode"
@@ -364,7 +362,9 @@ class PDProxy:
                 if response.content_type != "text/event-stream":
                     outcome = OK
                     log.warning("decode server %s answered %s", u.url, response.content_type)
-                    raise UpstreamError("decode", 502, "the decode server did not answer with a stream")
+                    raise UpstreamError(
+                        "decode", 502, "the decode server did not answer with a stream"
+                    )
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 outcome = FAILED
                 raise _upstream_failed(u, e) from e
@@ -548,7 +548,6 @@ def keep_freed_memory(threshold: int = 512 * MiB) -> bool:
     )
 
 
-
 def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope["headers"]:
         if key == name:
@@ -657,7 +656,9 @@ def _upstream_failed(u: Upstream, e: BaseException) -> UpstreamError:
     log.warning("%s server %s failed: %r", u.side, u.url, e)
     if isinstance(e, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
         return UpstreamError(
-            u.side, 502, f"the {u.side} server could not be reached: {type(e).__name__}",
+            u.side,
+            502,
+            f"the {u.side} server could not be reached: {type(e).__name__}",
             retryable=True,
         )
     if isinstance(e, asyncio.TimeoutError):

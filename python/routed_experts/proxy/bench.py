@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -216,12 +215,12 @@ def _serve_main(kind: str, prefill: list[str], decode: list[str], settings: dict
 
     from routed_experts.proxy import create_app, keep_freed_memory
 
-    if kind == "proxy" and not os.environ.get("BENCH_NO_MALLOPT"):
-        keep_freed_memory()  # as `routed-experts proxy` does
-    sock = _bound_socket()
     from .passthrough import passthrough_app
 
+    sock = _bound_socket()
+    app: Any
     if kind == "proxy":
+        keep_freed_memory()  # as `routed-experts proxy` does
         app = create_app(prefill, decode, **settings)
     else:
         app = passthrough_app(prefill, decode)
@@ -462,7 +461,7 @@ def bench_memory(args: argparse.Namespace, bodies: Bodies) -> dict[str, Any]:
     return {"idle_rss_mb": round(base), "rounds": rounds}
 
 
-FAULTS = {
+FAULTS: dict[str, tuple[list[str | None], list[str | None], dict[str, Any]]] = {
     # name: (prefill engine faults, decode engine faults, proxy settings)
     "one decode hung": ([None], [None, "hang"], {"read_timeout": 2.0, "eject_seconds": 5.0}),
     "one decode 500s": ([None], [None, "status500"], {}),
@@ -494,13 +493,9 @@ def bench_faults(args: argparse.Namespace, bodies: Bodies) -> dict[str, Any]:
                 json.dumps(settings),
             ]
             with children(server_spec) as (proxy,):
-                r = _measure(
-                    proxy, bodies.request, bodies.merged, requests, args.concurrency, name
-                )
+                r = _measure(proxy, bodies.request, bodies.merged, requests, args.concurrency, name)
                 health_status, health = _get(proxy.url + "/health")
-            healthy = [
-                c for c, f in zip(decode, decode_faults) if f is None
-            ]
+            healthy = [c for c, f in zip(decode, decode_faults) if f is None]
             to_healthy = sum(_get(c.url + "/stats")[1]["requests"] for c in healthy)
         summary = r.summary()
         summary["decode_requests_to_healthy"] = to_healthy

@@ -13,7 +13,25 @@ from prometheus_client import (
 )
 
 # Seconds: from a fast merge (a millisecond) to a long generation (ten minutes).
-_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 600)
+_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    300,
+    600,
+)
 
 PHASES = ("prefill", "decode", "merge", "total")
 
