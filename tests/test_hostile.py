@@ -196,7 +196,7 @@ def test_escaped_keys_are_the_same_keys_everywhere() -> None:
     merged = rx.from_response(rx.merge_response(PREFILL, decode))
     assert merged is not None and merged.array.ravel().tolist() == [10, 11, 20, 21, 30, 31, 40, 41]
     # The proxy's stream pre-filter lets the escaped spelling through to the merge.
-    line = StreamMerger(PREFILL).line(b"data: " + decode)
+    line = b"".join(StreamMerger(PREFILL).line(b"data: " + decode))
     assert rx.from_response(line[6:]) == merged
 
 

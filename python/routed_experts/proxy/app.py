@@ -402,13 +402,13 @@ class PDProxy:
         try:
             async for chunk in response.content.iter_any():
                 if merger.buffered + len(chunk) >= OFFLOAD_BYTES and b"\n" in chunk:
-                    out = await asyncio.to_thread(merger.feed, chunk)
+                    pieces = await asyncio.to_thread(merger.feed, chunk)
                 else:
-                    out = merger.feed(chunk)
-                if out:
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
-                    ex.bytes_out += len(out)
-            return OK, merger.finish()
+                    pieces = merger.feed(chunk)
+                for piece in pieces:
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+                    ex.bytes_out += len(piece)
+            return OK, b"".join(merger.finish())
         except rx.RoutedExpertsError as e:
             # Headers are sent: report in-band, once, and end the stream.
             err = _stream_error(e)

@@ -37,46 +37,69 @@ class StreamMerger:
         """Bytes of an incomplete line held back until its end arrives."""
         return self._partial_len
 
-    def feed(self, chunk: bytes) -> bytes:
-        """The complete lines this chunk ends, merged where they carry routing."""
-        cut = chunk.rfind(b"\n") + 1
-        if cut == 0:
-            self._hold(chunk)
-            return b""
-        block = chunk[:cut]
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The pieces to send on for the lines this chunk completes (routing merged)."""
+        out: list[bytes] = []
+        pos = 0
         if self._partial:
-            block = b"".join([*self._partial, block])
-            self._partial, self._partial_len = [], 0
-        if cut < len(chunk):
-            self._hold(chunk[cut:])
-        return self._block(block)
+            nl = chunk.find(b"\n")
+            if nl < 0:
+                self._hold(chunk)
+                return out
+            pos = nl + 1
+            self._hold(chunk if pos == len(chunk) else chunk[:pos])
+            out += self._held_line()
+        cut = chunk.rfind(b"\n") + 1
+        if cut > pos:
+            # (A whole-range slice of bytes is the object itself: no copy in the common case.)
+            out += self._block(chunk[pos:cut])
+            pos = cut
+        if pos < len(chunk):
+            self._hold(chunk[pos:])
+        return out
 
-    def finish(self) -> bytes:
+    def finish(self) -> list[bytes]:
         """The rest of the stream (a last line without a newline); then the checks above."""
-        rest = b"".join(self._partial)
-        self._partial, self._partial_len = [], 0
-        out = self._block(rest) if rest else b""
+        out = self._held_line() if self._partial else []
         if not self.done:
             raise rx.MergeError("the decode stream ended without data: [DONE]")
         if not self.merged:
             rx.merge_response(self.prefill_body, b"{}", require_routing=True)
         return out
 
-    def line(self, line: bytes) -> bytes:
-        """One line of the stream, merged if it is a `data:` event that carries routing."""
+    def line(self, line: bytes) -> list[bytes]:
+        """One line of the stream, as pieces: merged if it is a `data:` event that carries
+        routing, else as it came."""
         if line.strip() == b"data: [DONE]":
             self.done = True
-            return line
-        if not line.startswith(b"data:") or (
-            b'"routed_experts"' not in line and b"\\u" not in line
-        ):
-            return line
-        payload = line[5:].lstrip()
+            return [line]
+        if not line.startswith(b"data:") or not _may_route(line):
+            return [line]
+        return self._event(line[5:].lstrip())
+
+    def _event(self, payload: bytes) -> list[bytes]:
         merged = rx.merge_response(self.prefill_body, payload, start=self.start)
         if _routing_count(payload) > 0:
             self.merged = True
             self.merged_bytes += len(merged)
-        return b"data: " + merged
+        return [b"data: ", merged]
+
+    def _held_line(self) -> list[bytes]:
+        """The line held in pieces, now complete. A `data:` line (the large event with the
+        routing arrives this way) loses its prefix before the pieces are joined, so the event
+        is copied once."""
+        pieces, self._partial, self._partial_len = self._partial, [], 0
+        if len(pieces) > 1 and len(pieces[0]) < 16:
+            pieces = [pieces[0] + pieces[1], *pieces[2:]]  # room to see the prefix
+        first = pieces[0]
+        if len(pieces) > 1 and first.startswith(b"data:") and first[5:].strip():
+            payload = b"".join([first[5:].lstrip(), *pieces[1:]])
+            if payload.strip() == b"[DONE]":
+                self.done = True
+            elif _may_route(payload):
+                return self._event(payload)
+            return pieces  # as it came
+        return self._block(b"".join(pieces))
 
     def _hold(self, piece: bytes) -> None:
         self._partial_len += len(piece)
@@ -90,11 +113,19 @@ class StreamMerger:
             "(the limit on one event)"
         )
 
-    def _block(self, block: bytes) -> bytes:
+    def _block(self, block: bytes) -> list[bytes]:
         if len(block) > self.max_line_bytes:
             longest = max(len(line) for line in block.split(b"\n"))
             if longest > self.max_line_bytes:
                 raise self._too_long()
         if not any(marker in block for marker in _LOOK_CLOSER):
-            return block
-        return b"".join(self.line(line) for line in block.splitlines(keepends=True))
+            return [block]
+        out: list[bytes] = []
+        for line in block.splitlines(keepends=True):
+            out += self.line(line)
+        return out
+
+
+def _may_route(text: bytes) -> bool:
+    # A key spelled with escapes ("routed\u005fexperts") is the same key: any \u is a maybe.
+    return b'"routed_experts"' in text or b"\\u" in text
