@@ -142,16 +142,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _needs_extras(command: str, extras: str, e: ImportError) -> int:
+    print(
+        f"routed-experts {command} needs the {extras} extra: "
+        f"pip install 'routed_experts[{extras}]' ({e})",
+        file=sys.stderr,
+    )
+    return 2
+
+
 def cmd_proxy(args: argparse.Namespace) -> int:
     try:
         from routed_experts.proxy import ProxyConfig, serve
     except ImportError as e:
-        print(
-            "routed-experts proxy needs the proxy extra: "
-            f"pip install 'routed_experts[proxy]' ({e})",
-            file=sys.stderr,
-        )
-        return 2
+        return _needs_extras("proxy", "proxy", e)
     config = ProxyConfig(
         read_timeout=args.read_timeout,
         connect_timeout=args.connect_timeout,
@@ -168,14 +172,11 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
 def cmd_bench_proxy(args: argparse.Namespace) -> int:
     try:
+        import fastapi  # noqa: F401  (the pass-through baseline, run in a child process)
+
         from routed_experts.proxy.bench import run_bench
     except ImportError as e:
-        print(
-            "routed-experts bench-proxy needs the proxy and bench extras: "
-            f"pip install 'routed_experts[proxy,bench]' ({e})",
-            file=sys.stderr,
-        )
-        return 2
+        return _needs_extras("bench-proxy", "proxy,bench", e)
     return run_bench(args)
 
 

@@ -295,28 +295,33 @@ pub fn pack<'py>(
 }
 
 /// What the proxy reads from a prefill body before it calls decode, in one walk (GIL released):
-/// the raw JSON text of top-level `kv_transfer_params` (None when absent or null), and the number
-/// of rows of each routing value (none decoded where the format carries its shape).
+/// the raw JSON text of top-level `kv_transfer_params` (None when absent or null), and, with
+/// `count_rows`, the number of rows of each routing value (what the proxy's check of
+/// `routed_experts_prompt_start` needs; none decoded where the format carries its shape).
 #[pyfunction]
-#[pyo3(signature = (body, *, start = None))]
+#[pyo3(signature = (body, *, start = None, count_rows = true))]
 pub fn _read_prefill<'py>(
     py: Python<'py>,
     body: &Bound<'py, PyAny>,
     start: Option<u64>,
+    count_rows: bool,
 ) -> PyResult<(Option<Bound<'py, PyBytes>>, Vec<usize>)> {
     let text = convert::body_arg(body)?;
     let hints = hints(start, None, None, None)?;
     let limit = limits::max_bytes();
     let (kv, rows) = py.detach(|| -> crate::Result<_> {
         let read = response::read_prefill(&text)?;
-        let rows = read
-            .routing
-            .iter()
-            .map(|f| {
-                response::routing_rows(f, &hints, limit)
-                    .map_err(|e| e.context(format!("choice {}", f.index)))
-            })
-            .collect::<crate::Result<Vec<_>>>()?;
+        let rows = if count_rows {
+            read.routing
+                .iter()
+                .map(|f| {
+                    response::routing_rows(f, &hints, limit)
+                        .map_err(|e| e.context(format!("choice {}", f.index)))
+                })
+                .collect::<crate::Result<Vec<_>>>()?
+        } else {
+            Vec::new()
+        };
         Ok((read.kv_transfer_params.map(|t| t.to_vec()), rows))
     })?;
     Ok((kv.map(|t| PyBytes::new(py, &t)), rows))

@@ -252,7 +252,13 @@ class PDProxy:
         start = body.get("routed_experts_prompt_start")
         prefill_body = await self._prefill(ex, orjson.dumps(prefill_request(body, chat)), headers)
         try:
-            kv, rows = await _offload(len(prefill_body), _read_prefill, prefill_body, start=start)
+            kv, rows = await _offload(
+                len(prefill_body),
+                _read_prefill,
+                prefill_body,
+                start=start,
+                count_rows=start is not None,
+            )
         except rx.RoutedExpertsError as e:
             raise UpstreamError("prefill", 502, f"malformed prefill body: {e}") from e
         if start is not None and 0 in rows:
