@@ -89,12 +89,28 @@ pub fn response(data: &[u8]) {
     let Some((&flags, body)) = data.split_first() else {
         return;
     };
+    let read = response::read_prefill(body);
     let Ok(found) = response::find_routing(body) else {
+        assert!(read.is_err(), "read_prefill took a body find_routing refuses");
         return;
     };
     for f in &found {
         assert_eq!(&body[f.span.clone()], f.text);
         let _ = response::from_response(body, f.index, &hints(flags), LIMIT);
+    }
+    // The proxy's reader: the same routing, and kv_transfer_params as a piece of the body
+    // (it refuses only what find_routing takes but is ambiguous: the key twice).
+    if let Ok(read) = read {
+        let spans: Vec<_> = read.routing.iter().map(|f| f.span.clone()).collect();
+        assert_eq!(spans, found.iter().map(|f| f.span.clone()).collect::<Vec<_>>());
+        if let Some(kv) = read.kv_transfer_params {
+            let inside = body.as_ptr_range();
+            assert!(!kv.is_empty() && kv != b"null");
+            assert!(inside.contains(&kv.as_ptr()) && kv.as_ptr_range().end <= inside.end);
+        }
+        for f in &read.routing {
+            let _ = response::routing_rows(f, &hints(flags), LIMIT);
+        }
     }
 }
 

@@ -56,5 +56,10 @@ for doc in (
 ):
     put("response", b"\x06" + json.dumps(doc).encode())
 put("response", b'\x00{"choices":[{"routed_experts":1,"routed\\u005fexperts":2}]}')
+# A prefill body as the proxy reads it (kv_transfer_params), and the ambiguous one (twice).
+kv = '"kv_transfer_params":{"remote_block_ids":[3,5],"remote_host":"h"}'
+put("response", ('\x00{' + kv + ',"choices":[{"index":0,"routed_experts":'
+                 '{"data":"CgsUFR4f","shape":[3,1,2],"start":0}}]}').encode())
+put("response", ('\x00{' + kv + ',"choices":[],' + kv + '}').encode())
 put("trajectory", bytes([0, 0, 0, 3, 1, 2, 3, 0, 2, 3, 9, 9, 9, 3, 0, 6, 1]))
 put("trajectory", bytes([3, 0x80, 0, 2, 1, 2, 3, 4, 5, 6, 7, 8, 4, 1, 1, 5, 5, 5, 5, 2, 3, 0]))
