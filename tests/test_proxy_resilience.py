@@ -273,3 +273,35 @@ def test_bench_proxy_runs_every_part_small(tmp_path: Any) -> None:
     assert faults["one decode hung"]["ok_of_healthy_pct"] == 100.0
     assert faults["decode drops routing"]["ok"] == 0
     assert faults["one prefill down"]["ok"] == faults["one prefill down"]["requests"]
+
+
+def test_the_proxy_command_serves_and_logs_one_line_per_request() -> None:
+    """`routed-experts proxy` as an operator starts it: serve() with uvicorn, the allocator
+    setting, the flags, the log line on stderr; stopped with SIGTERM."""
+    import subprocess
+    import sys
+
+    with Server(Engine().app()) as p, Server(Engine().app()) as d:
+        port_url = closed_port_url()
+        port = port_url.rsplit(":", 1)[1]
+        cmd = [sys.executable, "-m", "routed_experts.cli", "proxy", "--prefill", p.url]
+        cmd += ["--decode", d.url, "--port", port, "--read-timeout", "30", "--max-in-flight", "8"]
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: _answers(port_url + "/healthcheck"), seconds=20)
+            r = post(port_url, headers={"X-Request-Id": "from-the-cli"})
+            assert r.status_code == 200 and rx.from_response(r.content) == expected(COMPLETION)
+        finally:
+            proc.terminate()
+            _, err = proc.communicate(timeout=20)
+    # uvicorn shuts down cleanly, then re-raises the signal it caught.
+    assert proc.returncode in (0, -15), err
+    assert "Application shutdown complete" in err
+    assert "request_id=from-the-cli endpoint=/v1/completions status=200" in err
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
