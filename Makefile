@@ -11,7 +11,8 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 DEV_DEPS := "maturin>=1.7,<2" numpy pytest hypothesis pytest-benchmark orjson pybase64 \
 	aiohttp prometheus-client uvicorn uvloop httptools fastapi starlette httpx mypy ruff ray
 
-.PHONY: run test build-dev lint bench bench-rust bench-python bench-table clean fuzz fuzz-build
+.PHONY: run test build-dev lint bench bench-rust bench-python bench-table bench-proxy clean fuzz \
+	fuzz-build
 
 # Coverage-guided fuzzing (cargo fuzz, libFuzzer, nightly): every target for FUZZ_SECONDS each.
 # The working corpus grows in fuzz/corpus/ (not committed); fuzz/seeds/ is the checked-in seed
@@ -61,6 +62,11 @@ bench-table: build-dev
 	routed-experts bench --model qwen3-30b-a3b qwen3-235b-a22b kimi-k2 \
 		--tokens 4096 32768 131072 --repeat 5 --json bench.json | tee bench.txt
 	$(PY) benches/plot.py bench.json BENCHMARKS-throughput.png
+
+# The proxy's bounded loopback load and fault benchmark beside a pass-through relay (a few
+# minutes; the table in BENCHMARKS.md). Loopback only; every round is bounded.
+bench-proxy: build-dev
+	routed-experts bench-proxy --json bench-proxy.json
 
 fuzz-build:
 	@cargo +nightly --version >/dev/null 2>&1 || { echo "fuzz: the nightly toolchain is missing (rustup toolchain install nightly)"; exit 1; }
