@@ -48,8 +48,11 @@ T = TypeVar("T")
 
 MiB = 1024 * 1024
 # Bodies at least this large are read or merged on a worker thread (the Rust core releases the
-# GIL), so the event loop keeps serving other requests meanwhile.
-OFFLOAD_BYTES = MiB
+# GIL), so the event loop keeps serving other requests meanwhile. Smaller ones are handled in
+# the loop: their Rust work takes a millisecond or two, and a hand-off to a thread cost more
+# CPU than that saves (measured at 8192 x 48 x 8, 32 in flight: 10.2 ms of proxy CPU per
+# request with both of a request's bodies handed off, 9.4 ms with neither).
+OFFLOAD_BYTES = 8 * MiB
 
 
 @dataclass(frozen=True)
