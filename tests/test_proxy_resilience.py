@@ -76,6 +76,9 @@ def test_requests_beyond_the_in_flight_limit_get_503_with_retry_after() -> None:
         first.join(10)
         assert result[0].status_code == 200  # the one in flight was served
         assert post(url).status_code == 200  # and the slot is free again
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert 'routed_experts_proxy_rejected_total{reason="in_flight"} 1.0' in metrics
+        assert 'side="proxy",status="503"} 1.0' in metrics
 
 
 def test_a_hung_decode_server_times_out_is_ejected_and_does_not_starve_the_other() -> None:

@@ -198,6 +198,7 @@ class PDProxy:
                 retry_after=1,
             )
             await self._finish(ex, send, err, ids)
+            self._record(ex)
             return
         self.in_flight += 1
         self.metrics.in_flight.inc()
