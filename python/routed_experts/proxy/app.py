@@ -334,10 +334,7 @@ class PDProxy:
                     log.warning("%s server %s answered %s", side, u.url, r.content_type)
                     raise UpstreamError(side, 502, f"the {side} server did not answer with JSON")
                 return content
-        except aiohttp.ClientError as e:
-            outcome = FAILED
-            raise _upstream_failed(u, e) from e
-        except asyncio.TimeoutError as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             outcome = FAILED
             raise _upstream_failed(u, e) from e
         finally:

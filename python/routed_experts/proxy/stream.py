@@ -6,9 +6,10 @@ from __future__ import annotations
 import routed_experts as rx
 from routed_experts._core import _routing_count
 
-# A block of events is looked at line by line only if it holds one of these: the routing key,
-# a \u escape (the key may be spelled "routed\u005fexperts"), or the end-of-stream marker.
-_LOOK_CLOSER = (b'"routed_experts"', b"\\u", b"[DONE]")
+# What may hold routing: the key, or any \u escape (the key may be spelled "routed\u005fexperts").
+_ROUTING_MARKERS = (b'"routed_experts"', b"\\u")
+# A block of events is looked at line by line only if it may hold routing or the stream's end.
+_LOOK_CLOSER = (*_ROUTING_MARKERS, b"[DONE]")
 
 
 class StreamMerger:
@@ -127,5 +128,4 @@ class StreamMerger:
 
 
 def _may_route(text: bytes) -> bool:
-    # A key spelled with escapes ("routed\u005fexperts") is the same key: any \u is a maybe.
-    return b'"routed_experts"' in text or b"\\u" in text
+    return any(marker in text for marker in _ROUTING_MARKERS)
