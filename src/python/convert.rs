@@ -73,9 +73,12 @@ pub fn text_arg<'a>(value: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u8]>> {
 const NOT_JSON: &str = "a non-JSON Python object";
 
 /// A `str` as UTF-8; one that has none (a lone surrogate, as `json.loads` can produce from a
-/// `"\ud800"` escape) is malformed input.
+/// `"\ud800"` escape) is malformed input. Borrowed, not copied: a parsed body's `data` string
+/// can be tens of MB.
 pub fn str_utf8<'a>(s: &'a Bound<'_, PyString>, field: &str) -> PyResult<&'a str> {
-    s.to_str().map_err(|_| {
+    utf8_view(s).ok_or_else(|| {
+        // The failed conversion set UnicodeEncodeError; our error replaces it.
+        drop(PyErr::take(s.py()));
         crate::Error::field(
             field,
             "text that can be UTF-8",
@@ -83,6 +86,34 @@ pub fn str_utf8<'a>(s: &'a Bound<'_, PyString>, field: &str) -> PyResult<&'a str
         )
         .into()
     })
+}
+
+// `PyUnicode_AsUTF8AndSize` joined the limited API in 3.10, so PyO3's abi3-py39 build does
+// not declare it (and `PyString::to_str` is missing there). CPython has exported it with this
+// signature since 3.3, so every interpreter this abi3 wheel loads into (3.9+) provides it.
+extern "C" {
+    fn PyUnicode_AsUTF8AndSize(
+        unicode: *mut pyo3::ffi::PyObject,
+        size: *mut pyo3::ffi::Py_ssize_t,
+    ) -> *const std::os::raw::c_char;
+}
+
+/// The UTF-8 text CPython caches inside `s`, or None (with an exception set) when `s` has a
+/// lone surrogate.
+fn utf8_view<'a>(s: &'a Bound<'_, PyString>) -> Option<&'a str> {
+    let mut size: pyo3::ffi::Py_ssize_t = 0;
+    // SAFETY: `s` is a live str (we hold a reference and the GIL). On success CPython returns
+    // a pointer to `size` bytes of valid UTF-8 that it caches inside the str object and frees
+    // only with it; `s` is borrowed for 'a, so the slice cannot outlive the object, and a str
+    // is immutable, so the bytes do not change. On failure it returns NULL.
+    unsafe {
+        let ptr = PyUnicode_AsUTF8AndSize(s.as_ptr(), &mut size);
+        if ptr.is_null() {
+            return None;
+        }
+        let bytes = std::slice::from_raw_parts(ptr.cast::<u8>(), usize::try_from(size).ok()?);
+        Some(std::str::from_utf8_unchecked(bytes))
+    }
 }
 
 /// The fields of a sidecar given as a Python dict. `data` is the dict's `data` item, fetched by
@@ -187,7 +218,7 @@ pub fn dtype_arg(v: &Bound<'_, PyAny>) -> PyResult<DType> {
     }
     let np_dtype = v.py().import("numpy")?.getattr("dtype")?.call1((v,))?;
     Ok(DType::parse(
-        np_dtype.getattr("name")?.cast::<PyString>()?.to_str()?,
+        &np_dtype.getattr("name")?.cast::<PyString>()?.to_cow()?,
     )?)
 }
 
@@ -239,7 +270,7 @@ pub fn payload_from_array(
             values.map_err(|v| crate::Error::field("array", "values that fit int64", v))?;
         return Ok(py.detach(|| Payload::from_values(&values, shape, start, choice))?);
     }
-    let dt = arr.getattr("dtype")?.str()?.to_str()?.to_owned();
+    let dt = arr.getattr("dtype")?.str()?.to_cow()?.into_owned();
     Err(crate::Error::field("array", "an integer array", format!("dtype {dt}")).into())
 }
 

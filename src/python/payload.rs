@@ -7,11 +7,10 @@ use pyo3::types::{PyBytes, PyDict, PyString, PyTuple};
 
 use std::sync::Arc;
 
-use pyo3::buffer::PyBuffer;
-
 use super::convert;
 use crate::buffer::AlignedBytes;
 use crate::{limits, sidecar, validate, with_element, DType, Payload, Shape};
+use numpy::{PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::exceptions::PyImportError;
 
 /// The routing of a contiguous run of token positions: an integer array of shape
@@ -249,7 +248,7 @@ impl RoutedExperts {
             None => DType::I32,
             // torch dtypes print as "torch.int32": the part after the dot is numpy's name.
             Some(d) => {
-                let name = d.str()?.to_str()?.trim_start_matches("torch.").to_owned();
+                let name = d.str()?.to_cow()?.trim_start_matches("torch.").to_owned();
                 DType::parse(&name)?
             }
         };
@@ -362,43 +361,62 @@ pub fn _from_raw(
     let shape = Shape::new(shape.0, shape.1, shape.2);
     limits::check_shape(shape, dtype, limits::max_bytes())?;
     let want = shape.nbytes(dtype)?;
-    // Any contiguous buffer, whatever its item format, read as bytes.
-    let buffer = match PyBuffer::<u8>::get(data) {
-        Ok(b) => b,
-        Err(_) => PyBuffer::<u8>::get(
-            &py.import("builtins")?
-                .getattr("memoryview")?
-                .call1((data,))?
-                .call_method1("cast", ("B",))?,
-        )?,
-    };
-    if buffer.len_bytes() != want {
+    let arr = bytes_of_buffer(py, data)?;
+    if arr.len() != want {
         let msg = format!("{want} bytes for shape {shape} of {dtype}");
-        let got = format!("{} bytes", buffer.len_bytes());
+        let got = format!("{} bytes", arr.len());
         return Err(crate::Error::field("data", msg, got).into());
     }
-    let ptr = buffer.buf_ptr().cast::<u8>().cast_const();
-    let viewable = buffer.readonly()
-        && buffer.is_c_contiguous()
+    let ptr = arr.data().cast_const();
+    let writeable: bool = arr.getattr("flags")?.getattr("writeable")?.extract()?;
+    let viewable = !writeable
+        && arr.is_c_contiguous()
         && !ptr.is_null()
         && ptr as usize % 8 == 0
         && immutable_exporter(data)?;
     let bytes = if viewable {
-        let owner: Arc<dyn Send + Sync> = Arc::new(buffer);
-        // SAFETY: `ptr` is the start of the buffer's `want` contiguous bytes (checked above);
-        // the exporter is `bytes` or a sealed Ray object, whose memory never changes, and the
-        // buffer (kept in `owner`) keeps the exporter alive: valid and unchanged while `owner`
-        // lives, which is from_shared's contract. Non-null and 8-aligned, checked above.
+        let owner: Arc<dyn Send + Sync> = Arc::new(arr.unbind());
+        // SAFETY: `ptr` is the start of the array's `want` contiguous bytes (checked above);
+        // the array views the exporter's buffer and holds it (numpy keeps the exporter alive
+        // through the array's base), and the exporter is `bytes` or a sealed Ray object, whose
+        // memory never changes. `owner` keeps the array alive: valid and unchanged while
+        // `owner` lives, which is from_shared's contract. Non-null and 8-aligned, checked above.
         unsafe { AlignedBytes::from_shared(ptr, want, owner) }
             .ok_or_else(|| crate::Error::payload("a shared buffer is not 8-aligned"))?
     } else {
         let mut copy = AlignedBytes::zeroed(want);
-        buffer.copy_to_slice(py, copy.as_mut_bytes())?;
+        // SAFETY: the array's `want` bytes at `ptr` are contiguous (numpy.frombuffer only makes
+        // contiguous arrays) and stay valid while we hold `arr`; we keep the GIL for the copy,
+        // so no Python code can write to a mutable exporter (a bytearray) meanwhile.
+        let src = unsafe { std::slice::from_raw_parts(ptr, want) };
+        copy.as_mut_bytes().copy_from_slice(src);
         copy
     };
     Ok(RoutedExperts::new(Payload::new(
         start, shape, dtype, bytes,
     )?))
+}
+
+/// `data`'s buffer as a one-dimensional uint8 numpy array, whatever its item format. numpy
+/// reads the buffer protocol for us: PyO3's buffer API is outside the abi3-py39 limited API.
+/// A buffer numpy cannot view as contiguous bytes (a strided memoryview) is copied to one.
+fn bytes_of_buffer<'py>(
+    py: Python<'py>,
+    data: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, numpy::PyArray1<u8>>> {
+    let frombuffer = py.import("numpy")?.getattr("frombuffer")?;
+    let arr = match frombuffer.call1((data, "uint8")) {
+        Ok(arr) => arr,
+        Err(_) => {
+            let flat = py
+                .import("builtins")?
+                .getattr("memoryview")?
+                .call1((data,))?
+                .call_method0("tobytes")?;
+            frombuffer.call1((flat, "uint8"))?
+        }
+    };
+    Ok(arr.cast_into::<numpy::PyArray1<u8>>()?)
 }
 
 /// Whether `data`'s memory can never change: a `bytes`, or a buffer of Ray's object store
@@ -413,7 +431,7 @@ fn immutable_exporter(data: &Bound<'_, PyAny>) -> PyResult<bool> {
         return immutable_exporter(&data.getattr("obj")?);
     }
     let module = data.get_type().module()?;
-    Ok(module.to_str()? == "ray._raylet")
+    Ok(module.to_cow()? == "ray._raylet")
 }
 
 /// A read-only numpy view of `slf`'s buffer that keeps `slf` alive.
