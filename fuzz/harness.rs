@@ -91,7 +91,10 @@ pub fn response(data: &[u8]) {
     };
     let read = response::read_prefill(body);
     let Ok(found) = response::find_routing(body) else {
-        assert!(read.is_err(), "read_prefill took a body find_routing refuses");
+        assert!(
+            read.is_err(),
+            "read_prefill took a body find_routing refuses"
+        );
         return;
     };
     for f in &found {
@@ -102,7 +105,10 @@ pub fn response(data: &[u8]) {
     // (it refuses only what find_routing takes but is ambiguous: the key twice).
     if let Ok(read) = read {
         let spans: Vec<_> = read.routing.iter().map(|f| f.span.clone()).collect();
-        assert_eq!(spans, found.iter().map(|f| f.span.clone()).collect::<Vec<_>>());
+        assert_eq!(
+            spans,
+            found.iter().map(|f| f.span.clone()).collect::<Vec<_>>()
+        );
         if let Some(kv) = read.kv_transfer_params {
             let inside = body.as_ptr_range();
             assert!(!kv.is_empty() && kv != b"null");
@@ -154,7 +160,7 @@ pub fn npy_header(data: &[u8]) {
     assert_eq!((again.dtype, again.shape), (h.dtype, h.shape));
 }
 
-/// A reference model of a trajectory: the value rows by absolute position, as SPEC 5 says.
+/// A reference model of a trajectory: the value rows by absolute position, as format.md §5 says.
 #[derive(Default)]
 struct Model {
     start: u64,
@@ -234,7 +240,7 @@ pub fn trajectory(data: &[u8]) {
     }
 }
 
-/// SPEC 5 by the letter, on plain vectors. Returns whether the append is accepted.
+/// format.md §5 by the letter, on plain vectors. Returns whether the append is accepted.
 fn model_append(
     model: &mut Option<Model>,
     start: u64,

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 root = Path(__file__).parent / "seeds"
-vectors = Path(sys.argv[1] if len(sys.argv) > 1 else "../shared/vectors")
+vectors = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent.parent / "tests" / "vectors"
 
 
 def put(target: str, data: bytes) -> None:

@@ -110,7 +110,7 @@ impl DType {
             .unwrap_or(DType::I64)
     }
 
-    /// SPEC 3.1 compact choice by the values: uint8, uint16, then int16/int32 for negatives.
+    /// format.md §3.1 compact choice by the values: uint8, uint16, then int16/int32 for negatives.
     pub fn compact_for_range(min: i64, max: i64) -> Result<DType> {
         let candidates: &[DType] = if min >= 0 {
             &[DType::U8, DType::U16, DType::I32]

@@ -1,4 +1,4 @@
-//! Every routing format in the wild (SPEC 3.2), detected and decoded to one payload type, and
+//! Every routing format in the wild (format.md §3.2), detected and decoded to one payload type, and
 //! encoded back byte-compatibly with each producer.
 
 use std::borrow::Cow;
@@ -14,7 +14,7 @@ use crate::npy;
 use crate::payload::{DTypeChoice, Header, Payload, Shape};
 use crate::sidecar::{self, SidecarFields};
 
-/// A routing format of the wild (SPEC 3).
+/// A routing format of the wild (format.md §3).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Format {
     /// `{"data": base64, "shape": [T, L, K], "start": S, "dtype": name}` (prime-rl, Dynamo).

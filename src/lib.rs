@@ -57,7 +57,7 @@
 //! # Ok::<(), routed_experts::Error>(())
 //! ```
 //!
-//! [`Trajectory`] stitches the turns of a multi-turn rollout by position (SPEC 5); the modules
+//! [`Trajectory`] stitches the turns of a multi-turn rollout by position (format.md §5); the modules
 //! below hold the rest (formats, validation, packing for the trainer).
 
 // `with_element!` instantiates generic code for every dtype; in the int64 arm `.into()` to i64
@@ -70,26 +70,26 @@ mod buffer;
 /// The integer dtypes a payload may carry, their ranges and promotion.
 pub mod dtype;
 mod error;
-/// Every routing format in the wild (SPEC 3.2): detection, decoding, encoding.
+/// Every routing format in the wild (format.md §3.2): detection, decoding, encoding.
 pub mod formats;
 mod jsonscan;
 /// The size limit on decoded payloads.
 pub mod limits;
-/// Prefill/decode merge by absolute position (SPEC 4).
+/// Prefill/decode merge by absolute position (format.md §4).
 pub mod merge;
 /// The `.npy` header (vLLM's format): parsing and writing.
 pub mod npy;
-/// Packing samples into one batch for the trainer (SPEC 6).
+/// Packing samples into one batch for the trainer (format.md §6).
 pub mod pack;
 mod payload;
-/// Routing inside whole response bodies: finding it, and merging bodies (SPEC 3.2, 4).
+/// Routing inside whole response bodies: finding it, and merging bodies (format.md §3.2, §4).
 pub mod response;
-/// The compact sidecar (SPEC 3.1).
+/// The compact sidecar (format.md §3.1).
 pub mod sidecar;
 mod strscan;
-/// Multi-turn stitching and the trainer handoff (SPEC 5).
+/// Multi-turn stitching and the trainer handoff (format.md §5).
 pub mod trajectory;
-/// Opt-in checks a trainer wants before a step (SPEC 7).
+/// Opt-in checks a trainer wants before a step (format.md §7).
 pub mod validate;
 
 pub use buffer::AlignedBytes;

@@ -1,4 +1,4 @@
-//! Prefill/decode merge by absolute position (SPEC 4), and the row concatenation it shares with
+//! Prefill/decode merge by absolute position (format.md §4), and the row concatenation it shares with
 //! multi-turn stitching.
 
 use crate::dtype::DType;

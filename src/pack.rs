@@ -1,4 +1,4 @@
-//! Packing samples into one batch for the trainer (SPEC 6): one dtype, concatenated rows,
+//! Packing samples into one batch for the trainer (format.md §6): one dtype, concatenated rows,
 //! cumulative sequence lengths, optional padding to a multiple of N rows.
 
 use crate::dtype::{DType, Element};

@@ -1,4 +1,4 @@
-//! The payload model (SPEC 2): the routing of a contiguous run of token positions, as an
+//! The payload model (format.md §2): the routing of a contiguous run of token positions, as an
 //! array of shape `(num_tokens, num_layers, top_k)` whose row 0 sits at absolute position `start`.
 
 use crate::buffer::AlignedBytes;
@@ -74,7 +74,7 @@ impl std::fmt::Display for Shape {
     }
 }
 
-/// How to pick the dtype of a payload built from values (SPEC 3.1, "compact dtype choice").
+/// How to pick the dtype of a payload built from values (format.md §3.1, "compact dtype choice").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DTypeChoice {
     /// The smallest of uint8/uint16 (int16/int32 with negatives) that holds the values.
@@ -151,7 +151,7 @@ impl Header {
     }
 }
 
-/// The routing of a contiguous run of token positions (SPEC 2): an array of shape
+/// The routing of a contiguous run of token positions (format.md §2): an array of shape
 /// `(num_tokens, num_layers, top_k)` whose row 0 is absolute position `start`. Immutable once made.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Payload {

@@ -1,5 +1,5 @@
 //! Routing inside whole response bodies: find it without building the rest of the body, and
-//! merge prefill and decode bodies by replacing only the routing values' bytes (SPEC 4).
+//! merge prefill and decode bodies by replacing only the routing values' bytes (format.md §4).
 
 use std::borrow::Cow;
 use std::mem::MaybeUninit;
@@ -31,8 +31,8 @@ pub struct Found<'a> {
     pub fields: Option<SidecarFields<'a>>,
 }
 
-/// Where routing sits in response bodies (SPEC 3.2), and who puts it there: the one table the
-/// walker below follows, the README and SPEC repeat, and error messages quote.
+/// Where routing sits in response bodies (format.md §3.2), and who puts it there: the one table the
+/// walker below follows, docs/format.md and the README repeat, and error messages quote.
 pub const LOCATIONS: &[(&str, &str)] = &[
     ("choices[i].routed_experts", "vLLM, prime-rl"),
     ("choices[i].message.routed_experts", "NeMo-RL"),
@@ -55,7 +55,7 @@ const KV_TRANSFER_PARAMS: &[u8] = b"kv_transfer_params";
 /// top-level array of SGLang batch results. A choice with no `index` key takes its position in
 /// `choices`; `null` routing is no routing.
 ///
-/// Strict where it matters (SPEC 8): a `routed_experts` key anywhere else, or a routing key,
+/// Strict where it matters (format.md §8): a `routed_experts` key anywhere else, or a routing key,
 /// `choices` or `index` twice in one object, is a `PayloadError`; keys are compared unescaped.
 /// One pass, no DOM: everything else is skipped (strings at memchr speed).
 pub fn find_routing(body: &[u8]) -> Result<Vec<Found<'_>>> {
@@ -337,7 +337,7 @@ pub struct MergeOptions {
     /// Write the merged value in the decode value's format instead of a compact sidecar.
     pub keep_format: bool,
     /// Refuse a decode body without routing when the prefill body has some (a proxy's policy:
-    /// a client that asked for routing must not get a 200 without it). Off by default: SPEC 4
+    /// a client that asked for routing must not get a 200 without it). Off by default: format.md §4
     /// passes a decode body without routing through unchanged.
     pub require_routing: bool,
 }

@@ -1,4 +1,4 @@
-//! The compact sidecar (SPEC 3.1): `{"data":"<base64>","shape":[T,L,K],"start":S,"dtype":"uint8"}`.
+//! The compact sidecar (format.md §3.1): `{"data":"<base64>","shape":[T,L,K],"start":S,"dtype":"uint8"}`.
 
 use std::borrow::Cow;
 use std::mem::MaybeUninit;
@@ -37,7 +37,7 @@ pub struct SidecarFields<'a> {
     pub body_key: Option<&'static str>,
 }
 
-/// Decode a sidecar from JSON text: every check SPEC 3.1 lists happens before the allocation.
+/// Decode a sidecar from JSON text: every check format.md §3.1 lists happens before the allocation.
 pub fn decode(json: &[u8], max_bytes: usize) -> Result<Payload> {
     validate(parse_fields(json)?, max_bytes)?.decode()
 }
@@ -119,7 +119,7 @@ pub fn json_type_name(first: u8) -> &'static str {
     }
 }
 
-/// Keys of a response body (SPEC 3.2) that a routing value never has: a sidecar reader given a
+/// Keys of a response body (format.md §3.2) that a routing value never has: a sidecar reader given a
 /// whole body says so, and what to call instead.
 pub const BODY_KEYS: [&str; 4] = ["choices", "sglext", "meta_info", "nvext"];
 

@@ -1,4 +1,4 @@
-//! Multi-turn stitching (SPEC 5): payloads of successive turns accumulated by absolute position,
+//! Multi-turn stitching (format.md §5): payloads of successive turns accumulated by absolute position,
 //! and the handoff to the trainer (alignment to the sample's token count).
 
 use crate::buffer::AlignedBytes;

@@ -1,4 +1,4 @@
-//! Opt-in checks a trainer runs before a step (SPEC 7): ids out of range, duplicate experts in
+//! Opt-in checks a trainer runs before a step (format.md §7): ids out of range, duplicate experts in
 //! one token's top_k, all-zero token rows (the signature of lost prompt rows in P/D serving).
 
 use crate::error::{Error, Result};

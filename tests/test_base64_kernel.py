@@ -1,7 +1,7 @@
 """The base64 kernels (simdutf to decode and encode, base64-simd to check) against the standard
 library on random and mutated texts. Accepted means what `base64.b64decode(validate=True)`
 accepts and that re-encodes to the same text (padding required, no white space, zero padding
-bits: SPEC 3.1); everything else is a PayloadError, on the decoding and the splicing paths."""
+bits: format.md §3.1); everything else is a PayloadError, on the decoding and the splicing paths."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The compact sidecar codec (SPEC 2, 3.1, 6, 8): behaviour beyond the golden vectors."""
+"""The compact sidecar codec (format.md §2, §3.1, §6, §8): behaviour beyond the golden vectors."""
 
 from __future__ import annotations
 
@@ -229,7 +229,7 @@ def test_errors_form_one_family() -> None:
 
 
 def test_huge_declared_shape_is_rejected_without_allocating() -> None:
-    # 2**62 bytes could never be allocated: the shape alone is over the limit (SPEC 8).
+    # 2**62 bytes could never be allocated: the shape alone is over the limit (format.md §8).
     huge = {"data": "AAAA", "shape": [2**40, 2**20, 2**2], "start": 0, "dtype": "uint8"}
     with pytest.raises(rx.PayloadError, match=r"\[1099511627776, 1048576, 4\] of uint8 declares"):
         rx.RoutedExperts.from_json(huge)

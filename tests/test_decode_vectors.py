@@ -1,4 +1,4 @@
-"""Every case of ../shared/vectors/decode.json: three input types and canonical re-encoding."""
+"""Every case of tests/vectors/decode.json: three input types and canonical re-encoding."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Every format in the wild (SPEC 3.2): interop vectors, round trips, malformed input, bodies."""
+"""Every format in the wild (format.md §3.2): interop vectors, round trips, malformed input,
+bodies."""
 
 from __future__ import annotations
 

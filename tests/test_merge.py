@@ -1,4 +1,4 @@
-"""Prefill/decode merge (SPEC 4): properties over every decode form an engine sends."""
+"""Prefill/decode merge (format.md §4): properties over every decode form an engine sends."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every case of ../shared/vectors/merge.json and responses.json."""
+"""Every case of tests/vectors/merge.json and responses.json."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What a new user trips on (issue 13): numpy conventions, errors that say what to do, the CLI
+"""What a new user trips on: numpy conventions, errors that say what to do, the CLI
 as typed (through the installed console script), and the repository's own hygiene."""
 
 from __future__ import annotations
@@ -154,4 +154,43 @@ def test_cli_bench_says_when_the_bench_extra_is_missing() -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "pip install 'routed_experts[bench]'" in r.stderr
+    assert "pip install orjson pybase64 fastapi httpx" in r.stderr
+
+
+def test_install_hints_name_the_packages_of_each_extra_as_pyproject_declares_them() -> None:
+    # The hints name packages, which install today; `routed_experts[...]` would not, unpublished.
+    from routed_experts.cli import install_hint
+
+    assert install_hint("torch") == "pip install torch"
+    assert install_hint("proxy") == (
+        "pip install aiohttp orjson prometheus-client uvicorn uvloop httptools"
+    )
+    both = install_hint("proxy,bench").split()
+    assert both[:2] == ["pip", "install"] and len(both) == len(set(both))
+    assert set(both[2:]) == set(install_hint("proxy").split()[2:]) | {
+        "pybase64", "fastapi", "httpx"
+    }
+
+
+def test_to_torch_without_torch_says_what_to_install() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # as if PyTorch were not installed
+        "import numpy as np, routed_experts as rx\n"
+        "rx.RoutedExperts.from_array(np.zeros((1, 1, 1), np.uint8)).to_torch()"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "ImportError: RoutedExperts.to_torch needs PyTorch: pip install torch" in r.stderr
+
+
+@pytest.mark.source_tree
+@pytest.mark.parametrize("doc", ["README.md", "BENCHMARKS.md", "CHANGELOG.md", "docs/format.md"])
+def test_markdown_tables_render_as_tables(doc: str) -> None:
+    # A table row not joined to its table (no blank line before it, a row after a paragraph)
+    # renders as a paragraph of literal pipes.
+    import markdown
+
+    html = markdown.markdown((REPO / doc).read_text(), extensions=["tables", "fenced_code"])
+    assert "<table>" in html or "|" not in html
+    stray = [line for line in html.splitlines() if line.lstrip("<p>").startswith("|")]
+    assert not stray, stray

@@ -1,5 +1,5 @@
-"""Response bodies in each peer's real shape (SPEC 3.2): where each engine puts routing, in its
-own format, among the keys it really sends. Each decodes to the truth and merges
+"""Response bodies in each peer's real shape (format.md §3.2): where each engine puts routing,
+in its own format, among the keys it really sends. Each decodes to the truth and merges
 prefill + decode to the whole; routing anywhere else, or lmdeploy's Ray references, refuse."""
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ def test_app_mounts_in_a_users_asgi_app() -> None:
     np.testing.assert_array_equal(got.array, expected(COMPLETION).array)
 
 
-# --- integrity: never a 200 with wrong or missing routing (issue 12) ----------------------------
+# --- integrity: never a 200 with wrong or missing routing -----------------------------------------
 
 def stream_events(url: str, body: dict[str, Any], **kw: Any) -> tuple[httpx.Response, list[str]]:
     with httpx.stream("POST", url, json=body, timeout=30, **kw) as r:

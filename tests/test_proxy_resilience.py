@@ -1,4 +1,4 @@
-"""The proxy under faults, end to end on loopback (issue 12): limits, timeouts, passive health
+"""The proxy under faults, end to end on loopback: limits, timeouts, passive health
 checks, retries, cancellation, metrics and the per-request log line. Every wait is bounded."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every case of ../shared/vectors/stitch.json."""
+"""Every case of tests/vectors/stitch.json."""
 
 from __future__ import annotations
 

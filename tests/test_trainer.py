@@ -1,4 +1,4 @@
-"""Trainer handoff (SPEC 6, 7): torch, packing, transport tuple, pickling, validation."""
+"""Trainer handoff (format.md §6, §7): torch, packing, transport tuple, pickling, validation."""
 
 from __future__ import annotations
 

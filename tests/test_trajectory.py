@@ -1,4 +1,4 @@
-"""Multi-turn stitching (SPEC 5): any turn split stitches back to the truth."""
+"""Multi-turn stitching (format.md §5): any turn split stitches back to the truth."""
 
 from __future__ import annotations
 

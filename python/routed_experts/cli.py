@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -18,7 +20,7 @@ from routed_experts.synthetic import MODELS, best_of, synthetic_rollout
 # Where `routed-experts proxy` reads the upstream API key when --upstream-api-key is not given.
 UPSTREAM_KEY_ENV = "ROUTED_EXPERTS_UPSTREAM_API_KEY"
 
-# The top-level keys of a response body (SPEC 3.2), as the Rust core's sidecar::BODY_KEYS.
+# The top-level keys of a response body (format.md §3.2), as the Rust core's sidecar::BODY_KEYS.
 BODY_KEYS = ("choices", "sglext", "meta_info", "nvext")
 
 
@@ -134,7 +136,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ImportError:
         print(
             "routed-experts bench: the orjson+pybase64 column needs the bench extra "
-            "(pip install 'routed_experts[bench]'); it shows n/a without it",
+            f"({install_hint('bench')}); it shows n/a without it",
             file=sys.stderr,
         )
 
@@ -142,10 +144,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def install_hint(extras: str) -> str:
+    """`pip install NAME ...` for the packages of the comma-separated `extras`, by name: the
+    extras themselves (`routed_experts[proxy]`) work only once the package is on an index."""
+    names: list[str] = []
+    for req in importlib.metadata.requires("routed_experts") or []:
+        spec, _, marker = req.partition(";")
+        if set(re.findall(r"extra\s*==\s*[\"']([^\"']+)", marker)) & set(extras.split(",")):
+            name = re.split(r"[<>=!~\[ ]", spec.strip(), maxsplit=1)[0]
+            if name not in names:
+                names.append(name)
+    return "pip install " + " ".join(names)
+
+
 def _needs_extras(command: str, extras: str, e: ImportError) -> int:
     print(
-        f"routed-experts {command} needs the {extras} extra: "
-        f"pip install 'routed_experts[{extras}]' ({e})",
+        f"routed-experts {command} needs the {extras} extra: {install_hint(extras)} ({e})",
         file=sys.stderr,
     )
     return 2

@@ -241,7 +241,7 @@ impl RoutedExperts {
         let py = slf.py();
         let torch = py.import("torch").map_err(|_| {
             PyImportError::new_err(
-                "RoutedExperts.to_torch needs PyTorch: pip install 'routed_experts[torch]'",
+                "RoutedExperts.to_torch needs PyTorch: pip install torch",
             )
         })?;
         let target = match dtype {
