@@ -65,11 +65,15 @@
 #![allow(clippy::useless_conversion)]
 #![warn(missing_docs)]
 
+/// Agreement between two routings of the same positions (rollout against recompute).
+pub mod agreement;
 mod b64;
 mod buffer;
 /// The integer dtypes a payload may carry, their ranges and promotion.
 pub mod dtype;
 mod error;
+/// Expert load: how often each layer picked each expert, and how evenly.
+pub mod expert_load;
 /// Every routing format in the wild (format.md §3.2): detection, decoding, encoding.
 pub mod formats;
 mod jsonscan;
@@ -92,10 +96,12 @@ pub mod trajectory;
 /// Opt-in checks a trainer wants before a step (format.md §7).
 pub mod validate;
 
+pub use agreement::{agreement, Agreement};
 pub use buffer::AlignedBytes;
 pub(crate) use dtype::with_element;
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
+pub use expert_load::ExpertLoad;
 pub use formats::{Format, Hints};
 pub use limits::DEFAULT_MAX_BYTES;
 pub use merge::merge;
@@ -122,6 +128,8 @@ mod _core {
     };
     #[pymodule_export]
     use crate::python::payload::{_from_raw, RoutedExperts};
+    #[pymodule_export]
+    use crate::python::quality::{agreement, expert_load, Agreement, ExpertLoad};
     #[pymodule_export]
     use crate::python::trajectory::{_trajectory_from_payload, Trajectory};
     #[pymodule_export]

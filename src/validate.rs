@@ -3,7 +3,26 @@
 
 use crate::error::{Error, Result};
 use crate::payload::Payload;
-use crate::with_element;
+use crate::{with_element, Element};
+
+/// Whether a token row is marked missing: every id `-1`, the sentinel NeMo-RL and tunix write
+/// for a token whose routing was not recorded. Only signed dtypes can hold it (an unsigned
+/// 255 or 65535 is an expert id). An empty row is not missing.
+pub fn is_missing<T: Element>(row: &[T]) -> bool {
+    !row.is_empty() && row.iter().all(|&v| v.into() == -1)
+}
+
+/// Per token row of `p`: whether it carries real routing, for a trainer's loss mask. The rows
+/// from `real_rows` on (padding added by `to_training`) and rows marked missing are false.
+pub fn routed_mask(p: &Payload, real_rows: usize) -> Vec<bool> {
+    let row = p.num_layers() * p.top_k();
+    with_element!(p.dtype(), T => {
+        let values = p.values::<T>();
+        (0..p.num_tokens())
+            .map(|t| t < real_rows && !is_missing(&values[t * row..(t + 1) * row]))
+            .collect()
+    })
+}
 
 /// Which checks to run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -14,6 +33,10 @@ pub struct Checks {
     pub duplicates: bool,
     /// A token row that is zero in every layer (lost prompt rows).
     pub zero_rows: bool,
+    /// A token row marked missing (all `-1`, [`is_missing`]). Off by default: missing routes
+    /// are data a trainer masks, and they are counted whether this is on or not. Their `-1`s
+    /// are never counted as ids out of range.
+    pub missing_rows: bool,
 }
 
 /// Counts of each failure, with the first (position, layer) of each.
@@ -31,12 +54,19 @@ pub struct Report {
     pub zero_rows: usize,
     /// The position of the first all-zero row.
     pub first_zero_row: Option<u64>,
+    /// Token rows marked missing (all `-1`).
+    pub missing_rows: usize,
+    /// The position of the first missing row.
+    pub first_missing_row: Option<u64>,
 }
 
 impl Report {
-    /// Whether every check passed.
-    pub fn is_clean(&self) -> bool {
-        self.out_of_range == 0 && self.duplicates == 0 && self.zero_rows == 0
+    /// Whether every check passed (missing rows fail only when `checks.missing_rows` is on).
+    pub fn is_clean(&self, checks: &Checks) -> bool {
+        self.out_of_range == 0
+            && self.duplicates == 0
+            && self.zero_rows == 0
+            && (self.missing_rows == 0 || !checks.missing_rows)
     }
 
     /// The first failure as an error, in the order out-of-range, duplicate, zero row.
@@ -65,6 +95,13 @@ impl Report {
                 self.zero_rows
             )));
         }
+        if let (true, Some(pos)) = (checks.missing_rows, self.first_missing_row) {
+            return Err(Error::payload(format!(
+                "expected routing in every row, got a row marked missing (all -1) at position \
+                 {pos} ({} in all)",
+                self.missing_rows
+            )));
+        }
         Ok(())
     }
 }
@@ -90,6 +127,11 @@ fn scan<T: crate::Element>(p: &Payload, values: &[T], checks: &Checks) -> Report
     }
     for (t, token) in values.chunks_exact(row).enumerate() {
         let pos = p.start() + t as u64;
+        if is_missing(token) {
+            r.missing_rows += 1;
+            r.first_missing_row.get_or_insert(pos);
+            continue;
+        }
         for (layer, group) in token.chunks_exact(k).enumerate() {
             for &v in group {
                 let v: i64 = v.into();
@@ -134,6 +176,7 @@ mod tests {
             num_experts: Some(8),
             duplicates: true,
             zero_rows: true,
+            missing_rows: true,
         };
         let r = report(&p, &all);
         assert_eq!(r.out_of_range, 1);
@@ -142,5 +185,39 @@ mod tests {
         assert_eq!(r.first_duplicate, Some((11, 0, 0)));
         assert_eq!((r.zero_rows, r.first_zero_row), (1, Some(11)));
         assert!(validate(&p, &Checks::default()).is_ok());
+    }
+
+    #[test]
+    fn missing_rows_are_reported_not_called_out_of_range() {
+        let values = [1, 2, 3, 4, -1, -1, -1, -1, 5, -1, 3, 4];
+        let p = Payload::from_values(&values[..], Shape::new(3, 2, 2), 10, DTypeChoice::Compact)
+            .unwrap();
+        let checks = Checks::default();
+        let r = report(&p, &checks);
+        assert_eq!((r.missing_rows, r.first_missing_row), (1, Some(11)));
+        // A -1 in a row that is not all -1 is an id out of range.
+        assert_eq!(
+            (r.out_of_range, r.first_out_of_range),
+            (1, Some((12, 0, -1)))
+        );
+        let clean =
+            Payload::from_values(&values[..8], Shape::new(2, 2, 2), 0, DTypeChoice::Compact)
+                .unwrap();
+        assert!(validate(&clean, &checks).is_ok());
+        let strict = Checks {
+            missing_rows: true,
+            ..checks
+        };
+        let e = validate(&clean, &strict).unwrap_err().to_string();
+        assert!(e.contains("marked missing (all -1) at position 1"), "{e}");
+        // Unsigned dtypes have no sentinel: 255 is an expert.
+        let u8s = Payload::from_values(
+            &[255i64, 255][..],
+            Shape::new(1, 1, 2),
+            0,
+            DTypeChoice::Compact,
+        )
+        .unwrap();
+        assert_eq!(report(&u8s, &checks).missing_rows, 0);
     }
 }

@@ -172,17 +172,6 @@ def test_install_hints_name_the_packages_of_each_extra_as_pyproject_declares_the
     }
 
 
-def test_to_torch_without_torch_says_what_to_install() -> None:
-    code = (
-        "import sys; sys.modules['torch'] = None\n"  # as if PyTorch were not installed
-        "import numpy as np, routed_experts as rx\n"
-        "rx.RoutedExperts.from_array(np.zeros((1, 1, 1), np.uint8)).to_torch()"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1
-    assert "ImportError: RoutedExperts.to_torch needs PyTorch: pip install torch" in r.stderr
-
-
 @pytest.mark.source_tree
 @pytest.mark.parametrize("doc", ["README.md", "BENCHMARKS.md", "CHANGELOG.md", "docs/format.md"])
 def test_markdown_tables_render_as_tables(doc: str) -> None:

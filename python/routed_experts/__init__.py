@@ -6,14 +6,18 @@ Rust (GIL released) and hands numpy arrays over without copies.
 """
 
 from routed_experts._core import (
+    Agreement,
+    ExpertLoad,
     MergeError,
     PayloadError,
     RoutedExperts,
     RoutedExpertsError,
     Trajectory,
+    agreement,
     decode,
     detect_format,
     encode,
+    expert_load,
     from_response,
     get_max_bytes,
     merge,
@@ -23,14 +27,18 @@ from routed_experts._core import (
 )
 
 __all__ = [
+    "Agreement",
+    "ExpertLoad",
     "MergeError",
     "PayloadError",
     "RoutedExperts",
     "RoutedExpertsError",
     "Trajectory",
+    "agreement",
     "decode",
     "detect_format",
     "encode",
+    "expert_load",
     "from_response",
     "get_max_bytes",
     "merge",

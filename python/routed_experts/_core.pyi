@@ -1,11 +1,13 @@
 """Type stubs for the Rust extension module (checked by mypy.stubtest)."""
 
-from typing import Any, SupportsIndex, TypeAlias, final
+from typing import Any, Literal, SupportsIndex, TypeAlias, final, overload
 
 import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "Agreement",
+    "ExpertLoad",
     "MergeError",
     "PayloadError",
     "RoutedExperts",
@@ -15,9 +17,11 @@ __all__ = [
     "_read_prefill",
     "_routing_count",
     "_trajectory_from_payload",
+    "agreement",
     "decode",
     "detect_format",
     "encode",
+    "expert_load",
     "from_response",
     "get_max_bytes",
     "merge",
@@ -30,6 +34,10 @@ _DTypeLike: TypeAlias = str | npt.DTypeLike
 _JsonInput: TypeAlias = bytes | bytearray | memoryview | str | dict[str, Any]
 _Body: TypeAlias = bytes | bytearray | memoryview | str
 _IntArray: TypeAlias = np.ndarray[Any, np.dtype[np.integer[Any]]]
+_FloatArray: TypeAlias = np.ndarray[Any, np.dtype[np.float64]]
+_BoolArray: TypeAlias = np.ndarray[Any, np.dtype[np.bool_]]
+# A routing for the quality functions: a payload, or an integer array (numpy, CPU torch tensor).
+_Routing: TypeAlias = RoutedExperts | npt.ArrayLike
 
 class RoutedExpertsError(ValueError): ...
 class PayloadError(RoutedExpertsError): ...
@@ -74,10 +82,18 @@ class RoutedExperts:
     def slice(self, start: int, stop: int) -> RoutedExperts: ...
     def astype(self, dtype: _DTypeLike) -> RoutedExperts: ...
     def validate(
-        self, num_experts: int | None = None, duplicates: bool = True, zero_rows: bool = True
+        self,
+        num_experts: int | None = None,
+        duplicates: bool = True,
+        zero_rows: bool = True,
+        missing_rows: bool = False,
     ) -> None: ...
     def validation_report(
-        self, num_experts: int | None = None, duplicates: bool = True, zero_rows: bool = True
+        self,
+        num_experts: int | None = None,
+        duplicates: bool = True,
+        zero_rows: bool = True,
+        missing_rows: bool = False,
     ) -> dict[str, Any]: ...
     def to_torch(self, dtype: Any = None) -> Any: ...
     def to_transport(self) -> tuple[bytes, list[int], str]: ...
@@ -103,9 +119,73 @@ class Trajectory:
     def truncate(self, stop: int) -> None: ...
     def copy(self) -> Trajectory: ...
     def __copy__(self) -> Trajectory: ...
+    @overload
     def to_training(
-        self, num_tokens: int, pad: str = "repeat", max_missing: int = 1
+        self,
+        num_tokens: int,
+        pad: str = "repeat",
+        max_missing: int = 1,
+        *,
+        mask: Literal[False] = False,
     ) -> _IntArray: ...
+    @overload
+    def to_training(
+        self, num_tokens: int, pad: str = "repeat", max_missing: int = 1, *, mask: Literal[True]
+    ) -> tuple[_IntArray, _BoolArray]: ...
+
+@final
+class Agreement:
+    @property
+    def exact_match(self) -> float: ...
+    @property
+    def overlap(self) -> float: ...
+    @property
+    def tokens_with_difference(self) -> float: ...
+    @property
+    def differing_per_token(self) -> float: ...
+    @property
+    def exact_match_per_layer(self) -> _FloatArray: ...
+    @property
+    def overlap_per_layer(self) -> _FloatArray: ...
+    @property
+    def compared_rows(self) -> int: ...
+    @property
+    def excluded_rows(self) -> int: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def stop(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def top_k(self) -> int: ...
+    def to_dict(self) -> dict[str, Any]: ...
+
+@final
+class ExpertLoad:
+    @property
+    def counts(self) -> np.ndarray[Any, np.dtype[np.int64]]: ...
+    @property
+    def imbalance(self) -> _FloatArray: ...
+    @property
+    def cv(self) -> _FloatArray: ...
+    @property
+    def never_chosen_per_layer(self) -> np.ndarray[Any, np.dtype[np.uint64]]: ...
+    @property
+    def never_chosen(self) -> np.ndarray[Any, np.dtype[np.uint64]]: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def missing_rows(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+
+def agreement(a: _Routing, b: _Routing) -> Agreement: ...
+def expert_load(
+    routing: _Routing | list[_Routing] | tuple[_Routing, ...], num_experts: int
+) -> ExpertLoad: ...
 
 def merge(
     prefill: RoutedExperts | _JsonInput, decode: RoutedExperts | _JsonInput

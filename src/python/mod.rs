@@ -3,6 +3,7 @@
 pub mod convert;
 pub mod functions;
 pub mod payload;
+pub mod quality;
 pub mod trajectory;
 
 use std::mem::MaybeUninit;

@@ -185,49 +185,58 @@ impl RoutedExperts {
 
     /// Raise PayloadError at the first failing check, naming its position and layer: ids
     /// negative or `>= num_experts`; an expert twice in one token's top_k (`duplicates`); a
-    /// token row that is zero in every layer (`zero_rows`: lost prompt rows in P/D serving).
-    #[pyo3(signature = (num_experts = None, duplicates = true, zero_rows = true))]
+    /// token row that is zero in every layer (`zero_rows`: lost prompt rows in P/D serving); a
+    /// row marked missing, all -1 (`missing_rows`, off by default: missing routes are data).
+    /// The -1s of a missing row are never called ids out of range.
+    #[pyo3(signature = (num_experts = None, duplicates = true, zero_rows = true, missing_rows = false))]
     fn validate(
         &self,
         py: Python<'_>,
         num_experts: Option<u64>,
         duplicates: bool,
         zero_rows: bool,
+        missing_rows: bool,
     ) -> PyResult<()> {
         let checks = validate::Checks {
             num_experts,
             duplicates,
             zero_rows,
+            missing_rows,
         };
         let p = &self.inner;
         Ok(py.detach(|| validate::validate(p, &checks))?)
     }
 
     /// The same checks as `validate`, counted instead of raised: a dict of counts and the first
-    /// (position, layer, value) of each kind (None where there is none).
-    #[pyo3(signature = (num_experts = None, duplicates = true, zero_rows = true))]
+    /// (position, layer, value) of each kind (None where there is none). Missing rows are
+    /// always counted; they make `ok` False only with `missing_rows=True`.
+    #[pyo3(signature = (num_experts = None, duplicates = true, zero_rows = true, missing_rows = false))]
     fn validation_report<'py>(
         &self,
         py: Python<'py>,
         num_experts: Option<u64>,
         duplicates: bool,
         zero_rows: bool,
+        missing_rows: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         let checks = validate::Checks {
             num_experts,
             duplicates,
             zero_rows,
+            missing_rows,
         };
         let p = &self.inner;
         let r = py.detach(|| validate::report(p, &checks));
         let d = PyDict::new(py);
-        d.set_item("ok", r.is_clean())?;
+        d.set_item("ok", r.is_clean(&checks))?;
         d.set_item("out_of_range", r.out_of_range)?;
         d.set_item("first_out_of_range", r.first_out_of_range)?;
         d.set_item("duplicates", r.duplicates)?;
         d.set_item("first_duplicate", r.first_duplicate)?;
         d.set_item("zero_rows", r.zero_rows)?;
         d.set_item("first_zero_row", r.first_zero_row)?;
+        d.set_item("missing_rows", r.missing_rows)?;
+        d.set_item("first_missing_row", r.first_missing_row)?;
         Ok(d)
     }
 
@@ -240,9 +249,7 @@ impl RoutedExperts {
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
         let torch = py.import("torch").map_err(|_| {
-            PyImportError::new_err(
-                "RoutedExperts.to_torch needs PyTorch: pip install torch",
-            )
+            PyImportError::new_err("RoutedExperts.to_torch needs PyTorch: pip install torch")
         })?;
         let target = match dtype {
             None => DType::I32,

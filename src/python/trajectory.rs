@@ -127,18 +127,33 @@ impl Trajectory {
     /// Rows aligned to a training sample of `num_tokens` tokens, as a writable numpy array:
     /// truncated, or padded at the end ("repeat" the last row, or "zero") by at most
     /// `max_missing` rows. The trajectory must start at position 0.
-    #[pyo3(signature = (num_tokens, pad = "repeat", max_missing = 1))]
+    ///
+    /// With `mask=True`, returns `(array, mask)`: `mask` is a bool array of `num_tokens`, True
+    /// where the row carries real routing; padded rows and rows marked missing (all -1) are
+    /// False.
+    #[pyo3(signature = (num_tokens, pad = "repeat", max_missing = 1, *, mask = false))]
     fn to_training<'py>(
         &self,
         py: Python<'py>,
         num_tokens: usize,
         pad: &str,
         max_missing: usize,
+        mask: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let pad = Pad::parse(pad)?;
         let limit = limits::max_bytes();
-        let aligned = self.locked(py, |t| t.to_training(num_tokens, pad, max_missing, limit))?;
-        new_numpy(py, &aligned, aligned.dtype())
+        let (aligned, real) = self.locked(py, |t| {
+            let real = t.len().min(num_tokens);
+            t.to_training(num_tokens, pad, max_missing, limit)
+                .map(|a| (a, real))
+        })?;
+        let array = new_numpy(py, &aligned, aligned.dtype())?;
+        if !mask {
+            return Ok(array);
+        }
+        let routed = py.detach(|| crate::validate::routed_mask(&aligned, real));
+        let routed = numpy::PyArray1::from_vec(py, routed);
+        Ok(PyTuple::new(py, [array, routed.into_any()])?.into_any())
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {

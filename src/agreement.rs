@@ -1,0 +1,411 @@
+//! Agreement between two routings of the same token positions (rollout against the trainer's
+//! recompute, one engine against another, two runs): how often each router (token x layer)
+//! picked the same set of experts, in one pass over both.
+//!
+//! Each router's top_k is compared as a multiset: order inside a row does not matter. Valid
+//! routing never repeats an expert in one top_k, and then this is set comparison; a repeated
+//! id counts as often as it appears, so a routing agrees with itself exactly whatever it holds
+//! (as sorting each row and comparing does). Rows marked missing (all `-1`, see [`crate::validate::is_missing`])
+//! on either side are excluded and counted.
+
+use crate::error::{Error, Result};
+use crate::payload::Payload;
+use crate::validate::is_missing;
+use crate::{with_element, Element};
+
+/// The counts two routings agree by, over the positions both cover. The fractions are methods;
+/// each is NaN when no row was compared (every shared position missing on one side).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Agreement {
+    /// Layers of each token.
+    pub num_layers: usize,
+    /// Experts chosen per token and layer.
+    pub top_k: usize,
+    /// First absolute position compared (the later of the two starts).
+    pub start: u64,
+    /// End of the compared positions, exclusive (the earlier of the two stops).
+    pub stop: u64,
+    /// Token rows compared (missing on neither side).
+    pub compared_rows: u64,
+    /// Token rows left out because one side or both marked them missing.
+    pub excluded_rows: u64,
+    /// Per layer: routers whose expert sets are equal.
+    pub exact_per_layer: Vec<u64>,
+    /// Per layer: the sum over routers of |A ∩ B| (multiset intersection).
+    pub overlap_per_layer: Vec<u64>,
+    /// Compared tokens with at least one layer whose sets differ.
+    pub tokens_with_difference: u64,
+    /// Routers whose sets differ, over every compared token.
+    pub differing_routers: u64,
+}
+
+impl Agreement {
+    fn routers(&self) -> f64 {
+        self.compared_rows as f64 * self.num_layers as f64
+    }
+
+    /// Fraction of routers whose expert sets match exactly.
+    pub fn exact_match(&self) -> f64 {
+        self.exact_per_layer.iter().sum::<u64>() as f64 / self.routers()
+    }
+
+    /// Mean over routers of |A ∩ B| / top_k.
+    pub fn overlap(&self) -> f64 {
+        self.overlap_per_layer.iter().sum::<u64>() as f64 / (self.routers() * self.top_k as f64)
+    }
+
+    /// Fraction of compared tokens with at least one layer whose sets differ.
+    pub fn tokens_with_difference(&self) -> f64 {
+        self.tokens_with_difference as f64 / self.compared_rows as f64
+    }
+
+    /// Mean number of routers (layers) per compared token whose sets differ.
+    pub fn differing_per_token(&self) -> f64 {
+        self.differing_routers as f64 / self.compared_rows as f64
+    }
+
+    /// Per layer: the fraction of routers whose sets match exactly.
+    pub fn exact_match_per_layer(&self) -> Vec<f64> {
+        let n = self.compared_rows as f64;
+        self.exact_per_layer.iter().map(|&c| c as f64 / n).collect()
+    }
+
+    /// Per layer: the mean of |A ∩ B| / top_k.
+    pub fn overlap_per_layer(&self) -> Vec<f64> {
+        let n = self.compared_rows as f64 * self.top_k as f64;
+        self.overlap_per_layer
+            .iter()
+            .map(|&c| c as f64 / n)
+            .collect()
+    }
+}
+
+/// Compare `a` and `b` on the positions both cover. Errors (`PayloadError`): no shared
+/// position (naming both ranges), different layers or top_k, a top_k or layer count of 0, and a
+/// negative id in a row that is not marked missing (naming side, position and layer).
+pub fn agreement(a: &Payload, b: &Payload) -> Result<Agreement> {
+    let (la, lb) = (a.num_layers(), b.num_layers());
+    let (ka, kb) = (a.top_k(), b.top_k());
+    if la != lb {
+        return Err(Error::field(
+            "num_layers",
+            format!("{la} on both sides"),
+            lb,
+        ));
+    }
+    if ka != kb {
+        return Err(Error::field("top_k", format!("{ka} on both sides"), kb));
+    }
+    if la == 0 || ka == 0 {
+        let what = format!("shape [tokens, {la}, {ka}]");
+        return Err(Error::field(
+            "shape",
+            "at least one layer and top_k >= 1",
+            what,
+        ));
+    }
+    let start = a.start().max(b.start());
+    let stop = a.stop().min(b.stop());
+    if start >= stop {
+        return Err(Error::payload(format!(
+            "expected routings that share positions, got [{}, {}) and [{}, {})",
+            a.start(),
+            a.stop(),
+            b.start(),
+            b.stop()
+        )));
+    }
+    // Both offsets and the count fit in usize: they are row indices of existing payloads.
+    let rows = (stop - start) as usize;
+    let (from_a, from_b) = ((start - a.start()) as usize, (start - b.start()) as usize);
+    let row = la * ka;
+    let mut out = Agreement {
+        num_layers: la,
+        top_k: ka,
+        start,
+        stop,
+        compared_rows: 0,
+        excluded_rows: 0,
+        exact_per_layer: vec![0; la],
+        overlap_per_layer: vec![0; la],
+        tokens_with_difference: 0,
+        differing_routers: 0,
+    };
+    with_element!(a.dtype(), A => with_element!(b.dtype(), B => {
+        let va = &a.values::<A>()[from_a * row..(from_a + rows) * row];
+        let vb = &b.values::<B>()[from_b * row..(from_b + rows) * row];
+        count(va, vb, ka, start, &mut out)?;
+    }));
+    Ok(out)
+}
+
+/// Why a group could not be compared by bit masks.
+enum Refused {
+    /// A negative id (side, index of the value in its side's slice, value).
+    Negative(&'static str, usize, i64),
+    /// An id too large for the mask: compare by the general path instead.
+    Wide,
+}
+
+fn count<A: Element, B: Element>(
+    va: &[A],
+    vb: &[B],
+    k: usize,
+    start: u64,
+    out: &mut Agreement,
+) -> Result<()> {
+    // Masks wide enough for every id the dtypes can hold, or for the models in use (384
+    // experts); ids past that take the general path, which compares values pairwise.
+    let counted = if A::DTYPE.max() < 256 && B::DTYPE.max() < 256 {
+        count_with::<A, B, MaskSet<4>>(va, vb, k, out)
+    } else {
+        count_with::<A, B, MaskSet<8>>(va, vb, k, out)
+    };
+    let counted = match counted {
+        Err(Refused::Wide) => count_with::<A, B, PairwiseSet>(va, vb, k, out),
+        other => other,
+    };
+    match counted {
+        Ok(()) => Ok(()),
+        Err(Refused::Negative(side, at, v)) => {
+            let row = out.num_layers * k;
+            let (pos, layer) = (start + (at / row) as u64, at % row / k);
+            Err(Error::payload(format!(
+                "expected non-negative ids (or a row of -1 for a missing route) in {side}, \
+                 got {v} at position {pos}, layer {layer}"
+            )))
+        }
+        Err(Refused::Wide) => unreachable!("the pairwise path takes any id"),
+    }
+}
+
+/// How one router's two expert groups are compared: `(|A ∩ B|, A == B)` as multisets.
+trait GroupCompare {
+    fn compare<A: Element, B: Element>(
+        ga: &[A],
+        gb: &[B],
+    ) -> std::result::Result<(u32, bool), Refused>;
+}
+
+/// Sets as bit masks of `64 * W` ids: a few instructions per id and per word. A group with a
+/// repeated id (fewer bits than ids) goes to the pairwise path, which counts multiplicity.
+struct MaskSet<const W: usize>;
+
+impl<const W: usize> MaskSet<W> {
+    #[inline(always)]
+    fn mask<T: Element>(group: &[T], side: &'static str) -> std::result::Result<[u64; W], Refused> {
+        let mut m = [0u64; W];
+        for (i, &v) in group.iter().enumerate() {
+            let v: i64 = v.into();
+            if v < 0 {
+                return Err(Refused::Negative(side, i, v));
+            }
+            let word = (v >> 6) as usize;
+            if word >= W {
+                return Err(Refused::Wide);
+            }
+            m[word] |= 1 << (v & 63);
+        }
+        Ok(m)
+    }
+}
+
+impl<const W: usize> GroupCompare for MaskSet<W> {
+    #[inline(always)]
+    fn compare<A: Element, B: Element>(
+        ga: &[A],
+        gb: &[B],
+    ) -> std::result::Result<(u32, bool), Refused> {
+        let (ma, mb) = (Self::mask(ga, "a")?, Self::mask(gb, "b")?);
+        let (mut common, mut bits_a, mut bits_b) = (0, 0, 0);
+        let mut equal = true;
+        for w in 0..W {
+            common += (ma[w] & mb[w]).count_ones();
+            bits_a += ma[w].count_ones();
+            bits_b += mb[w].count_ones();
+            equal &= ma[w] == mb[w];
+        }
+        if bits_a as usize != ga.len() || bits_b as usize != gb.len() {
+            return PairwiseSet::compare(ga, gb);
+        }
+        Ok((common, equal))
+    }
+}
+
+/// Any ids, repeated or not: both groups sorted, then merged (top_k is small).
+struct PairwiseSet;
+
+impl GroupCompare for PairwiseSet {
+    fn compare<A: Element, B: Element>(
+        ga: &[A],
+        gb: &[B],
+    ) -> std::result::Result<(u32, bool), Refused> {
+        fn negative<T: Element>(g: &[T], side: &'static str) -> std::result::Result<(), Refused> {
+            match g.iter().position(|&v| v.into() < 0) {
+                Some(i) => Err(Refused::Negative(side, i, g[i].into())),
+                None => Ok(()),
+            }
+        }
+        negative(ga, "a")?;
+        negative(gb, "b")?;
+        let sorted = |g: &[_]| {
+            let mut v: Vec<i64> = g.iter().map(|&x: &_| x).collect();
+            v.sort_unstable();
+            v
+        };
+        let a = sorted(&ga.iter().map(|&v| v.into()).collect::<Vec<i64>>());
+        let b = sorted(&gb.iter().map(|&v| v.into()).collect::<Vec<i64>>());
+        let (mut i, mut j, mut common) = (0, 0, 0u32);
+        while i < a.len() && j < b.len() {
+            match a[i].cmp(&b[j]) {
+                std::cmp::Ordering::Less => i += 1,
+                std::cmp::Ordering::Greater => j += 1,
+                std::cmp::Ordering::Equal => {
+                    common += 1;
+                    i += 1;
+                    j += 1;
+                }
+            }
+        }
+        Ok((common, a == b))
+    }
+}
+
+fn count_with<A: Element, B: Element, C: GroupCompare>(
+    va: &[A],
+    vb: &[B],
+    k: usize,
+    out: &mut Agreement,
+) -> std::result::Result<(), Refused> {
+    let layers = out.num_layers;
+    let row = layers * k;
+    let mut exact = vec![0u64; layers];
+    let mut overlap = vec![0u64; layers];
+    let (mut compared, mut excluded, mut differing_tokens, mut differing) = (0, 0, 0, 0);
+    for (t, (ra, rb)) in va.chunks_exact(row).zip(vb.chunks_exact(row)).enumerate() {
+        if is_missing(ra) || is_missing(rb) {
+            excluded += 1;
+            continue;
+        }
+        let mut differ = 0u64;
+        for (l, (ga, gb)) in ra.chunks_exact(k).zip(rb.chunks_exact(k)).enumerate() {
+            let (common, equal) = C::compare(ga, gb).map_err(|e| match e {
+                Refused::Negative(side, i, v) => Refused::Negative(side, t * row + l * k + i, v),
+                wide => wide,
+            })?;
+            overlap[l] += u64::from(common);
+            exact[l] += u64::from(equal);
+            differ += u64::from(!equal);
+        }
+        compared += 1;
+        differing += differ;
+        differing_tokens += u64::from(differ > 0);
+    }
+    out.exact_per_layer = exact;
+    out.overlap_per_layer = overlap;
+    out.compared_rows = compared;
+    out.excluded_rows = excluded;
+    out.tokens_with_difference = differing_tokens;
+    out.differing_routers = differing;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DTypeChoice, Shape};
+
+    fn payload(values: &[i64], shape: (usize, usize, usize), start: u64) -> Payload {
+        let shape = Shape::new(shape.0, shape.1, shape.2);
+        Payload::from_values(values, shape, start, DTypeChoice::Compact).unwrap()
+    }
+
+    #[test]
+    fn a_routing_agrees_with_itself_and_with_any_order_inside_its_rows() {
+        let a = payload(&[1, 2, 3, 4, 5, 6, 7, 8], (2, 2, 2), 0);
+        let b = payload(&[2, 1, 3, 4, 6, 5, 8, 7], (2, 2, 2), 0);
+        for other in [&a, &b] {
+            let r = agreement(&a, other).unwrap();
+            assert_eq!((r.exact_match(), r.overlap()), (1.0, 1.0));
+            assert_eq!(
+                (r.tokens_with_difference(), r.differing_per_token()),
+                (0.0, 0.0)
+            );
+        }
+    }
+
+    #[test]
+    fn counts_by_hand() {
+        // Token 0: layer 0 equal, layer 1 shares one of two. Token 1: both layers equal.
+        let a = payload(&[1, 2, 3, 4, 5, 6, 7, 8], (2, 2, 2), 0);
+        let b = payload(&[2, 1, 3, 9, 5, 6, 7, 8], (2, 2, 2), 0);
+        let r = agreement(&a, &b).unwrap();
+        assert_eq!(r.exact_per_layer, vec![2, 1]);
+        assert_eq!(r.overlap_per_layer, vec![4, 3]);
+        assert_eq!((r.tokens_with_difference, r.differing_routers), (1, 1));
+        assert_eq!(r.exact_match(), 0.75);
+        assert_eq!(r.overlap(), 7.0 / 8.0);
+        assert_eq!(r.tokens_with_difference(), 0.5);
+        assert_eq!(r.differing_per_token(), 0.5);
+    }
+
+    #[test]
+    fn only_shared_positions_are_compared_and_disjoint_ranges_are_refused() {
+        let a = payload(&[1, 2, 3, 4, 5, 6], (3, 1, 2), 10);
+        let b = payload(&[3, 4, 9, 9], (2, 1, 2), 11);
+        let r = agreement(&a, &b).unwrap();
+        assert_eq!((r.start, r.stop, r.compared_rows), (11, 13, 2));
+        assert_eq!(r.exact_per_layer, vec![1]);
+        let far = payload(&[1, 2], (1, 1, 2), 13);
+        let e = agreement(&a, &far).unwrap_err().to_string();
+        assert!(e.contains("[10, 13) and [13, 14)"), "{e}");
+    }
+
+    #[test]
+    fn missing_rows_are_excluded_and_counted_and_other_negatives_refused() {
+        let a = payload(&[-1, -1, -1, -1, 1, 2, 3, 4], (2, 2, 2), 0);
+        let b = payload(&[1, 2, 3, 4, 1, 2, 3, 5], (2, 2, 2), 0);
+        let r = agreement(&a, &b).unwrap();
+        assert_eq!((r.compared_rows, r.excluded_rows), (1, 1));
+        assert_eq!(r.exact_per_layer, vec![1, 0]);
+        let bad = payload(&[1, 2, 3, 4, 1, -1, 3, 4], (2, 2, 2), 5);
+        let b5 = payload(&[1, 2, 3, 4, 1, 2, 3, 5], (2, 2, 2), 5);
+        let e = agreement(&bad, &b5).unwrap_err().to_string();
+        assert!(e.contains("got -1 at position 6, layer 0"), "{e}");
+    }
+
+    #[test]
+    fn mixed_and_wide_dtypes_take_the_same_answer() {
+        let a = payload(&[1, 2, 300, 7], (1, 2, 2), 0); // uint16
+        let b = payload(&[2, 1, 7, 300], (1, 2, 2), 0);
+        assert_eq!(agreement(&a, &b).unwrap().exact_match(), 1.0);
+        let wide = payload(&[1, 2, 70_000, 7], (1, 2, 2), 0); // int32, past the masks
+        let r = agreement(&wide, &a).unwrap();
+        assert_eq!(r.exact_per_layer, vec![1, 0]);
+        assert_eq!(r.overlap_per_layer, vec![2, 1]);
+        // A repeated id counts as often as it appears: [1, 1] against [1, 7] shares one.
+        let repeated = payload(&[2, 1, 1, 1], (1, 2, 2), 0);
+        let r = agreement(&repeated, &payload(&[1, 2, 1, 7], (1, 2, 2), 0)).unwrap();
+        assert_eq!(
+            (r.exact_per_layer, r.overlap_per_layer),
+            (vec![1, 0], vec![2, 1])
+        );
+        let r = agreement(&repeated, &repeated).unwrap();
+        assert_eq!((r.exact_match(), r.overlap()), (1.0, 1.0));
+    }
+
+    #[test]
+    fn shapes_that_cannot_be_compared_are_refused() {
+        let a = payload(&[1, 2], (1, 1, 2), 0);
+        let b = payload(&[1, 2], (1, 2, 1), 0);
+        assert!(agreement(&a, &b)
+            .unwrap_err()
+            .to_string()
+            .contains("num_layers"));
+        let empty = payload(&[], (1, 1, 0), 0);
+        assert!(agreement(&empty, &empty)
+            .unwrap_err()
+            .to_string()
+            .contains("top_k >= 1"));
+    }
+}

@@ -1,0 +1,236 @@
+//! Expert load: how often each layer's router picked each expert, over one payload or a batch,
+//! with the per-layer balance figures derived from it.
+
+use crate::error::{Error, Result};
+use crate::payload::Payload;
+use crate::validate::is_missing;
+use crate::{with_element, Element};
+
+/// A `(num_layers, num_experts)` table of how many times each layer picked each expert, and
+/// the token rows it was counted over. Rows marked missing (all `-1`) are skipped and counted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertLoad {
+    num_layers: usize,
+    num_experts: usize,
+    counts: Vec<u64>,
+    rows: u64,
+    missing_rows: u64,
+}
+
+impl ExpertLoad {
+    /// An empty table. Refused: no layer, no expert, or a table (8 bytes a cell) over `limit`
+    /// bytes, checked before it is allocated.
+    pub fn new(num_layers: usize, num_experts: usize, limit: usize) -> Result<Self> {
+        if num_experts == 0 {
+            return Err(Error::field("num_experts", "at least 1", 0));
+        }
+        if num_layers == 0 {
+            return Err(Error::field("num_layers", "at least 1", 0));
+        }
+        let cells = num_layers.checked_mul(num_experts);
+        let bytes = cells.and_then(|c| c.checked_mul(8));
+        match bytes {
+            Some(b) if b <= limit => {}
+            _ => {
+                return Err(Error::field(
+                    "num_experts",
+                    format!("a count table of at most {limit} bytes (8 per layer and expert)"),
+                    format!("{num_experts} experts x {num_layers} layers"),
+                ))
+            }
+        }
+        Ok(ExpertLoad {
+            num_layers,
+            num_experts,
+            counts: vec![0; num_layers * num_experts],
+            rows: 0,
+            missing_rows: 0,
+        })
+    }
+
+    /// Count every id of `p`. Refused, with nothing counted: a different layer count, or an id
+    /// that is negative or `>= num_experts` (naming its position and layer).
+    pub fn add(&mut self, p: &Payload) -> Result<()> {
+        if p.num_layers() != self.num_layers {
+            return Err(Error::field(
+                "num_layers",
+                format!("{} as in the other payloads", self.num_layers),
+                p.num_layers(),
+            ));
+        }
+        with_element!(p.dtype(), T => self.add_values(p, p.values::<T>()))
+    }
+
+    fn add_values<T: Element>(&mut self, p: &Payload, values: &[T]) -> Result<()> {
+        let (k, experts) = (p.top_k(), self.num_experts);
+        let row = self.num_layers * k;
+        if row == 0 {
+            self.rows += p.num_tokens() as u64;
+            return Ok(());
+        }
+        // Counted into 32-bit cells (half the cache traffic of 64), folded into the total after
+        // each chunk; a chunk adds at most CHUNK * k to one cell, far below 2^32.
+        const CHUNK: usize = 1 << 20;
+        let mut local = vec![0u32; self.counts.len()];
+        let mut added = self.counts.clone();
+        let (mut rows, mut missing) = (0u64, 0u64);
+        for (c, chunk) in values.chunks(CHUNK * row).enumerate() {
+            for (t, token) in chunk.chunks_exact(row).enumerate() {
+                if is_missing(token) {
+                    missing += 1;
+                    continue;
+                }
+                rows += 1;
+                for (l, group) in token.chunks_exact(k).enumerate() {
+                    let cells = &mut local[l * experts..(l + 1) * experts];
+                    for &v in group {
+                        let id: i64 = v.into();
+                        match usize::try_from(id).ok().filter(|&i| i < experts) {
+                            Some(i) => cells[i] += 1,
+                            None => {
+                                let pos = p.start() + (c * CHUNK + t) as u64;
+                                return Err(Error::payload(format!(
+                                    "expected expert ids in 0..{experts}, got {id} at position \
+                                     {pos}, layer {l}"
+                                )));
+                            }
+                        }
+                    }
+                }
+            }
+            for (total, cell) in added.iter_mut().zip(local.iter_mut()) {
+                *total += u64::from(std::mem::take(cell));
+            }
+        }
+        self.counts = added;
+        self.rows += rows;
+        self.missing_rows += missing;
+        Ok(())
+    }
+
+    /// Layers of the table.
+    pub fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+
+    /// Experts of the table.
+    pub fn num_experts(&self) -> usize {
+        self.num_experts
+    }
+
+    /// The counts, row-major `(num_layers, num_experts)`.
+    pub fn counts(&self) -> &[u64] {
+        &self.counts
+    }
+
+    /// The table, row-major `(num_layers, num_experts)`.
+    pub fn into_counts(self) -> Vec<u64> {
+        self.counts
+    }
+
+    /// Token rows counted.
+    pub fn rows(&self) -> u64 {
+        self.rows
+    }
+
+    /// Token rows skipped because they were marked missing.
+    pub fn missing_rows(&self) -> u64 {
+        self.missing_rows
+    }
+
+    fn layer(&self, l: usize) -> &[u64] {
+        &self.counts[l * self.num_experts..(l + 1) * self.num_experts]
+    }
+
+    fn mean(&self, l: usize) -> f64 {
+        self.layer(l).iter().sum::<u64>() as f64 / self.num_experts as f64
+    }
+
+    /// Per layer: the busiest expert's count over the mean count (1.0 is perfectly even; NaN
+    /// for a layer that counted nothing).
+    pub fn imbalance(&self) -> Vec<f64> {
+        (0..self.num_layers)
+            .map(|l| *self.layer(l).iter().max().unwrap_or(&0) as f64 / self.mean(l))
+            .collect()
+    }
+
+    /// Per layer: the coefficient of variation of the counts (population standard deviation
+    /// over the mean; 0.0 is perfectly even, NaN for a layer that counted nothing).
+    pub fn coefficient_of_variation(&self) -> Vec<f64> {
+        (0..self.num_layers)
+            .map(|l| {
+                let mean = self.mean(l);
+                let var = self
+                    .layer(l)
+                    .iter()
+                    .map(|&c| (c as f64 - mean).powi(2))
+                    .sum::<f64>()
+                    / self.num_experts as f64;
+                var.sqrt() / mean
+            })
+            .collect()
+    }
+
+    /// Per layer: how many experts were never chosen.
+    pub fn never_chosen_per_layer(&self) -> Vec<u64> {
+        (0..self.num_layers)
+            .map(|l| self.layer(l).iter().filter(|&&c| c == 0).count() as u64)
+            .collect()
+    }
+
+    /// The experts no layer ever chose, ascending.
+    pub fn never_chosen(&self) -> Vec<u64> {
+        (0..self.num_experts)
+            .filter(|&e| (0..self.num_layers).all(|l| self.counts[l * self.num_experts + e] == 0))
+            .map(|e| e as u64)
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DTypeChoice, Shape};
+
+    fn payload(values: &[i64], shape: (usize, usize, usize)) -> Payload {
+        let shape = Shape::new(shape.0, shape.1, shape.2);
+        Payload::from_values(values, shape, 0, DTypeChoice::Compact).unwrap()
+    }
+
+    #[test]
+    fn counts_by_hand_and_the_figures_derived() {
+        // 2 layers, 4 experts, top_k 2, 3 tokens; the middle token is missing.
+        let p = payload(&[0, 1, 2, 3, -1, -1, -1, -1, 0, 2, 2, 3], (3, 2, 2));
+        let mut load = ExpertLoad::new(2, 4, 1 << 20).unwrap();
+        load.add(&p).unwrap();
+        assert_eq!(load.counts(), &[2, 1, 1, 0, 0, 0, 2, 2]);
+        assert_eq!((load.rows(), load.missing_rows()), (2, 1));
+        assert_eq!(load.imbalance(), vec![2.0, 2.0]);
+        let cv = load.coefficient_of_variation();
+        assert!((cv[0] - (0.5f64).sqrt()).abs() < 1e-12 && (cv[1] - 1.0).abs() < 1e-12);
+        assert_eq!(load.never_chosen_per_layer(), vec![1, 2]);
+        assert_eq!(load.never_chosen(), Vec::<u64>::new());
+        load.add(&p).unwrap();
+        assert_eq!(load.counts()[0], 4);
+    }
+
+    #[test]
+    fn bad_ids_and_tables_are_refused_and_nothing_is_counted() {
+        let mut load = ExpertLoad::new(1, 4, 1 << 20).unwrap();
+        let e = load
+            .add(&payload(&[0, 1, 3, 4], (2, 1, 2)))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("got 4 at position 1, layer 0"), "{e}");
+        let e = load
+            .add(&payload(&[0, -2], (1, 1, 2)))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("got -2"), "{e}");
+        assert_eq!((load.counts(), load.rows()), (&[0, 0, 0, 0][..], 0));
+        assert!(load.add(&payload(&[0, 1], (1, 2, 1))).is_err());
+        assert!(ExpertLoad::new(1, 0, 1 << 20).is_err());
+        assert!(ExpertLoad::new(94, usize::MAX / 2, usize::MAX).is_err());
+        assert!(ExpertLoad::new(94, 1 << 20, 1 << 20).is_err());
+    }
+}
