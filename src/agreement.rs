@@ -248,13 +248,12 @@ impl GroupCompare for PairwiseSet {
         }
         negative(ga, "a")?;
         negative(gb, "b")?;
-        let sorted = |g: &[_]| {
-            let mut v: Vec<i64> = g.iter().map(|&x: &_| x).collect();
+        fn sorted<T: Element>(g: &[T]) -> Vec<i64> {
+            let mut v: Vec<i64> = g.iter().map(|&x| x.into()).collect();
             v.sort_unstable();
             v
-        };
-        let a = sorted(&ga.iter().map(|&v| v.into()).collect::<Vec<i64>>());
-        let b = sorted(&gb.iter().map(|&v| v.into()).collect::<Vec<i64>>());
+        }
+        let (a, b) = (sorted(ga), sorted(gb));
         let (mut i, mut j, mut common) = (0, 0, 0u32);
         while i < a.len() && j < b.len() {
             match a[i].cmp(&b[j]) {

@@ -45,6 +45,24 @@ def test_to_torch_is_writable_int32_and_independent(monkeypatch: pytest.MonkeyPa
     assert str(p.to_torch(torch.int64).dtype) in ("torch.int64", "int64")
 
 
+def test_to_torch_gives_an_index_dtype_for_uint16_and_refuses_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Kimi K2's 384 experts need uint16; torch has no max/arange for uint16 tensors, and reads
+    # uint8 index tensors as masks: to_torch gives int32 (or int64), nothing else.
+    real = pytest.importorskip("torch") if "torch" in sys.modules else None
+    if real is None:
+        monkeypatch.setitem(sys.modules, "torch", FakeTorch())
+    p = sample([[[383, 7]], [[0, 300]]], dtype="uint16")
+    t = p.to_torch()
+    assert str(t.dtype) in ("torch.int32", "int32")
+    assert t.tolist() == [[[383, 7]], [[0, 300]]]
+    for bad in ("uint16", "uint8", "int16", "torch.uint16"):
+        want = f"`dtype`: expected torch.int32 or torch.int64 .*, got {bad.split('.')[-1]}$"
+        with pytest.raises(rx.PayloadError, match=want):
+            p.to_torch(bad)
+
+
 def test_to_torch_without_torch_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch", None)  # makes `import torch` fail
     with pytest.raises(ImportError, match="needs PyTorch: pip install torch$"):
@@ -126,4 +144,6 @@ def test_validate_names_the_first_offending_position_and_layer() -> None:
         "first_duplicate": (1, 0, 0),
         "zero_rows": 1,
         "first_zero_row": 1,
+        "missing_rows": 0,
+        "first_missing_row": None,
     }

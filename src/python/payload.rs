@@ -240,8 +240,11 @@ impl RoutedExperts {
         Ok(d)
     }
 
-    /// A torch tensor the trainer may write to (its own memory, never a read-only view),
-    /// `torch.int32` unless `dtype` says otherwise. Needs the `torch` extra.
+    /// A torch tensor the trainer may write to (its own memory, never a read-only view), of
+    /// `torch.int32` (default) or `torch.int64`, the dtypes torch indexes with, whatever the
+    /// payload's dtype: a uint16 payload (Kimi K2) becomes int32. Other dtypes are refused:
+    /// torch has no `max` or `arange` for uint16 and reads uint8 index tensors as masks.
+    /// Needs PyTorch.
     #[pyo3(signature = (dtype = None))]
     fn to_torch<'py>(
         slf: &Bound<'py, Self>,
@@ -256,7 +259,17 @@ impl RoutedExperts {
             // torch dtypes print as "torch.int32": the part after the dot is numpy's name.
             Some(d) => {
                 let name = d.str()?.to_cow()?.trim_start_matches("torch.").to_owned();
-                DType::parse(&name)?
+                match DType::parse(&name)? {
+                    t @ (DType::I32 | DType::I64) => t,
+                    other => {
+                        return Err(crate::Error::field(
+                            "dtype",
+                            "torch.int32 or torch.int64 (the dtypes torch indexes with)",
+                            other,
+                        )
+                        .into())
+                    }
+                }
             }
         };
         let arr = new_numpy(py, &slf.get().inner, target)?;
