@@ -154,21 +154,30 @@ fn count<A: Element, B: Element>(
     start: u64,
     out: &mut Agreement,
 ) -> Result<()> {
+    let layers = out.num_layers;
     // Masks wide enough for every id the dtypes can hold, or for the models in use (384
     // experts); ids past that take the general path, which compares values pairwise.
     let counted = if A::DTYPE.max() < 256 && B::DTYPE.max() < 256 {
-        count_with::<A, B, MaskSet<4>>(va, vb, k, out)
+        count_parts::<A, B, MaskSet<4>>(va, vb, k, layers)
     } else {
-        count_with::<A, B, MaskSet<8>>(va, vb, k, out)
+        count_parts::<A, B, MaskSet<8>>(va, vb, k, layers)
     };
     let counted = match counted {
-        Err(Refused::Wide) => count_with::<A, B, PairwiseSet>(va, vb, k, out),
+        Err(Refused::Wide) => count_parts::<A, B, PairwiseSet>(va, vb, k, layers),
         other => other,
     };
     match counted {
-        Ok(()) => Ok(()),
+        Ok(c) => {
+            out.exact_per_layer = c.exact;
+            out.overlap_per_layer = c.overlap;
+            out.compared_rows = c.compared;
+            out.excluded_rows = c.excluded;
+            out.tokens_with_difference = c.differing_tokens;
+            out.differing_routers = c.differing;
+            Ok(())
+        }
         Err(Refused::Negative(side, at, v)) => {
-            let row = out.num_layers * k;
+            let row = layers * k;
             let (pos, layer) = (start + (at / row) as u64, at % row / k);
             Err(Error::payload(format!(
                 "expected non-negative ids (or a row of -1 for a missing route) in {side}, \
@@ -179,6 +188,59 @@ fn count<A: Element, B: Element>(
     }
 }
 
+/// The counts of a run of rows (see [`Agreement`]); runs add up.
+struct Counts {
+    exact: Vec<u64>,
+    overlap: Vec<u64>,
+    compared: u64,
+    excluded: u64,
+    differing_tokens: u64,
+    differing: u64,
+}
+
+impl Counts {
+    fn add(&mut self, other: Counts) {
+        for (a, b) in self.exact.iter_mut().zip(other.exact) {
+            *a += b;
+        }
+        for (a, b) in self.overlap.iter_mut().zip(other.overlap) {
+            *a += b;
+        }
+        self.compared += other.compared;
+        self.excluded += other.excluded;
+        self.differing_tokens += other.differing_tokens;
+        self.differing += other.differing;
+    }
+}
+
+/// The rows counted in parts on the machine's cores and added up; the first refusal in
+/// position order wins.
+fn count_parts<A: Element, B: Element, C: GroupCompare>(
+    va: &[A],
+    vb: &[B],
+    k: usize,
+    layers: usize,
+) -> std::result::Result<Counts, Refused> {
+    let row = layers * k;
+    let bytes = std::mem::size_of_val(va) + std::mem::size_of_val(vb);
+    let parts = crate::parallel::over_rows(va.len() / row, bytes, |r| {
+        let (from, to) = (r.start * row, r.end * row);
+        count_with::<A, B, C>(&va[from..to], &vb[from..to], k, layers).map_err(|e| match e {
+            Refused::Negative(side, at, v) => Refused::Negative(side, from + at, v),
+            wide => wide,
+        })
+    });
+    let mut total: Option<Counts> = None;
+    for part in parts {
+        let part = part?;
+        match total.as_mut() {
+            Some(t) => t.add(part),
+            None => total = Some(part),
+        }
+    }
+    Ok(total.expect("over_rows returns at least one part"))
+}
+
 /// How one router's two expert groups are compared: `(|A ∩ B|, A == B)` as multisets.
 trait GroupCompare {
     fn compare<A: Element, B: Element>(
@@ -187,28 +249,10 @@ trait GroupCompare {
     ) -> std::result::Result<(u32, bool), Refused>;
 }
 
-/// Sets as bit masks of `64 * W` ids: a few instructions per id and per word. A group with a
-/// repeated id (fewer bits than ids) goes to the pairwise path, which counts multiplicity.
+/// Sets as bit masks of `64 * W` ids: a few instructions per id, no popcount (which
+/// baseline x86-64 lacks). A group with a repeated id goes to the pairwise path, which counts
+/// multiplicity.
 struct MaskSet<const W: usize>;
-
-impl<const W: usize> MaskSet<W> {
-    #[inline(always)]
-    fn mask<T: Element>(group: &[T], side: &'static str) -> std::result::Result<[u64; W], Refused> {
-        let mut m = [0u64; W];
-        for (i, &v) in group.iter().enumerate() {
-            let v: i64 = v.into();
-            if v < 0 {
-                return Err(Refused::Negative(side, i, v));
-            }
-            let word = (v >> 6) as usize;
-            if word >= W {
-                return Err(Refused::Wide);
-            }
-            m[word] |= 1 << (v & 63);
-        }
-        Ok(m)
-    }
-}
 
 impl<const W: usize> GroupCompare for MaskSet<W> {
     #[inline(always)]
@@ -216,18 +260,43 @@ impl<const W: usize> GroupCompare for MaskSet<W> {
         ga: &[A],
         gb: &[B],
     ) -> std::result::Result<(u32, bool), Refused> {
-        let (ma, mb) = (Self::mask(ga, "a")?, Self::mask(gb, "b")?);
-        let (mut common, mut bits_a, mut bits_b) = (0, 0, 0);
-        let mut equal = true;
-        for w in 0..W {
-            common += (ma[w] & mb[w]).count_ones();
-            bits_a += ma[w].count_ones();
-            bits_b += mb[w].count_ones();
-            equal &= ma[w] == mb[w];
+        #[inline(always)]
+        fn bit<T: Element>(
+            v: T,
+            i: usize,
+            side: &'static str,
+            words: usize,
+        ) -> std::result::Result<(usize, u64), Refused> {
+            let v: i64 = v.into();
+            if v < 0 {
+                return Err(Refused::Negative(side, i, v));
+            }
+            let word = (v >> 6) as usize;
+            if word >= words {
+                return Err(Refused::Wide);
+            }
+            Ok((word, 1 << (v & 63)))
         }
-        if bits_a as usize != ga.len() || bits_b as usize != gb.len() {
+        let mut ma = [0u64; W];
+        let mut repeated = false;
+        for (i, &v) in ga.iter().enumerate() {
+            let (w, b) = bit(v, i, "a", W)?;
+            repeated |= ma[w] & b != 0;
+            ma[w] |= b;
+        }
+        let mut mb = [0u64; W];
+        let mut common = 0u32;
+        for (i, &v) in gb.iter().enumerate() {
+            let (w, b) = bit(v, i, "b", W)?;
+            repeated |= mb[w] & b != 0;
+            mb[w] |= b;
+            common += u32::from(ma[w] & b != 0);
+        }
+        if repeated {
             return PairwiseSet::compare(ga, gb);
         }
+        // No id repeats on either side: the sets have ga.len() and gb.len() members.
+        let equal = common as usize == ga.len() && ga.len() == gb.len();
         Ok((common, equal))
     }
 }
@@ -270,24 +339,59 @@ impl GroupCompare for PairwiseSet {
     }
 }
 
+/// Byte equality, with the group sizes of real models (top_k 8 of uint8 or uint16) as one
+/// register compare instead of a call to memcmp.
+#[inline(always)]
+fn bytes_equal(x: &[u8], y: &[u8]) -> bool {
+    if let (Ok(a), Ok(b)) = (<[u8; 8]>::try_from(x), <[u8; 8]>::try_from(y)) {
+        return u64::from_ne_bytes(a) == u64::from_ne_bytes(b);
+    }
+    if let (Ok(a), Ok(b)) = (<[u8; 16]>::try_from(x), <[u8; 16]>::try_from(y)) {
+        return u128::from_ne_bytes(a) == u128::from_ne_bytes(b);
+    }
+    x == y
+}
+
 fn count_with<A: Element, B: Element, C: GroupCompare>(
     va: &[A],
     vb: &[B],
     k: usize,
-    out: &mut Agreement,
-) -> std::result::Result<(), Refused> {
-    let layers = out.num_layers;
+    layers: usize,
+) -> std::result::Result<Counts, Refused> {
     let row = layers * k;
     let mut exact = vec![0u64; layers];
     let mut overlap = vec![0u64; layers];
     let (mut compared, mut excluded, mut differing_tokens, mut differing) = (0, 0, 0, 0);
+    // Equal bytes are equal routing (most routers agree when replay works): one compare, no
+    // set arithmetic. Only when both sides share a dtype, and for signed dtypes only when no id
+    // is negative (the general path refuses those).
+    let same = A::DTYPE == B::DTYPE;
+    let signed = A::DTYPE.min() < 0;
+    let identical = |x: &[A], y: &[B]| {
+        same && bytes_equal(bytemuck::cast_slice(x), bytemuck::cast_slice(y))
+            && (!signed || x.iter().all(|&v| v.into() >= 0))
+    };
+    // Whole token rows are compared only while they keep being equal (two runs of one engine):
+    // once rows differ somewhere, the per-router compare alone is cheaper.
+    let mut rows_equal = true;
     for (t, (ra, rb)) in va.chunks_exact(row).zip(vb.chunks_exact(row)).enumerate() {
         if is_missing(ra) || is_missing(rb) {
             excluded += 1;
             continue;
         }
+        compared += 1;
+        if rows_equal && identical(ra, rb) {
+            exact.iter_mut().for_each(|e| *e += 1);
+            overlap.iter_mut().for_each(|o| *o += k as u64);
+            continue;
+        }
         let mut differ = 0u64;
         for (l, (ga, gb)) in ra.chunks_exact(k).zip(rb.chunks_exact(k)).enumerate() {
+            if identical(ga, gb) {
+                exact[l] += 1;
+                overlap[l] += k as u64;
+                continue;
+            }
             let (common, equal) = C::compare(ga, gb).map_err(|e| match e {
                 Refused::Negative(side, i, v) => Refused::Negative(side, t * row + l * k + i, v),
                 wide => wide,
@@ -296,17 +400,18 @@ fn count_with<A: Element, B: Element, C: GroupCompare>(
             exact[l] += u64::from(equal);
             differ += u64::from(!equal);
         }
-        compared += 1;
+        rows_equal = differ == 0;
         differing += differ;
         differing_tokens += u64::from(differ > 0);
     }
-    out.exact_per_layer = exact;
-    out.overlap_per_layer = overlap;
-    out.compared_rows = compared;
-    out.excluded_rows = excluded;
-    out.tokens_with_difference = differing_tokens;
-    out.differing_routers = differing;
-    Ok(())
+    Ok(Counts {
+        exact,
+        overlap,
+        compared,
+        excluded,
+        differing_tokens,
+        differing,
+    })
 }
 
 #[cfg(test)]

@@ -150,7 +150,9 @@ impl std::fmt::Display for DType {
 }
 
 /// An element type a payload can be viewed as.
-pub trait Element: bytemuck::Pod + Copy + Into<i64> + TryFrom<i64> + Send + Sync + 'static {
+pub trait Element:
+    bytemuck::Pod + Copy + Ord + Into<i64> + TryFrom<i64> + Send + Sync + 'static
+{
     /// The dtype of this element type.
     const DTYPE: DType;
 }

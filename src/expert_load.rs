@@ -68,43 +68,45 @@ impl ExpertLoad {
             self.rows += p.num_tokens() as u64;
             return Ok(());
         }
-        // Counted into 32-bit cells (half the cache traffic of 64), folded into the total after
-        // each chunk; a chunk adds at most CHUNK * k to one cell, far below 2^32.
-        const CHUNK: usize = 1 << 20;
-        let mut local = vec![0u32; self.counts.len()];
-        let mut added = self.counts.clone();
-        let (mut rows, mut missing) = (0u64, 0u64);
-        for (c, chunk) in values.chunks(CHUNK * row).enumerate() {
-            for (t, token) in chunk.chunks_exact(row).enumerate() {
-                if is_missing(token) {
-                    missing += 1;
-                    continue;
-                }
-                rows += 1;
-                for (l, group) in token.chunks_exact(k).enumerate() {
-                    let cells = &mut local[l * experts..(l + 1) * experts];
-                    for &v in group {
-                        let id: i64 = v.into();
-                        match usize::try_from(id).ok().filter(|&i| i < experts) {
-                            Some(i) => cells[i] += 1,
-                            None => {
-                                let pos = p.start() + (c * CHUNK + t) as u64;
-                                return Err(Error::payload(format!(
-                                    "expected expert ids in 0..{experts}, got {id} at position \
-                                     {pos}, layer {l}"
-                                )));
-                            }
-                        }
+        // Counted in parts on the machine's cores. In each part every id is checked before
+        // anything is counted, so the counting loop has no checks; a refused payload counts
+        // nothing (the parts' tables are added only when every part passed).
+        let cells = self.counts.len();
+        let parts =
+            crate::parallel::over_rows(values.len() / row, std::mem::size_of_val(values), |r| {
+                let part = &values[r.start * row..r.end * row];
+                // Unsigned dtypes have no missing rows: one max, in the element type itself so it
+                // vectorises (in i64 it was a scalar loop, 11 ms on 24.6 MB), decides.
+                let in_range = T::DTYPE.min() == 0
+                    && part.iter().copied().max().map_or(0, Into::into) < experts as i64;
+                if !in_range {
+                    if let Some((t, l, id)) = first_bad_id(part, row, k, experts) {
+                        return Err((r.start + t, l, id));
                     }
                 }
-            }
-            for (total, cell) in added.iter_mut().zip(local.iter_mut()) {
-                *total += u64::from(std::mem::take(cell));
+                let mut table = vec![0u64; cells];
+                let (rows, missing) = count(part, row, k, &mut table, experts);
+                Ok((table, rows, missing))
+            });
+        let mut counted = Vec::with_capacity(parts.len());
+        for part in parts {
+            match part {
+                Ok(c) => counted.push(c),
+                Err((t, l, id)) => {
+                    let pos = p.start() + t as u64;
+                    return Err(Error::payload(format!(
+                        "expected expert ids in 0..{experts}, got {id} at position {pos}, layer {l}"
+                    )));
+                }
             }
         }
-        self.counts = added;
-        self.rows += rows;
-        self.missing_rows += missing;
+        for (table, rows, missing) in counted {
+            for (total, c) in self.counts.iter_mut().zip(table) {
+                *total += c;
+            }
+            self.rows += rows;
+            self.missing_rows += missing;
+        }
         Ok(())
     }
 
@@ -185,6 +187,61 @@ impl ExpertLoad {
             .map(|e| e as u64)
             .collect()
     }
+}
+
+/// Count every row of `values` not marked missing (ids in 0..experts) into `total`: the rows
+/// counted and the rows missing.
+fn count<T: Element>(
+    values: &[T],
+    row: usize,
+    k: usize,
+    total: &mut [u64],
+    experts: usize,
+) -> (u64, u64) {
+    // 16-bit cells: the table of a model (94 layers x 128 experts: 24 KB) stays in L1 where
+    // 32-bit cells would not (measured 1.4x faster). Folded into the total after each chunk of
+    // tokens, which adds at most `chunk * k` to one cell: within u16.
+    let chunk = (usize::from(u16::MAX) / k).max(1);
+    let mut local = vec![0u16; total.len()];
+    let (mut rows, mut missing) = (0u64, 0u64);
+    for part in values.chunks(chunk * row) {
+        for token in part.chunks_exact(row) {
+            if is_missing(token) {
+                missing += 1;
+                continue;
+            }
+            rows += 1;
+            for (group, counts) in token.chunks_exact(k).zip(local.chunks_exact_mut(experts)) {
+                for &v in group {
+                    let id: i64 = v.into();
+                    counts[id as usize] += 1; // in 0..experts: checked by the caller
+                }
+            }
+        }
+        for (t, c) in total.iter_mut().zip(local.iter_mut()) {
+            *t += u64::from(std::mem::take(c));
+        }
+    }
+    (rows, missing)
+}
+
+/// The first id outside `0..experts` in a row not marked missing: (token, layer, id).
+fn first_bad_id<T: Element>(
+    values: &[T],
+    row: usize,
+    k: usize,
+    experts: usize,
+) -> Option<(usize, usize, i64)> {
+    values
+        .chunks_exact(row)
+        .enumerate()
+        .filter(|(_, token)| !is_missing(token))
+        .find_map(|(t, token)| {
+            let i = token
+                .iter()
+                .position(|&v| (v.into() as u64) >= experts as u64)?;
+            Some((t, i / k, token[i].into()))
+        })
 }
 
 #[cfg(test)]

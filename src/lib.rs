@@ -85,6 +85,7 @@ pub mod merge;
 pub mod npy;
 /// Packing samples into one batch for the trainer (format.md §6).
 pub mod pack;
+mod parallel;
 mod payload;
 /// Routing inside whole response bodies: finding it, and merging bodies (format.md §3.2, §4).
 pub mod response;

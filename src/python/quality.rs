@@ -189,7 +189,7 @@ impl ExpertLoad {
         let (l, e) = (self.inner.num_layers(), self.inner.num_experts());
         // Counts are bounded by the ids counted (at most the size limit): they fit int64.
         let flat: Vec<i64> = self.inner.counts().iter().map(|&c| c as i64).collect();
-        Ok(flat.into_pyarray(py).reshape([l, e])?)
+        flat.into_pyarray(py).reshape([l, e])
     }
 
     /// Per layer: the busiest expert's count over the mean (1.0 is perfectly even).
