@@ -40,5 +40,6 @@ replay_targets!(
     response,
     merge_response,
     npy_header,
-    trajectory
+    trajectory,
+    quality
 );

@@ -290,3 +290,153 @@ fn check_model(t: &Trajectory, model: Option<&Model>, width: usize) {
         assert!(merge::merge(&head, &tail).unwrap().same_routing(p));
     }
 }
+
+/// Two routings and a num_experts decoded from the bytes: `agreement` and `ExpertLoad` checked
+/// against plain reference computations (multisets by sorting, counts by position), including
+/// which inputs they refuse.
+pub fn quality(data: &[u8]) {
+    let &[geometry, starts, sizes, mode, experts, ref values @ ..] = data else {
+        return;
+    };
+    let (layers_a, top_k) = (usize::from(geometry & 3), usize::from((geometry >> 2) & 3));
+    // Usually the same layers on both sides; sometimes not, which must be refused.
+    let layers_b = if geometry & 0x10 != 0 {
+        usize::from((geometry >> 5) & 3)
+    } else {
+        layers_a
+    };
+    let (start_a, start_b) = (u64::from(starts & 15), u64::from(starts >> 4));
+    let (tokens_a, tokens_b) = (usize::from(sizes & 15), usize::from(sizes >> 4));
+    // Values: byte - 2 (so -1 sentinels and other negatives occur), times 300 or 40000 for ids
+    // past uint8 and past the agreement's bit masks.
+    let scale = [1i64, 1, 300, 40_000][usize::from(mode & 3)];
+    let mut bytes = values
+        .iter()
+        .map(|&v| (i64::from(v) - 2) * if v < 2 { 1 } else { scale });
+    let mut take = |n: usize| -> Option<Vec<i64>> { (0..n).map(|_| bytes.next()).collect() };
+    let (Some(va), Some(vb)) = (
+        take(tokens_a * layers_a * top_k),
+        take(tokens_b * layers_b * top_k),
+    ) else {
+        return;
+    };
+    let choice = if mode & 4 != 0 {
+        DTypeChoice::Exact(DType::I64)
+    } else {
+        DTypeChoice::Compact
+    };
+    let a = Payload::from_values(&va, Shape::new(tokens_a, layers_a, top_k), start_a, choice);
+    let b = Payload::from_values(&vb, Shape::new(tokens_b, layers_b, top_k), start_b, choice);
+    let (Ok(a), Ok(b)) = (a, b) else {
+        return;
+    };
+    check_agreement(&a, &va, &b, &vb);
+    // num_experts: small (ids past it are refused), or huge (the table bound is refused).
+    let num_experts = if mode & 8 != 0 {
+        usize::MAX >> (experts % 8)
+    } else {
+        usize::from(experts)
+    };
+    check_expert_load(&[(&a, &va), (&b, &vb)], num_experts);
+}
+
+fn missing(row: &[i64]) -> bool {
+    !row.is_empty() && row.iter().all(|&v| v == -1)
+}
+
+fn check_agreement(a: &Payload, va: &[i64], b: &Payload, vb: &[i64]) {
+    let got = routed_experts::agreement(a, b);
+    let (layers, k) = (a.num_layers(), a.top_k());
+    let (start, stop) = (a.start().max(b.start()), a.stop().min(b.stop()));
+    if layers != b.num_layers() || k != b.top_k() || layers == 0 || k == 0 || start >= stop {
+        assert!(
+            got.is_err(),
+            "shapes or positions that cannot be compared: {got:?}"
+        );
+        return;
+    }
+    let row = layers * k;
+    let (mut exact, mut overlap) = (vec![0u64; layers], vec![0u64; layers]);
+    let (mut compared, mut excluded, mut negative) = (0, 0, false);
+    for pos in start..stop {
+        let ra = &va[(pos - a.start()) as usize * row..][..row];
+        let rb = &vb[(pos - b.start()) as usize * row..][..row];
+        if missing(ra) || missing(rb) {
+            excluded += 1;
+            continue;
+        }
+        compared += 1;
+        negative |= ra.iter().chain(rb).any(|&v| v < 0);
+        for l in 0..layers {
+            let (mut x, mut y) = (ra[l * k..][..k].to_vec(), rb[l * k..][..k].to_vec());
+            x.sort_unstable();
+            y.sort_unstable();
+            exact[l] += u64::from(x == y);
+            for v in x {
+                if let Some(i) = y.iter().position(|&w| w == v) {
+                    y.remove(i);
+                    overlap[l] += 1;
+                }
+            }
+        }
+    }
+    if negative {
+        assert!(
+            got.is_err(),
+            "a negative id outside a missing row is refused"
+        );
+        return;
+    }
+    let got = got.expect("comparable routings");
+    assert_eq!((got.compared_rows, got.excluded_rows), (compared, excluded));
+    assert_eq!(
+        (&got.exact_per_layer, &got.overlap_per_layer),
+        (&exact, &overlap)
+    );
+}
+
+fn check_expert_load(routings: &[(&Payload, &Vec<i64>)], num_experts: usize) {
+    let layers = routings[0].0.num_layers();
+    let load = routed_experts::ExpertLoad::new(layers, num_experts, LIMIT);
+    let table_fits = num_experts > 0
+        && layers > 0
+        && layers
+            .checked_mul(num_experts)
+            .and_then(|c| c.checked_mul(8))
+            .is_some_and(|b| b <= LIMIT);
+    let Ok(mut load) = load else {
+        assert!(!table_fits, "a table within the limit is made");
+        return;
+    };
+    assert!(table_fits);
+    let mut want = vec![0u64; layers * num_experts];
+    for (p, values) in routings {
+        let before = load.counts().to_vec();
+        let got = load.add(p);
+        let row = p.num_layers() * p.top_k();
+        let bad = p.num_layers() != layers
+            || (row > 0
+                && values.chunks_exact(row).any(|r| {
+                    !missing(r) && r.iter().any(|&v| v < 0 || v as u64 >= num_experts as u64)
+                }));
+        if bad {
+            assert!(got.is_err(), "bad ids or layers are refused");
+            assert_eq!(
+                load.counts(),
+                &before[..],
+                "a refused payload counts nothing"
+            );
+            continue;
+        }
+        got.expect("ids in range");
+        for r in values
+            .chunks_exact(row.max(1))
+            .filter(|r| row > 0 && !missing(r))
+        {
+            for (i, &v) in r.iter().enumerate() {
+                want[(i / p.top_k()) * num_experts + v as usize] += 1;
+            }
+        }
+        assert_eq!(load.counts(), &want[..]);
+    }
+}

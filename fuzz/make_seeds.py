@@ -63,3 +63,11 @@ put("response", ('\x00{' + kv + ',"choices":[{"index":0,"routed_experts":'
 put("response", ('\x00{' + kv + ',"choices":[],' + kv + '}').encode())
 put("trajectory", bytes([0, 0, 0, 3, 1, 2, 3, 0, 2, 3, 9, 9, 9, 3, 0, 6, 1]))
 put("trajectory", bytes([3, 0x80, 0, 2, 1, 2, 3, 4, 5, 6, 7, 8, 4, 1, 1, 5, 5, 5, 5, 2, 3, 0]))
+# quality: geometry (layers | top_k << 2), starts (a | b << 4), sizes (a | b << 4), mode, experts,
+# then value bytes (byte - 2: 1 is the -1 sentinel, 0 is -2).
+put("quality", bytes([0x0A, 0x10, 0x33, 0, 16, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
+                      4, 3, 6, 5, 8, 7, 10, 9, 12, 11, 14, 20]))
+put("quality", bytes([0x09, 0x00, 0x22, 2, 200, 1, 1, 4, 5, 3, 4, 1, 1]))  # missing rows, x300
+put("quality", bytes([0x0A, 0x00, 0x11, 3, 9, 3, 3, 4, 4, 3, 4, 4, 3]))  # repeats, past masks
+put("quality", bytes([0x0A, 0x00, 0x11, 8, 2, 3, 4, 5, 6, 3, 4, 5, 6]))  # a huge num_experts
+put("quality", bytes([0x1A, 0x00, 0x11, 4, 9, 3, 4, 0, 6, 3, 4, 5, 6]))  # layers differ

@@ -93,7 +93,7 @@ def cli(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[s
 def test_cli_version_and_help_show_every_default() -> None:
     r = cli("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"routed-experts {rx.__version__}"
-    for command in ("demo", "inspect", "merge", "convert", "bench", "proxy"):
+    for command in ("demo", "inspect", "compare", "plot", "merge", "convert", "bench", "proxy"):
         r = cli(command, "--help")
         assert r.returncode == 0, r.stderr
         options = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("--")]

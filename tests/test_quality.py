@@ -5,6 +5,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
+import re
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -317,3 +324,74 @@ def test_to_training_mask_marks_padded_and_missing_rows() -> None:
     zero, zmask = t.to_training(5, pad="zero", max_missing=2, mask=True)
     assert zmask.tolist() == [True, False, True, False, False]
     assert not isinstance(t.to_training(3), tuple)
+
+
+# --- the command line, through the console script ----------------------------------------------
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("routed-experts") or str(Path(sys.executable).parent / "routed-experts")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def rollout_and_recompute(tmp_path: Path) -> tuple[str, str]:
+    a = np.array([[[1, 2], [3, 4], [5, 6]], [[1, 3], [2, 4], [6, 7]]])
+    b = a.copy()
+    b[1, 2] = [6, 0]  # one router of six differs, sharing one of two experts
+    pa, pb = tmp_path / "rollout.json", tmp_path / "trainer.json"
+    pa.write_bytes(payload(a).to_json())
+    body = {"choices": [{"index": 0, "routed_experts": payload(b).to_dict()}]}
+    pb.write_text(json.dumps(body))  # a response body works as well as a value
+    return str(pa), str(pb)
+
+
+def test_cli_compare_prints_the_agreement_table(rollout_and_recompute: tuple[str, str]) -> None:
+    r = cli("compare", *rollout_and_recompute)
+    assert r.returncode == 0, r.stderr
+    assert "positions compared: [0, 2), 2 rows (0 excluded" in r.stdout
+    assert "exact match:            0.8333" in r.stdout
+    assert "overlap:                0.9167" in r.stdout
+    assert "tokens with difference: 0.5000" in r.stdout
+    assert "differing per token:    0.500 of 3 layers" in r.stdout
+    assert re.search(r"^\s+2\s+0\.5000\s+0\.7500$", r.stdout, re.M), r.stdout
+
+
+def test_cli_inspect_stats_prints_the_load_table(rollout_and_recompute: tuple[str, str]) -> None:
+    r = cli("inspect", rollout_and_recompute[0], "--stats", "--num-experts", "8")
+    assert r.returncode == 0, r.stderr
+    assert "expert load: 2 rows, 3 layers, 8 experts (0 rows marked missing" in r.stdout
+    # layer 0 picks 1, 2, 1, 3 of 8 experts: max 2 over mean 0.5 = 4.
+    assert re.search(r"^\s+0\s+4\.000\s+\S+\s+5$", r.stdout, re.M), r.stdout
+    assert "experts no layer chose: 1 [0]" in r.stdout  # the ids are 1..7 of 0..7
+    bad = cli("inspect", rollout_and_recompute[0], "--stats", "--num-experts", "5")
+    assert bad.returncode == 2
+    assert "PayloadError: expected expert ids in 0..5, got 5 at position 0, layer 2" in bad.stderr
+
+
+def test_cli_plot_draws_load_and_agreement(
+    rollout_and_recompute: tuple[str, str], tmp_path: Path
+) -> None:
+    out = tmp_path / "quality.png"
+    r = cli("plot", *rollout_and_recompute, "-o", str(out), "--num-experts", "8")
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {out}" in r.stdout
+    image = out.read_bytes()
+    assert image[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", image[16:24])
+    one = tmp_path / "load.png"
+    assert cli("plot", rollout_and_recompute[0], "-o", str(one)).returncode == 0
+    w1, h1 = struct.unpack(">II", one.read_bytes()[16:24])
+    assert width == w1 and height > 1.8 * h1  # two panels, one panel
+
+
+def test_cli_plot_without_matplotlib_says_what_to_install(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"  # as if the extra were not installed
+        "from routed_experts.cli import main\n"
+        f"sys.exit(main(['plot', {str(tmp_path / 'x.json')!r}, '-o', 'x.png']))"
+    )
+    (tmp_path / "x.json").write_bytes(payload([[[1, 2]]]).to_json())
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "routed-experts plot needs the plot extra: pip install matplotlib" in r.stderr

@@ -1,4 +1,5 @@
-"""The `routed-experts` command: demo (default), inspect, merge, convert, bench."""
+"""The `routed-experts` command: demo (default), inspect, compare, plot, merge, convert, bench,
+proxy, bench-proxy."""
 
 from __future__ import annotations
 
@@ -97,6 +98,75 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if p.num_tokens:
         arr = p.array
         print(f"values: min {int(arr.min())}, max {int(arr.max())}")
+    if args.stats:
+        print_load(rx.expert_load(p, _num_experts(args, p)))
+    return 0
+
+
+def _num_experts(args: argparse.Namespace, *payloads: RoutedExperts) -> int:
+    """--num-experts, or one more than the largest id (experts never chosen past it are not
+    seen, so give the model's count when it matters)."""
+    if args.num_experts is not None:
+        return int(args.num_experts)
+    return max((int(p.array.max()) + 1 for p in payloads if p.num_tokens), default=1)
+
+
+def print_load(load: rx.ExpertLoad) -> None:
+    """The per-layer load table: imbalance (max over mean), coefficient of variation, and how
+    many experts the layer never chose."""
+    print(
+        f"expert load: {load.rows} rows, {load.num_layers} layers, {load.num_experts} experts"
+        f" ({load.missing_rows} rows marked missing, skipped)"
+    )
+    print(f"{'layer':>5}  {'imbalance':>9}  {'cv':>6}  {'never chosen':>12}")
+    for layer, (imb, cv, never) in enumerate(
+        zip(load.imbalance, load.cv, load.never_chosen_per_layer)
+    ):
+        print(f"{layer:>5}  {imb:>9.3f}  {cv:>6.3f}  {int(never):>12}")
+    worst = int(np.nanargmax(load.imbalance)) if load.rows else 0
+    print(f"worst layer: {worst} (imbalance {load.imbalance[worst]:.3f})")
+    never = load.never_chosen.tolist()
+    print(f"experts no layer chose: {len(never)}" + (f" {never[:20]}" if never else ""))
+
+
+def _routing(path: str, args: argparse.Namespace) -> RoutedExperts:
+    """The routing in a file: a routing value in any format, or one choice of a body."""
+    data = _read_input(path).strip()
+    if _is_response_body(data):
+        found = rx.from_response(data, args.choice, **_hints(args))
+        if found is None:
+            raise RoutedExpertsError(
+                f"{path}: the response body has no routing for choice {args.choice}"
+            )
+        return found
+    return rx.decode(data, **_hints(args))
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    a, b = _routing(args.a, args), _routing(args.b, args)
+    r = rx.agreement(a, b)
+    print(f"positions compared: [{r.start}, {r.stop}), {r.compared_rows} rows "
+          f"({r.excluded_rows} excluded: marked missing on a side)")
+    print(f"exact match:            {r.exact_match:.4f} of routers pick the same expert set")
+    print(f"overlap:                {r.overlap:.4f} of each top-{r.top_k} shared on average")
+    print(f"tokens with difference: {r.tokens_with_difference:.4f} differ in at least one layer")
+    print(f"differing per token:    {r.differing_per_token:.3f} of {r.num_layers} layers")
+    print(f"{'layer':>5}  {'exact match':>11}  {'overlap':>7}")
+    for layer, (exact, overlap) in enumerate(zip(r.exact_match_per_layer, r.overlap_per_layer)):
+        print(f"{layer:>5}  {exact:>11.4f}  {overlap:>7.4f}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    try:
+        from routed_experts.plot import plot_routing
+    except ImportError as e:
+        return _needs_extras("plot", "plot", e)
+    a = _routing(args.file, args)
+    b = _routing(args.other, args) if args.other else None
+    payloads = [a] if b is None else [a, b]
+    plot_routing(a, b, _num_experts(args, *payloads), args.output)
+    print(f"wrote {args.output}")
     return 0
 
 
@@ -113,14 +183,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    data = _read_input(args.file).strip()
-    if _is_response_body(data):
-        found = rx.from_response(data, args.choice, **_hints(args))
-        if found is None:
-            raise RoutedExpertsError(f"the response body has no routing for choice {args.choice}")
-        p = found
-    else:
-        p = rx.decode(data, **_hints(args))
+    p = _routing(args.file, args)
     value = rx.encode(p, args.to)
     text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
     _write_output(args.output, text.encode())
@@ -220,6 +283,14 @@ def _seconds(text: str) -> float:
     return n
 
 
+def _add_num_experts(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--num-experts",
+        type=_count(1),
+        help="the model's experts (default: one more than the largest id seen)",
+    )
+
+
 def _add_hints(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--start", type=_count(0), help="start position, for formats that carry none"
@@ -263,8 +334,32 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument(
         "--choice", type=_count(0), default=0, help="choice index in a response body"
     )
+    inspect.add_argument(
+        "--stats", action="store_true", help="print per-layer expert load and imbalance"
+    )
+    _add_num_experts(inspect)
     _add_hints(inspect)
     inspect.set_defaults(func=cmd_inspect)
+    compare = sub.add_parser(
+        "compare", help="agreement of two routings of the same positions, overall and per layer"
+    )
+    compare.add_argument("a", help="a routing value or response body file (e.g. the rollout's)")
+    compare.add_argument("b", help="the other (e.g. the trainer's recompute)")
+    compare.add_argument("--choice", type=_count(0), default=0, help="choice in response bodies")
+    _add_hints(compare)
+    compare.set_defaults(func=cmd_compare)
+    plot = sub.add_parser(
+        "plot",
+        help="draw expert load (layers x experts) and, given two, agreement per layer "
+        "(needs matplotlib)",
+    )
+    plot.add_argument("file", help="a routing value or response body file")
+    plot.add_argument("other", nargs="?", help="a second routing of the same positions")
+    plot.add_argument("-o", "--output", required=True, help="the PNG (or PDF, SVG) to write")
+    plot.add_argument("--choice", type=_count(0), default=0, help="choice in response bodies")
+    _add_num_experts(plot)
+    _add_hints(plot)
+    plot.set_defaults(func=cmd_plot)
     merge = sub.add_parser(
         "merge", help="merge prefill and decode routing (sidecars or response bodies)"
     )
