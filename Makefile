@@ -18,7 +18,8 @@ WHEEL_DEPS := ziglang auditwheel
 WHEEL_TAG := manylinux2014
 DIST ?= dist
 
-.PHONY: run test test-wheel wheel build-dev lint bench bench-rust bench-python bench-table bench-proxy clean fuzz \
+.PHONY: run test test-wheel wheel build-dev lint bench bench-rust bench-python bench-table bench-proxy \
+	bench-quality clean fuzz \
 	fuzz-build
 
 # Coverage-guided fuzzing (cargo fuzz, libFuzzer, nightly): every target for FUZZ_SECONDS each.
@@ -95,6 +96,11 @@ bench-table: build-dev $(VENV)/.test-deps
 	routed-experts bench --model qwen3-30b-a3b qwen3-235b-a22b kimi-k2 \
 		--tokens 4096 32768 131072 --repeat 5 --json bench.json | tee bench.txt
 	$(PY) benches/plot.py bench.json BENCHMARKS-throughput.png
+
+# Replay quality (agreement, expert_load) beside numpy and memcpy: the table in BENCHMARKS.md.
+bench-quality: build-dev $(VENV)/.test-deps
+	routed-experts bench --quality --model qwen3-235b-a22b kimi-k2 --tokens 4096 32768 131072 \
+		--repeat 7
 
 # The proxy's bounded loopback load and fault benchmark beside a pass-through relay (a few
 # minutes; the table in BENCHMARKS.md). Loopback only; every round is bounded.

@@ -81,3 +81,23 @@ def merge_response(prefill_body: bytes, decode_body: bytes, fast: bool = True) -
 def memcpy(data: bytes) -> bytearray:
     """The floor: one copy of the same bytes."""
     return bytearray(data)
+
+
+def agreement(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
+    """Replay statistics as a user writes them in numpy: sort each top-k row, compare. (Less
+    than `rx.agreement` computes: no overlap, which needs a per-router intersection.)"""
+    same = (np.sort(a, axis=-1) == np.sort(b, axis=-1)).all(axis=-1)  # (tokens, layers)
+    differing = (~same).sum(axis=1)
+    return {
+        "exact_match": float(same.mean()),
+        "exact_match_per_layer": same.mean(axis=0),
+        "tokens_with_difference": float((differing > 0).mean()),
+        "differing_per_token": float(differing.mean()),
+    }
+
+
+def expert_load(a: np.ndarray, num_experts: int) -> np.ndarray:
+    """The (layers, num_experts) count table as a user writes it: np.bincount per layer."""
+    return np.stack(
+        [np.bincount(a[:, layer].ravel(), minlength=num_experts) for layer in range(a.shape[1])]
+    )

@@ -11,6 +11,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, TextIO
 
+import numpy as np
+
 import routed_experts as rx
 from routed_experts import baselines
 from routed_experts.synthetic import MODELS, best_of, synthetic_rollout
@@ -126,6 +128,67 @@ def measure(model: str, tokens: int, repeat: int) -> list[Row]:
     return rows
 
 
+def measure_quality(model: str, tokens: int, repeat: int) -> list[Row]:
+    """agreement and expert_load beside numpy (the `fast` column; there is no stdlib one) and
+    one memcpy of their inputs: a rollout against a recompute in which 10% of the routers
+    picked one other expert."""
+    p = synthetic_rollout(model, tokens)
+    layers, top_k, experts = MODELS[model]
+    a = p.array
+    b = a.copy()
+    rng = np.random.default_rng(1)
+    changed = rng.random(a.shape[:2]) < 0.1
+    rows_changed = b[changed].astype(np.int64)
+    # One expert of each changed router replaced by one the router did not pick: the first of
+    # row[0] + 1, row[0] + 2, ... (mod experts) that is not in the row.
+    pick = np.full(len(rows_changed), -1)
+    for step in range(top_k, 0, -1):
+        candidate = (rows_changed[:, 0] + step) % experts
+        free = ~(rows_changed == candidate[:, None]).any(axis=1)
+        pick = np.where(free, candidate, pick)
+    rows_changed[:, 0] = pick
+    b[changed] = rows_changed.astype(b.dtype)
+    q = rx.RoutedExperts.from_array(b, dtype=p.dtype)
+    both, one = a.tobytes() + b.tobytes(), a.tobytes()
+    return [
+        Row(model, tokens, "agreement", len(both),
+            ours=best_of(lambda: rx.agreement(p, q), repeat),
+            fast=best_of(lambda: baselines.agreement(a, b), max(1, repeat // 3)),
+            stdlib=None, memcpy=best_of(lambda: baselines.memcpy(both), repeat)),
+        Row(model, tokens, "expert_load", len(one),
+            ours=best_of(lambda: rx.expert_load(p, experts), repeat),
+            fast=best_of(lambda: baselines.expert_load(a, experts), max(1, repeat // 3)),
+            stdlib=None, memcpy=best_of(lambda: baselines.memcpy(one), repeat)),
+    ]
+
+
+def quality_table(rows: list[Row]) -> str:
+    head = (
+        "| model | tokens | operation | input MB | routed_experts ms | numpy ms | memcpy ms | "
+        "vs numpy | / memcpy |"
+    )
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        lines.append(
+            f"| {r.model} | {r.tokens} | {r.op} | {r.nbytes / 1e6:.1f} | {_fmt_ms(r.ours)} | "
+            f"{_fmt_ms(r.fast)} | {_fmt_ms(r.memcpy)} | {_ratio(r.fast, r.ours)} | "
+            f"{r.ours / r.memcpy:.1f}x |"
+        )
+    return "\n".join(lines)
+
+
+def run_quality(
+    models: list[str], token_counts: list[int], repeat: int, out: TextIO
+) -> list[Row]:
+    rows: list[Row] = []
+    for model in models:
+        for tokens in token_counts:
+            print(f"measuring replay quality, {model}, {tokens} tokens ...", file=out, flush=True)
+            rows.extend(measure_quality(model, tokens, repeat))
+    print(quality_table(rows), file=out)
+    return rows
+
+
 def thread_scaling(model: str, tokens: int, repeat: int) -> float:
     """Throughput of two threads decoding independent bodies, over one thread's."""
     bodies = [body(synthetic_rollout(model, tokens, seed=s).to_dict()) for s in (1, 2)]
@@ -151,6 +214,8 @@ def thread_scaling(model: str, tokens: int, repeat: int) -> float:
 
 _PEAK_CHILD = """
 import gc, sys
+import numpy as np
+
 import routed_experts as rx
 
 def status(key):

@@ -191,8 +191,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from routed_experts.bench import run
+    from routed_experts.bench import run, run_quality
 
+    if args.quality:
+        run_quality(args.model, args.tokens, args.repeat, sys.stdout)
+        return 0
     try:
         import orjson  # noqa: F401
         import pybase64  # noqa: F401
@@ -395,6 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeat", type=_count(1), default=7, help="runs per measurement (best is kept)"
     )
     bench.add_argument("--json", help="also write the measurements to this JSON file")
+    bench.add_argument(
+        "--quality",
+        action="store_true",
+        help="measure agreement and expert_load beside numpy instead of the codec",
+    )
     bench.set_defaults(func=cmd_bench)
     proxy = sub.add_parser(
         "proxy", help="P/D proxy that merges routed experts (needs the proxy extra)"
