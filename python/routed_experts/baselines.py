@@ -83,6 +83,12 @@ def memcpy(data: bytes) -> bytearray:
     return bytearray(data)
 
 
+def copy_into(dst: bytearray | memoryview, data: bytes) -> None:
+    """One copy of `data` into memory already mapped: the floor for a computation that reads
+    its inputs and allocates little (`memcpy` above also pays for faulting in new pages)."""
+    memoryview(dst)[:] = data
+
+
 def agreement(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
     """Replay statistics as a user writes them in numpy: sort each top-k row, compare. (Less
     than `rx.agreement` computes: no overlap, which needs a per-router intersection.)"""

@@ -130,8 +130,8 @@ def measure(model: str, tokens: int, repeat: int) -> list[Row]:
 
 def measure_quality(model: str, tokens: int, repeat: int) -> list[Row]:
     """agreement and expert_load beside numpy (the `fast` column; there is no stdlib one) and
-    one memcpy of their inputs: a rollout against a recompute in which 10% of the routers
-    picked one other expert."""
+    one copy of their inputs into mapped memory: a rollout against a recompute in which 10% of
+    the routers picked one other expert."""
     p = synthetic_rollout(model, tokens)
     layers, top_k, experts = MODELS[model]
     a = p.array
@@ -150,15 +150,17 @@ def measure_quality(model: str, tokens: int, repeat: int) -> list[Row]:
     b[changed] = rows_changed.astype(b.dtype)
     q = rx.RoutedExperts.from_array(b, dtype=p.dtype)
     both, one = a.tobytes() + b.tobytes(), a.tobytes()
+    dst = bytearray(len(both))
     return [
         Row(model, tokens, "agreement", len(both),
             ours=best_of(lambda: rx.agreement(p, q), repeat),
             fast=best_of(lambda: baselines.agreement(a, b), max(1, repeat // 3)),
-            stdlib=None, memcpy=best_of(lambda: baselines.memcpy(both), repeat)),
+            stdlib=None, memcpy=best_of(lambda: baselines.copy_into(dst, both), repeat)),
         Row(model, tokens, "expert_load", len(one),
             ours=best_of(lambda: rx.expert_load(p, experts), repeat),
             fast=best_of(lambda: baselines.expert_load(a, experts), max(1, repeat // 3)),
-            stdlib=None, memcpy=best_of(lambda: baselines.memcpy(one), repeat)),
+            stdlib=None,
+            memcpy=best_of(lambda: baselines.copy_into(memoryview(dst)[: len(one)], one), repeat)),
     ]
 
 
