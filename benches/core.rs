@@ -114,5 +114,43 @@ fn stitch(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, codec, merge, stitch);
+/// Replay quality on the same rollout: agreement against a copy in which every tenth router
+/// picked one other expert (past the model's 128, so never already in the row), and the load.
+/// The ids are random with repeats (about a fifth of the rows repeat one), which takes the
+/// slower sorting path; `routed-experts bench --quality` measures valid top-k rows.
+fn quality(c: &mut Criterion) {
+    let p = rollout(TOKENS, 94, 8, 128);
+    let mut values: Vec<i64> = (0..p.num_tokens() * 94 * 8)
+        .map(|i| p.value_at(i))
+        .collect();
+    for router in (0..p.num_tokens() * 94).step_by(10) {
+        values[router * 8] = 128 + (router % 100) as i64;
+    }
+    let shape = Shape::new(TOKENS, 94, 8);
+    let q = Payload::from_values(&values, shape, 0, DTypeChoice::Exact(p.dtype())).unwrap();
+    let mut g = c.benchmark_group("qwen3-235b-32k-quality");
+    g.throughput(Throughput::Bytes(2 * p.bytes().len() as u64));
+    g.sample_size(20);
+    g.bench_function("memcpy_both_inputs", |b| {
+        let mut dst = vec![0u8; 2 * p.bytes().len()];
+        b.iter(|| {
+            let (x, y) = dst.split_at_mut(p.bytes().len());
+            x.copy_from_slice(black_box(p.bytes()));
+            y.copy_from_slice(black_box(q.bytes()));
+        })
+    });
+    g.bench_function("agreement", |b| {
+        b.iter(|| routed_experts::agreement(black_box(&p), black_box(&q)).unwrap())
+    });
+    g.bench_function("expert_load", |b| {
+        b.iter(|| {
+            let mut load = routed_experts::ExpertLoad::new(94, 256, LIMIT).unwrap();
+            load.add(black_box(&p)).unwrap();
+            load
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, codec, merge, stitch, quality);
 criterion_main!(benches);
