@@ -165,18 +165,13 @@ def measure_quality(model: str, tokens: int, repeat: int) -> list[Row]:
 
 
 def quality_table(rows: list[Row]) -> str:
-    head = (
-        "| model | tokens | operation | input MB | routed_experts ms | numpy ms | memcpy ms | "
-        "vs numpy | / memcpy |"
-    )
-    lines = [head, "|" + "---|" * 9]
-    for r in rows:
-        lines.append(
-            f"| {r.model} | {r.tokens} | {r.op} | {r.nbytes / 1e6:.1f} | {_fmt_ms(r.ours)} | "
-            f"{_fmt_ms(r.fast)} | {_fmt_ms(r.memcpy)} | {_ratio(r.fast, r.ours)} | "
-            f"{r.ours / r.memcpy:.1f}x |"
-        )
-    return "\n".join(lines)
+    columns = ["model", "tokens", "operation", "input MB", "routed_experts ms", "numpy ms",
+               "memcpy ms", "vs numpy", "/ memcpy"]
+    return _markdown(columns, [
+        [r.model, str(r.tokens), r.op, f"{r.nbytes / 1e6:.1f}", _fmt_ms(r.ours), _fmt_ms(r.fast),
+         _fmt_ms(r.memcpy), _ratio(r.fast, r.ours), f"{r.ours / r.memcpy:.1f}x"]
+        for r in rows
+    ])
 
 
 def run_quality(
@@ -261,20 +256,23 @@ def _ratio(other: float | None, ours: float) -> str:
     return "n/a" if other is None else f"{other / ours:.1f}x"
 
 
-def table(rows: list[Row]) -> str:
-    head = (
-        "| model | tokens | operation | MB | routed_experts ms | GB/s | orjson+pybase64 ms | "
-        "stdlib ms | memcpy ms | vs orjson | vs stdlib | / memcpy |"
-    )
-    lines = [head, "|" + "---|" * 12]
-    for r in rows:
-        lines.append(
-            f"| {r.model} | {r.tokens} | {r.op} | {r.nbytes / 1e6:.1f} | {_fmt_ms(r.ours)} | "
-            f"{r.nbytes / r.ours / 1e9:.2f} | {_fmt_ms(r.fast)} | {_fmt_ms(r.stdlib)} | "
-            f"{_fmt_ms(r.memcpy)} | {_ratio(r.fast, r.ours)} | {_ratio(r.stdlib, r.ours)} | "
-            f"{r.ours / r.memcpy:.1f}x |"
-        )
+def _markdown(columns: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
     return "\n".join(lines)
+
+
+def table(rows: list[Row]) -> str:
+    columns = ["model", "tokens", "operation", "MB", "routed_experts ms", "GB/s",
+               "orjson+pybase64 ms", "stdlib ms", "memcpy ms", "vs orjson", "vs stdlib",
+               "/ memcpy"]
+    return _markdown(columns, [
+        [r.model, str(r.tokens), r.op, f"{r.nbytes / 1e6:.1f}", _fmt_ms(r.ours),
+         f"{r.nbytes / r.ours / 1e9:.2f}", _fmt_ms(r.fast), _fmt_ms(r.stdlib),
+         _fmt_ms(r.memcpy), _ratio(r.fast, r.ours), _ratio(r.stdlib, r.ours),
+         f"{r.ours / r.memcpy:.1f}x"]
+        for r in rows
+    ])
 
 
 def run(
