@@ -59,6 +59,27 @@
 //!
 //! [`Trajectory`] stitches the turns of a multi-turn rollout by position (format.md §5); the modules
 //! below hold the rest (formats, validation, packing for the trainer).
+//!
+//! # Replay quality
+//!
+//! [`agreement`] measures how two routings of the same positions agree (rollout against the
+//! trainer's recompute); [`ExpertLoad`] counts each layer's picks of each expert.
+//!
+//! ```
+//! use routed_experts::{agreement, DTypeChoice, ExpertLoad, Payload, Shape, DEFAULT_MAX_BYTES};
+//!
+//! // 2 tokens, 2 layers, top_k 2. The recompute picked {3, 9} where the rollout had {3, 4}.
+//! let shape = Shape::new(2, 2, 2);
+//! let rollout = Payload::from_values(&[1i64, 2, 3, 4, 5, 6, 7, 8], shape, 0, DTypeChoice::Compact)?;
+//! let trainer = Payload::from_values(&[2i64, 1, 3, 9, 6, 5, 7, 8], shape, 0, DTypeChoice::Compact)?;
+//! let a = agreement(&rollout, &trainer)?;
+//! assert_eq!((a.exact_match(), a.tokens_with_difference()), (0.75, 0.5));
+//!
+//! let mut load = ExpertLoad::new(2, 10, DEFAULT_MAX_BYTES)?;
+//! load.add(&rollout)?;
+//! assert_eq!(&load.counts()[..10], &[0, 1, 1, 0, 0, 1, 1, 0, 0, 0]); // layer 0
+//! # Ok::<(), routed_experts::Error>(())
+//! ```
 
 // `with_element!` instantiates generic code for every dtype; in the int64 arm `.into()` to i64
 // is the identity, which is what the generic code means.
