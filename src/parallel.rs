@@ -32,14 +32,23 @@ pub(crate) fn over_rows<R: Send>(
     std::thread::scope(|s| {
         let f = &f;
         let (first, rest) = ranges.split_first().expect("parts >= 2");
-        let handles: Vec<_> = rest.iter().map(|r| s.spawn(move || f(r.clone()))).collect();
+        // A thread that cannot be started (a process at its thread limit) leaves its part to
+        // this thread: slower, never an error.
+        let handles: Vec<_> = rest
+            .iter()
+            .map(|r| {
+                let spawned = std::thread::Builder::new().spawn_scoped(s, move || f(r.clone()));
+                spawned.map_err(|_| r.clone())
+            })
+            .collect();
         let mut out = vec![f(first.clone())];
-        // A panic in a part is re-raised here, as it would be without threads.
-        out.extend(
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))),
-        );
+        for handle in handles {
+            out.push(match handle {
+                // A panic in a part is re-raised here, as it would be without threads.
+                Ok(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+                Err(range) => f(range),
+            });
+        }
         out
     })
 }
