@@ -269,6 +269,9 @@ def test_bench_proxy_runs_every_part_small(tmp_path: Any) -> None:
     results = json.loads(out.read_text())
     for part in ("load", "stream"):
         assert results[part]["proxy"]["ok"] == 20 and results[part]["passthrough"]["ok"] == 20
+        # vllm-router (tests/requirements.txt installs it) as a column, its routing checked
+        assert results[part]["vllm-router"]["ok"] == 20
+        assert set(results[part]["vs_vllm_router"]) == {"cpu_per_request", "requests_per_s", "p99"}
     assert len(results["memory"]["rounds"]) == 3
     faults = results["faults"]
     assert all(f["wrong_200"] == 0 for f in faults.values())
@@ -276,6 +279,22 @@ def test_bench_proxy_runs_every_part_small(tmp_path: Any) -> None:
     assert faults["one decode hung"]["ok_of_healthy_pct"] == 100.0
     assert faults["decode drops routing"]["ok"] == 0
     assert faults["one prefill down"]["ok"] == faults["one prefill down"]["requests"]
+
+
+def test_bench_proxy_without_vllm_router_says_how_to_add_it(
+    monkeypatch: Any, capsys: Any
+) -> None:
+    from routed_experts.cli import main
+    from routed_experts.proxy import bench
+
+    monkeypatch.setattr(bench, "vllm_router", lambda: None)
+    argv = ["bench-proxy", "--tokens", "16", "--layers", "1", "--top-k", "2", "--requests", "4",
+            "--concurrency", "2", "--only", "load"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "(vllm-router not installed: pip install vllm-router (the bench extra)" in out
+    rows = [ln.split()[0] for ln in out.splitlines() if "req/s" in ln and "wrong 200s" in ln]
+    assert rows == ["passthrough", "proxy"]
 
 
 def test_the_proxy_command_serves_and_logs_one_line_per_request() -> None:

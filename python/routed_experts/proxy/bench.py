@@ -16,17 +16,23 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, cast
+from pathlib import Path
+from typing import Any, Callable, Union, cast
 
 import numpy as np
 
 import routed_experts as rx
+
+# What a 200 must carry: exactly these bytes, or what the check accepts; None: anything.
+Expect = Union[bytes, Callable[[bytes], bool], None]
+_VLLM_ROUTER_HINT = "pip install vllm-router (the bench extra) adds it as a column"
 
 PREFILL_KV = {
     "do_remote_prefill": True,
@@ -135,6 +141,10 @@ class Engine:
         if url == b"/stats":
             stats = {"requests": self.requests, "disconnects": self.disconnects}
             return _http(200, json.dumps(stats).encode())
+        if url == b"/health":  # routers probe it before they serve (vllm-router does)
+            return _http(200, b"{}") if self.fault != "hang" else None
+        if url == b"/metrics":  # vllm-router looks for data-parallel ranks there
+            return _http(404, b"{}")
         self.requests += 1
         if self.fault == "hang":
             return None
@@ -282,6 +292,49 @@ class Child:
             self.proc.stdout.close()
 
 
+class RouterChild(Child):
+    """vllm-router (the Rust router P/D operators run, from PyPI) in front of the engines, as
+    its README starts it; up once its port accepts connections."""
+
+    def __init__(self, prefill: list[Child], decode: list[Child]) -> None:
+        exe = vllm_router()
+        assert exe is not None
+        port, metrics_port = _free_port(), _free_port()
+        cmd = [exe, "--vllm-pd-disaggregation", "--policy", "round_robin", "--host", "127.0.0.1",
+               "--port", str(port), "--prometheus-port", str(metrics_port), "--log-level", "error"]
+        for c in prefill:
+            cmd += ["--prefill", c.url]
+        for c in decode:
+            cmd += ["--decode", c.url]
+        debug = os.environ.get("BENCH_DEBUG")
+        self.proc = subprocess.Popen(
+            cmd, stdout=None if debug else subprocess.DEVNULL,
+            stderr=None if debug else subprocess.DEVNULL, text=True,
+        )
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"vllm-router did not start: {cmd}")
+
+
+def vllm_router() -> str | None:
+    """The vllm-router command beside this Python (the bench extra installs it), or on PATH."""
+    beside = Path(sys.executable).parent / "vllm-router"
+    return str(beside) if beside.exists() else shutil.which("vllm-router")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @contextlib.contextmanager
 def children(*specs: list[str]) -> Iterator[list[Child]]:
     started: list[Child] = []
@@ -344,7 +397,7 @@ class Round:
 async def _load(
     url: str,
     body: bytes,
-    expect: bytes | None,
+    expect: Expect,
     requests: int,
     concurrency: int,
     timeout: float,
@@ -376,7 +429,7 @@ async def _load(
                     status, content = 0, b""  # no answer in time: counted as status 0
                 r.latencies.append(time.perf_counter() - began)
                 r.statuses[status] = r.statuses.get(status, 0) + 1
-                if status == 200 and expect is not None and content != expect:
+                if status == 200 and not _as_expected(expect, content):
                     r.wrong_200 += 1
 
         began = time.perf_counter()
@@ -385,10 +438,18 @@ async def _load(
     return r
 
 
+def _as_expected(expect: Expect, content: bytes) -> bool:
+    if expect is None:
+        return True
+    if isinstance(expect, bytes):
+        return content == expect
+    return expect(content)
+
+
 def _measure(
     target: Child,
     body: bytes,
-    expect: bytes | None,
+    expect: Expect,
     requests: int,
     concurrency: int,
     name: str,
@@ -415,28 +476,55 @@ def _get(url: str) -> tuple[int, Any]:
 
 
 def bench_load(args: argparse.Namespace, bodies: Bodies, stream: bool) -> dict[str, Any]:
-    """The proxy and the pass-through relay on the same engines, one after the other."""
+    """The proxy, the pass-through relay and vllm-router (when installed) on the same engines,
+    one after the other."""
     body = bodies.request
     if stream:
         body = body[:-1] + b',"stream":true}'
-    results = {}
+    decode_routing = rx.from_response(bodies.decode)
+    kinds = ["passthrough", "vllm-router", "proxy"] if vllm_router() else ["passthrough", "proxy"]
+    results: dict[str, Any] = {}
     with children(_engine("prefill", args), _engine("decode", args)) as (p, d):
-        for kind in ("passthrough", "proxy"):
-            expect = (
-                (bodies.merged_stream if stream else bodies.merged)
-                if kind == "proxy"
-                else (bodies.stream if stream else bodies.decode)
-            )
-            with children(_server(kind, [p], [d])) as (server,):
+        for kind in kinds:
+            expect: Expect
+            if kind == "proxy":
+                expect = bodies.merged_stream if stream else bodies.merged
+            elif kind == "passthrough":
+                expect = bodies.stream if stream else bodies.decode
+            elif stream:  # vllm-router relays the stream as it came
+                expect = bodies.stream
+            else:
+                # vllm-router rewrites the JSON (it adds usage.total_tokens) and relays the
+                # decode server's routing, zeroed prompt rows included: that is what is checked.
+                def expect(content: bytes) -> bool:
+                    return rx.from_response(content) == decode_routing
+            with contextlib.ExitStack() as stack:
+                if kind == "vllm-router":
+                    server: Child = RouterChild([p], [d])
+                    stack.callback(server.stop)
+                else:
+                    (server,) = stack.enter_context(children(_server(kind, [p], [d])))
                 # Steady state: one round at full concurrency first, so the heap has grown to
                 # what this load needs (a proxy runs for days; its first minute is not the case).
                 _measure(server, body, None, args.concurrency * 2, args.concurrency, "warm-up")
                 results[kind] = _measure(
                     server, body, expect, args.requests, args.concurrency, kind
                 ).summary()
+    proxy = results["proxy"]
     results["ratio_requests_per_s"] = round(
-        results["proxy"]["requests_per_s"] / max(results["passthrough"]["requests_per_s"], 1e-9), 2
+        proxy["requests_per_s"] / max(results["passthrough"]["requests_per_s"], 1e-9), 2
     )
+    if "vllm-router" in results:
+        router = results["vllm-router"]
+        results["vs_vllm_router"] = {
+            "cpu_per_request": round(
+                proxy["cpu_ms_per_request"] / max(router["cpu_ms_per_request"], 1e-9), 2
+            ),
+            "requests_per_s": round(
+                proxy["requests_per_s"] / max(router["requests_per_s"], 1e-9), 2
+            ),
+            "p99": round(proxy["p99_ms"] / max(router["p99_ms"], 1e-9), 2),
+        }
     return results
 
 
@@ -568,8 +656,12 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _print_load(title: str, r: dict[str, Any]) -> None:
-    print(f"\n{title}: requests/s, proxy CPU per request, latency p50/p99, statuses")
-    for kind in ("passthrough", "proxy"):
+    print(f"\n{title}: requests/s, server CPU per request, latency p50/p99, statuses")
+    if "vllm-router" not in r:
+        print(f"  (vllm-router not installed: {_VLLM_ROUTER_HINT})")
+    for kind in ("passthrough", "vllm-router", "proxy"):
+        if kind not in r:
+            continue
         s = r[kind]
         print(
             f"  {kind:12} {s['requests_per_s']:7.1f} req/s  {s['cpu_ms_per_request']:6.2f} ms CPU"
@@ -577,6 +669,13 @@ def _print_load(title: str, r: dict[str, Any]) -> None:
             f"  wrong 200s: {s['wrong_200']}"
         )
     print(f"  proxy / pass-through requests/s: {r['ratio_requests_per_s']}x", flush=True)
+    if "vs_vllm_router" in r:
+        v = r["vs_vllm_router"]
+        print(
+            f"  proxy / vllm-router: CPU per request {v['cpu_per_request']}x, requests/s "
+            f"{v['requests_per_s']}x, p99 {v['p99']}x",
+            flush=True,
+        )
 
 
 def _print_memory(r: dict[str, Any], concurrency: int) -> None:
