@@ -168,7 +168,7 @@ def test_install_hints_name_the_packages_of_each_extra_as_pyproject_declares_the
     both = install_hint("proxy,bench").split()
     assert both[:2] == ["pip", "install"] and len(both) == len(set(both))
     assert set(both[2:]) == set(install_hint("proxy").split()[2:]) | {
-        "pybase64", "fastapi", "httpx"
+        "pybase64", "fastapi", "httpx", "vllm-router"
     }
 
 

@@ -217,7 +217,7 @@ def test_unknown_routes_and_methods() -> None:
 
 
 def test_cli_defaults_are_the_config_defaults() -> None:
-    args = build_parser().parse_args(["proxy", "--prefill", "p", "--decode", "d"])
+    args = build_parser().parse_args(["proxy", "--prefill", "http://p", "--decode", "http://d"])
     defaults = ProxyConfig()
     for name in (
         "read_timeout",
@@ -320,6 +320,33 @@ def test_the_proxy_command_serves_and_logs_one_line_per_request() -> None:
     assert proc.returncode in (0, -15), err
     assert "Application shutdown complete" in err
     assert "request_id=from-the-cli endpoint=/v1/completions status=200" in err
+    start_line = f"routed-experts proxy on http://127.0.0.1:{port}; prefill {p.url}; decode {d.url}"
+    assert start_line in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "url", "message"),
+    [
+        ("--prefill", "localhost:18100", "expected a URL starting with http:// or https://"),
+        ("--decode", "http://localhost:99999", "expected a port from 1 to 65535"),
+        ("--decode", "http://:8000", "expected a host"),
+        ("--prefill", "ftp://h:1", "expected a URL starting with http://"),
+        ("--decode", "http://h:1/?x=1", "expected no query or fragment"),
+    ],
+)
+def test_the_proxy_command_checks_upstream_urls_before_it_starts(
+    flag: str, url: str, message: str
+) -> None:
+    import subprocess
+    import sys
+
+    good = "http://127.0.0.1:1"
+    urls = {"--prefill": good, "--decode": good, flag: url}
+    cmd = [sys.executable, "-m", "routed_experts.cli", "proxy"]
+    cmd += [arg for pair in urls.items() for arg in pair]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert f"argument {flag}: {message}" in r.stderr
 
 
 def _answers(url: str) -> bool:

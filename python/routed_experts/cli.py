@@ -275,6 +275,18 @@ def _count(minimum: int) -> Any:
     return parse
 
 
+def _url(text: str) -> str:
+    """An argparse type: an upstream server's URL, checked before the proxy starts."""
+    try:
+        from routed_experts.proxy.upstreams import check_url
+    except ImportError:  # no proxy extra: cmd_proxy says so
+        return text
+    try:
+        return check_url(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _seconds(text: str) -> float:
     """An argparse type: a positive number of seconds."""
     try:
@@ -407,8 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
     proxy = sub.add_parser(
         "proxy", help="P/D proxy that merges routed experts (needs the proxy extra)"
     )
-    proxy.add_argument("--prefill", nargs="+", required=True, help="prefill server URL(s)")
-    proxy.add_argument("--decode", nargs="+", required=True, help="decode server URL(s)")
+    proxy.add_argument(
+        "--prefill", nargs="+", required=True, type=_url, help="prefill server URL(s)"
+    )
+    proxy.add_argument(
+        "--decode", nargs="+", required=True, type=_url, help="decode server URL(s)"
+    )
     proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
     proxy.add_argument("--port", type=_count(1), default=8000, help="port to listen on")
     _add_proxy_limits(proxy)

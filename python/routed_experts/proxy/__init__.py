@@ -77,6 +77,10 @@ def serve(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     keep_freed_memory()
+    logging.getLogger("routed_experts.proxy").info(
+        "routed-experts proxy on http://%s:%d; prefill %s; decode %s",
+        host, port, " ".join(prefill), " ".join(decode),
+    )
     uvicorn.run(
         create_app(prefill, decode, config),
         host=host,

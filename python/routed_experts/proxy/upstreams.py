@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,10 +16,29 @@ from typing import Any
 log = logging.getLogger("routed_experts.proxy")
 
 
+def check_url(url: str) -> str:
+    """`url` if it can be an upstream's base URL (`http(s)://HOST[:PORT][/PREFIX]`, to which
+    the endpoint path is appended), else ValueError saying what is wrong with it. Checked at
+    start: a URL without a scheme would otherwise fail every request."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"expected a URL starting with http:// or https://, got {url!r}")
+    try:
+        parts.port  # noqa: B018 (parsing the port is the check)
+    except ValueError:
+        raise ValueError(f"expected a port from 1 to 65535 in {url!r}") from None
+    if not parts.hostname:
+        raise ValueError(f"expected a host in {url!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"expected no query or fragment in {url!r} (endpoints are appended)")
+    return url
+
+
 class Upstream:
     """One server and its health."""
 
     def __init__(self, side: str, url: str) -> None:
+        check_url(url)
         self.side, self.url = side, url.rstrip("/")
         self.failures = 0  # in a row
         self.ejected_until = 0.0  # time.monotonic() when it may be tried again
