@@ -62,7 +62,7 @@
 //!
 //! # Replay quality
 //!
-//! [`agreement`] measures how two routings of the same positions agree (rollout against the
+//! [`agreement()`] measures how two routings of the same positions agree (rollout against the
 //! trainer's recompute); [`ExpertLoad`] counts each layer's picks of each expert.
 //!
 //! ```
