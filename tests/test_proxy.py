@@ -305,7 +305,42 @@ def test_a_bad_prompt_start_is_a_400(stack: dict[str, Any], start: Any) -> None:
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["side"] == "client" and "routed_experts_prompt_start" in err["message"]
-    assert err["type"] == "invalid_request_error" and "param" in err
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == "routed_experts_prompt_start"  # the field at fault, named
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_id_is_kept_only_when_short_and_printable(
+    stack: dict[str, Any], stream: bool
+) -> None:
+    # A long id would ride on every upstream request; one with spaces or control characters
+    # would forge fields in the log line. Both are replaced, never echoed or forwarded.
+    body = dict(COMPLETION, stream=stream)
+    kept = "a" * 128
+    for given, keep in ((kept, True), ("a" * 129, False), ("x endpoint=/admin status=200", False),
+                        ("tab\there", False), ("é-accent".encode(), False)):
+        with httpx.stream("POST", stack["url"] + "/v1/completions", json=body,
+                          headers={"X-Request-Id": given}, timeout=30) as r:
+            r.read()
+        rid = r.headers["x-request-id"]
+        assert (rid == given) if keep else (rid.startswith("rx-") and len(rid) < 40), rid
+        seen = [h["x-request-id"] for e in stack["prefills"] + stack["decodes"] for h in e.headers]
+        assert seen.count(rid) == 2  # both halves carry the id the client got back
+        assert (given in seen) == keep  # a refused id never reaches an upstream (bytes never do)
+
+
+def test_a_body_nested_past_what_json_writers_take_is_a_400_before_any_upstream(
+    stack: dict[str, Any],
+) -> None:
+    # orjson reads 1024 levels but writes 254: such a body used to be a plain-text 500.
+    for depth in (254, 300, 1000):
+        nested = b"[" * depth + b"]" * depth
+        body = b'{"model": "moe", "prompt": [1, 2], "extra": ' + nested + b"}"
+        r = httpx.post(stack["url"] + "/v1/completions", content=body, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["side"] == "client" and "cannot be written back as JSON" in err["message"]
+    assert all(not e.requests for e in stack["prefills"] + stack["decodes"])
 
 
 def test_models_and_healthcheck_answer(stack: dict[str, Any]) -> None:

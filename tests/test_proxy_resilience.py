@@ -214,6 +214,34 @@ def test_unknown_routes_and_methods() -> None:
         assert httpx.get(url + "/nope", timeout=10).status_code == 404
         r = httpx.get(url + "/v1/completions", timeout=10)
         assert r.status_code == 405 and r.json()["error"]["side"] == "client"
+        assert r.headers["allow"] == "POST"
+        r = httpx.post(url + "/health", timeout=10)
+        assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD"
+
+
+def test_routes_are_exact_not_suffixes() -> None:
+    # A path that only ends like a route must not be served: an ingress that exposes only
+    # /v1/* (or hides /metrics) could otherwise be walked around.
+    def raw(url: str, method: str, path: str) -> int:
+        """The status of a request whose path goes out exactly as written (clients such as
+        httpx resolve `..` before sending; an attacker's client does not)."""
+        host, port = url.rsplit("/", 1)[1].split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                      "Connection: close\r\n\r\n{}".encode())
+            return int(s.recv(64).split()[1])
+
+    prefill, decode = Engine(), Engine()
+    with stack([prefill], [decode]) as url:
+        for path in ("/etc/passwd/metrics", "/v1/health", "/v1/../metrics", "/v1/%2e%2e/metrics",
+                     "/x/healthcheck", "/metrics/", "/v1/models/x"):
+            assert raw(url, "GET", path) == 404, path
+        for path in ("/admin/x/v1/completions", "/v1/completions/", "/v2/v1/chat/completions",
+                     "/v1/../v1/completions"):
+            assert raw(url, "POST", path) == 404, path
+        assert not prefill.requests and not decode.requests
+        assert raw(url, "GET", "/metrics") == 200
+        assert httpx.get(url + "/metrics", timeout=10).text.count("routed_experts") > 0
 
 
 def test_cli_defaults_are_the_config_defaults() -> None:

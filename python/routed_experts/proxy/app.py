@@ -28,8 +28,10 @@ from .metrics import Metrics
 from .protocol import (
     ENDPOINTS,
     REQUEST_ID,
+    BodyError,
     UpstreamError,
     decode_request,
+    encode_request,
     error_body,
     error_event,
     parse_client_body,
@@ -127,13 +129,15 @@ class PDProxy:
             return
         if scope["type"] != "http":
             return
-        path, method = scope["path"], scope["method"]
-        endpoint = next((e for e in ENDPOINTS if path.endswith(e)), None)
-        if endpoint is not None:
+        path, method = _route(scope), scope["method"]
+        # Exact routes: a path that merely ends like one (`/admin/v1/completions`,
+        # `/etc/passwd/metrics`) is a 404, so an ingress's path rules cannot be walked around.
+        if path in ENDPOINTS:
             if method != "POST":
-                await self._error(send, UpstreamError("client", 405, "use POST"), [])
+                err = UpstreamError("client", 405, f"{path} takes POST", allow="POST")
+                await self._error(send, err, [])
                 return
-            await self._completion(scope, receive, send, endpoint)
+            await self._completion(scope, receive, send, path)
             return
         routes = {
             "/v1/models": self._models,
@@ -141,10 +145,13 @@ class PDProxy:
             "/health": self._health,
             "/metrics": self._metrics,
         }
-        handler = next((h for p, h in routes.items() if path.endswith(p)), None)
-        if handler is None or method not in ("GET", "HEAD"):
-            status = 404 if handler is None else 405
-            await self._error(send, UpstreamError("client", status, f"no {method} {path}"), [])
+        handler = routes.get(path)
+        if handler is None:
+            await self._error(send, UpstreamError("client", 404, f"no {method} {path}"), [])
+            return
+        if method not in ("GET", "HEAD"):
+            err = UpstreamError("client", 405, f"{path} takes GET", allow="GET, HEAD")
+            await self._error(send, err, [])
             return
         await handler(scope, send)
 
@@ -239,8 +246,9 @@ class PDProxy:
         try:
             try:
                 body = parse_client_body(raw)
-            except ValueError as e:
-                raise UpstreamError("client", 400, f"invalid request body: {e}") from None
+            except BodyError as e:
+                err = UpstreamError("client", 400, f"invalid request body: {e}", param=e.param)
+                raise err from None
             ex.stream = bool(body.get("stream"))
             await self._exchange(ex, scope, body, send, ids)
         except UpstreamError as e:
@@ -254,7 +262,11 @@ class PDProxy:
         chat = ex.endpoint.endswith("chat/completions")
         # The requested prompt start: what vLLM's .npy routing (which carries none) starts at.
         start = body.get("routed_experts_prompt_start")
-        prefill_body = await self._prefill(ex, orjson.dumps(prefill_request(body, chat)), headers)
+        try:
+            prefill_json = encode_request(prefill_request(body, chat))
+        except BodyError as e:
+            raise UpstreamError("client", 400, f"invalid request body: {e}") from None
+        prefill_body = await self._prefill(ex, prefill_json, headers)
         try:
             kv, rows = await _offload(
                 len(prefill_body),
@@ -271,7 +283,9 @@ class PDProxy:
                 400,
                 f"routed_experts_prompt_start={start} is not below the prompt's length "
                 "(prefill returned no rows)",
+                param="routed_experts_prompt_start",
             )
+        # Cannot fail: the same body was written for prefill above, one level shallower.
         decode_json = decode_request(body, kv)
         lease = self._lease(self.decode)
         ex.decode = lease.upstream.url
@@ -503,7 +517,10 @@ class PDProxy:
         headers = list(ids)
         if err.retry_after is not None:
             headers.append((b"retry-after", str(err.retry_after).encode()))
-        await _respond(send, err.status, error_body(err.status, err.side, err.message), headers)
+        if err.allow is not None:
+            headers.append((b"allow", err.allow.encode()))
+        body = error_body(err.status, err.side, err.message, err.param)
+        await _respond(send, err.status, body, headers)
 
     def _record(self, ex: Exchange) -> None:
         total = time.perf_counter() - ex.began
@@ -562,9 +579,27 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+# A client's request id is kept only when it is short and printable without spaces, so it can
+# neither bloat every upstream request nor forge fields in the log line; otherwise it is replaced.
+MAX_REQUEST_ID = 128
+
+
 def _request_id(scope: Scope) -> str:
-    """The client's `X-Request-Id`, or a new one: what both halves and the response carry."""
-    return _header(scope, REQUEST_ID.encode()) or f"rx-{uuid.uuid4().hex}"
+    """The client's `X-Request-Id` when it is 1 to 128 printable ASCII characters without
+    spaces, else a new one: what both halves and the response carry."""
+    given = _header(scope, REQUEST_ID.encode())
+    if given and len(given) <= MAX_REQUEST_ID and all("!" <= c <= "~" for c in given):
+        return given
+    return f"rx-{uuid.uuid4().hex}"
+
+
+def _route(scope: Scope) -> str:
+    """The request's path below the app's mount point (`root_path`, when mounted)."""
+    path = str(scope["path"])
+    root = str(scope.get("root_path", ""))
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    return path or "/"
 
 
 async def _offload(size: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -25,7 +25,8 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
 class UpstreamError(Exception):
     """A request that ends in an error response. `side` says whose fault it is ("client",
     "prefill", "decode", "merge", "proxy"); `retry_after` (seconds) goes into a 503's header;
-    `retryable` marks a connection that was never made (safe to try another server)."""
+    `retryable` marks a connection that was never made (safe to try another server); `param`
+    names the request field at fault; `allow` lists the methods a 405's path takes."""
 
     def __init__(
         self,
@@ -35,10 +36,21 @@ class UpstreamError(Exception):
         *,
         retry_after: int | None = None,
         retryable: bool = False,
+        param: str | None = None,
+        allow: str | None = None,
     ) -> None:
         super().__init__(message)
         self.side, self.status, self.message = side, status, message
         self.retry_after, self.retryable = retry_after, retryable
+        self.param, self.allow = param, allow
+
+
+class BodyError(ValueError):
+    """A client body the proxy refuses (a 400); `param` names the field at fault, if one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def prefill_request(body: dict[str, Any], chat: bool) -> dict[str, Any]:
@@ -61,35 +73,46 @@ def decode_request(body: dict[str, Any], kv_transfer_params: bytes | None) -> by
     """The request for the decode server, as JSON: the client's, with the `kv_transfer_params`
     that prefill returned (their raw JSON text, spliced in without being parsed again)."""
     if kv_transfer_params is None:
-        return orjson.dumps(body)
-    text = orjson.dumps({k: v for k, v in body.items() if k != "kv_transfer_params"})
+        return encode_request(body)
+    text = encode_request({k: v for k, v in body.items() if k != "kv_transfer_params"})
     separator = b"" if text == b"{}" else b","
     return text[:-1] + separator + b'"kv_transfer_params":' + kv_transfer_params + b"}"
 
 
 def parse_client_body(raw: bytes) -> dict[str, Any]:
-    """The client's request as a dict; anything else is a ValueError (a 400): not JSON (NaN and
+    """The client's request as a dict; anything else is a BodyError (a 400): not JSON (NaN and
     Infinity are not JSON, nor integers beyond 64 bits), not an object, nested deeper than 1024,
     a `routed_experts_prompt_start` that is not a non-negative integer."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
-        raise ValueError(f"not JSON ({e})") from None
+        raise BodyError(f"not JSON ({e})") from None
     if not isinstance(body, dict):
-        raise ValueError("the request body must be a JSON object")
+        raise BodyError("the request body must be a JSON object")
     start = body.get("routed_experts_prompt_start")
     if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 0):
-        raise ValueError(
-            f"routed_experts_prompt_start must be a non-negative integer, got {start!r}"
+        raise BodyError(
+            f"routed_experts_prompt_start must be a non-negative integer, got {start!r}",
+            param="routed_experts_prompt_start",
         )
     return body
 
 
-def error_body(status: int, side: str, message: str) -> bytes:
+def encode_request(body: dict[str, Any]) -> bytes:
+    """`body` as JSON for an upstream. orjson reads 1024 levels of nesting but writes 254: a
+    deeper body is the client's error (a 400), found before any upstream is called."""
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError as e:
+        raise BodyError(f"the request body cannot be written back as JSON ({e})") from None
+
+
+def error_body(status: int, side: str, message: str, param: str | None = None) -> bytes:
     """The JSON error every failure gives the client, as a response or as a final stream event:
-    OpenAI's shape (`message`, `type`, `param`, `code`) plus `side`."""
+    OpenAI's shape (`message`, `type`, `param`: the request field at fault or null, `code`) plus
+    `side`."""
     kind = "invalid_request_error" if status < 500 else "upstream_error"
-    error = {"message": message, "type": kind, "param": None, "side": side, "code": status}
+    error = {"message": message, "type": kind, "param": param, "side": side, "code": status}
     return orjson.dumps({"error": error})
 
 
