@@ -65,6 +65,7 @@ class Engine:
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     disconnected: list[str] = field(default_factory=list)  # request ids whose client left
+    health_checks: int = 0
 
     def routing(self, arr: np.ndarray, start: int) -> Any:
         p = rx.RoutedExperts.from_array(arr, start=start, num_experts=EXPERTS)
@@ -175,12 +176,19 @@ class Engine:
         self.headers.append(dict(request.headers))
         return JSONResponse({"object": "list", "data": [{"id": "moe", "object": "model"}]})
 
+    async def health(self, request: Request) -> Response:
+        """vLLM's `GET /health`: 200 unless the engine is failing ("500") or hung."""
+        self.health_checks += 1
+        broken = self.fail in ("500", "hang")
+        return JSONResponse({}, 503 if broken else 200)
+
     def app(self) -> Starlette:
         routes = [
             Route(p, self.handle, methods=["POST"])
             for p in ("/v1/completions", "/v1/chat/completions")
         ]
         routes.append(Route("/v1/models", self.models, methods=["GET"]))
+        routes.append(Route("/health", self.health, methods=["GET"]))
         return Starlette(routes=routes)
 
 

@@ -127,6 +127,29 @@ def test_an_ejected_server_gets_a_trial_after_eject_seconds_and_rejoins() -> Non
         assert 'routed_experts_proxy_rejected_total{reason="no_upstream"} 1.0' in metrics
 
 
+def test_the_last_decode_server_is_probed_not_shut_out_and_no_prefill_runs_without_it() -> None:
+    # One decode server, ejected for a long time after two failures. While it is broken its
+    # health probe fails: 503 + Retry-After, and no prefill runs for a decode that cannot come.
+    # Once it is back, the next request probes it and is served, long before eject-seconds.
+    prefill, decode = Engine(), Engine(fail="500")
+    with stack([prefill], [decode], eject_after=2, eject_seconds=300) as url:
+        assert [post(url).status_code for _ in range(2)] == [502, 502]
+        prefills = len(prefill.requests)
+        r = post(url)
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+        assert "none answered a health probe" in r.json()["error"]["message"]
+        assert len(prefill.requests) == prefills  # refused before any prefill
+        assert decode.health_checks == 1 and len(decode.requests) == 2
+        r = post(url)  # within a second of the last probe: refused without another
+        assert r.status_code == 503 and decode.health_checks == 1
+        decode.fail = None
+        time.sleep(1.05)
+        r = post(url)
+        assert r.status_code == 200 and rx.from_response(r.content) == expected(COMPLETION)
+        assert decode.health_checks == 2
+        assert httpx.get(url + "/health", timeout=10).status_code == 200  # back in rotation
+
+
 def test_a_prefill_server_that_refuses_connections_is_retried_on_the_next() -> None:
     good = Engine()
     with stack([closed_port_url(), good], [Engine()]) as url:

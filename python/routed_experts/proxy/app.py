@@ -55,6 +55,10 @@ MiB = 1024 * 1024
 # CPU than that saves (measured at 8192 x 48 x 8, 32 in flight: 10.2 ms of proxy CPU per
 # request with both of a request's bodies handed off, 9.4 ms with neither).
 OFFLOAD_BYTES = 8 * MiB
+# When every server of a side is out of rotation, one is probed (GET /health) before a request
+# is refused: at most once a second, answered within two seconds (or --connect-timeout).
+PROBE_INTERVAL = 1.0
+PROBE_TIMEOUT = 2.0
 
 
 @dataclass(frozen=True)
@@ -260,6 +264,28 @@ class PDProxy:
     ) -> None:
         headers = self._upstream_headers(scope, ex.request_id)
         chat = ex.endpoint.endswith("chat/completions")
+        # A decode server first: with none to take the request, it is refused before a prefill
+        # server computes a KV cache that no decode would ever fetch.
+        lease = await self._lease(self.decode)
+        try:
+            await self._prefill_then_decode(ex, body, chat, headers, lease, send, ids)
+        except BaseException:
+            # `ex.decode` is set as the decode call starts, and that call releases the lease
+            # itself; before it, nothing was learnt of the server's health.
+            if ex.decode == "-":
+                self._released(lease, UNKNOWN)
+            raise
+
+    async def _prefill_then_decode(
+        self,
+        ex: Exchange,
+        body: dict[str, Any],
+        chat: bool,
+        headers: dict[str, str],
+        lease: Lease,
+        send: Send,
+        ids: list[Any],
+    ) -> None:
         # The requested prompt start: what vLLM's .npy routing (which carries none) starts at.
         start = body.get("routed_experts_prompt_start")
         try:
@@ -287,7 +313,6 @@ class PDProxy:
             )
         # Cannot fail: the same body was written for prefill above, one level shallower.
         decode_json = decode_request(body, kv)
-        lease = self._lease(self.decode)
         ex.decode = lease.upstream.url
         if ex.stream:
             await self._stream(ex, lease, decode_json, headers, prefill_body, start, send, ids)
@@ -303,7 +328,7 @@ class PDProxy:
 
     async def _prefill(self, ex: Exchange, data: bytes, headers: dict[str, str]) -> bytes:
         """The prefill call; a server that could not be connected to is replaced by the next."""
-        lease = self._lease(self.prefill)
+        lease = await self._lease(self.prefill)
         ex.prefill = lease.upstream.url
         try:
             return await self._fetch(ex, lease, data, headers)
@@ -320,16 +345,39 @@ class PDProxy:
             ex.prefill = retry.upstream.url
             return await self._fetch(ex, retry, data, headers)
 
-    def _lease(self, pool: Pool) -> Lease:
+    async def _lease(self, pool: Pool) -> Lease:
+        """The next upstream of `pool`. When every one is out of rotation, the one due first
+        is probed (`GET /health`, at most once a second) and serves the request if it answers:
+        failures alone never shut the last server of a side out. Else 503 + Retry-After."""
         lease = pool.pick()
+        if lease is None:
+            lease = await self._probe(pool)
         if lease is None:
             self.metrics.rejected.labels("no_upstream").inc()
             raise UpstreamError(
                 "proxy",
                 503,
-                f"no {pool.side} server is in rotation (each failed repeatedly)",
+                f"no {pool.side} server is in rotation (each failed repeatedly, and none "
+                "answered a health probe)",
                 retry_after=pool.retry_after(),
             )
+        return lease
+
+    async def _probe(self, pool: Pool) -> Lease | None:
+        u = pool.probe_candidate(PROBE_INTERVAL)
+        if u is None:
+            return None
+        answered = False
+        try:
+            timeout = aiohttp.ClientTimeout(total=min(self.config.connect_timeout, PROBE_TIMEOUT))
+            async with self.session().get(u.url + "/health", timeout=timeout) as r:
+                answered = r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pass
+        finally:
+            lease = pool.probed(u, answered)
+        if answered:
+            log.warning("%s server %s answered a health probe: trying it", pool.side, u.url)
         return lease
 
     async def _fetch(
@@ -450,7 +498,7 @@ class PDProxy:
         request_id = _request_id(scope)
         ids = [(REQUEST_ID.encode(), request_id.encode())]
         try:
-            lease = self._lease(self.decode)
+            lease = await self._lease(self.decode)
             outcome = UNKNOWN
             try:
                 async with self.session().get(

@@ -42,7 +42,8 @@ class Upstream:
         self.side, self.url = side, url.rstrip("/")
         self.failures = 0  # in a row
         self.ejected_until = 0.0  # time.monotonic() when it may be tried again
-        self.trials = 0  # trial requests under way while it is out of rotation
+        self.trials = 0  # trial requests (or a probe) under way while it is out of rotation
+        self.probed_at = -math.inf  # time.monotonic() of the last probe
 
 
 @dataclass
@@ -97,6 +98,32 @@ class Pool:
             if now >= u.ejected_until and u.trials == 0:
                 u.trials += 1
                 return Lease(u, trial=True)
+        return None
+
+    def probe_candidate(self, interval: float) -> Upstream | None:
+        """When no upstream can be picked: the out-of-rotation one to probe before refusing (the
+        one whose ejection ends first, with no trial or probe under way and no probe in the
+        last `interval` seconds), reserved as a trial; None when there is none. Failures alone
+        never shut a side out: a server that answers its probe serves the request."""
+        now = self.clock()
+        ready = [
+            u
+            for u in self.upstreams
+            if not self.healthy(u) and u.trials == 0 and now - u.probed_at >= interval
+        ]
+        if not ready:
+            return None
+        u = min(ready, key=lambda x: x.ejected_until)
+        u.trials += 1
+        u.probed_at = now
+        return u
+
+    def probed(self, u: Upstream, answered: bool) -> Lease | None:
+        """The outcome of `probe_candidate`'s probe: a trial lease when the server answered
+        (the request it serves decides whether it rejoins), else None."""
+        if answered:
+            return Lease(u, trial=True)
+        u.trials -= 1
         return None
 
     def release(self, lease: Lease, outcome: str) -> None:
