@@ -150,6 +150,73 @@ def test_the_last_decode_server_is_probed_not_shut_out_and_no_prefill_runs_witho
         assert httpx.get(url + "/health", timeout=10).status_code == 200  # back in rotation
 
 
+def _drip(url: str, body: bytes, seconds_per_byte: float, stop: threading.Event) -> int:
+    """POST `body` one byte at a time (a slow client); the status it gets, 0 for none."""
+    host, port = url.rsplit("/", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: %d\r\n\r\n" % len(body))
+        for byte in body:
+            if stop.is_set():
+                break
+            try:
+                s.sendall(bytes([byte]))
+            except OSError:
+                break  # the proxy closed the connection
+            time.sleep(seconds_per_byte)
+        try:
+            head = s.recv(4096)
+        except OSError:
+            return 0
+    return int(head.split()[1]) if head.startswith(b"HTTP/") else 0
+
+
+def test_slow_bodies_hold_no_completion_slot_and_are_timed_out() -> None:
+    # Two slow clients dripping a body at 20 bytes/s, with one completion slot: real requests
+    # are still served while they drip, and the slow ones get 408 at --body-timeout.
+    import json
+
+    body = json.dumps(COMPLETION).encode()
+    stop = threading.Event()
+    with stack([Engine()], [Engine()], max_in_flight=1, body_timeout=1.0) as url:
+        results: list[int] = []
+        drips = [threading.Thread(target=lambda: results.append(_drip(url, body, 0.05, stop)))
+                 for _ in range(2)]
+        for t in drips:
+            t.start()
+        time.sleep(0.3)
+        try:
+            for _ in range(3):
+                r = post(url)
+                assert r.status_code == 200, r.text
+        finally:
+            for t in drips:
+                t.join(timeout=10)
+            stop.set()
+        assert results == [408, 408]
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert 'routed_experts_proxy_rejected_total{reason="body_timeout"} 2.0' in metrics
+
+
+def test_bodies_past_the_buffer_budget_get_503_and_the_budget_is_given_back() -> None:
+    import json
+
+    body = json.dumps(COMPLETION).encode()
+
+    def send(url: str) -> httpx.Response:
+        return httpx.post(url + "/v1/completions", content=body, timeout=30,
+                          headers={"content-type": "application/json"})
+
+    with stack([Engine()], [Engine()], max_buffered_bytes=len(body) - 1) as url:
+        r = send(url)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.headers["connection"] == "close"
+        assert "bytes of request bodies" in r.json()["error"]["message"]
+    with stack([Engine()], [Engine()], max_buffered_bytes=len(body)) as url:
+        for _ in range(3):  # each body's bytes are given back once it is read
+            assert send(url).status_code == 200
+
+
 def test_a_prefill_server_that_refuses_connections_is_retried_on_the_next() -> None:
     good = Engine()
     with stack([closed_port_url(), good], [Engine()]) as url:
@@ -194,6 +261,8 @@ def test_body_limits_413_for_clients_502_for_upstreams() -> None:
         r = post(url, big)
         assert r.status_code == 413 and r.json()["error"]["side"] == "client"
         assert "over the limit of 2000" in r.json()["error"]["message"]
+        # its unread rest must not be parsed as another request: the connection is closed
+        assert r.headers["connection"] == "close"
         assert post(url).status_code == 200  # a small one still passes
     with stack([Engine()], [Engine()], max_upstream_bytes=500) as url:
         r = post(url)
@@ -275,6 +344,8 @@ def test_cli_defaults_are_the_config_defaults() -> None:
         "connect_timeout",
         "max_in_flight",
         "max_request_bytes",
+        "body_timeout",
+        "max_buffered_bytes",
         "max_upstream_bytes",
         "eject_after",
         "eject_seconds",

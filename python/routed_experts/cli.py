@@ -241,6 +241,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         connect_timeout=args.connect_timeout,
         max_in_flight=args.max_in_flight,
         max_request_bytes=args.max_request_bytes,
+        body_timeout=args.body_timeout,
+        max_buffered_bytes=args.max_buffered_bytes,
         max_upstream_bytes=args.max_upstream_bytes,
         eject_after=args.eject_after,
         eject_seconds=args.eject_seconds,
@@ -492,6 +494,19 @@ def _add_proxy_limits(p: argparse.ArgumentParser) -> None:
         type=_count(1),
         default=64 * 2**20,
         help="largest client body; larger gets 413",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=_seconds,
+        default=60.0,
+        help="seconds to receive a client's whole body; slower gets 408 (a request takes a "
+        "completion slot only once its body is whole)",
+    )
+    p.add_argument(
+        "--max-buffered-bytes",
+        type=_count(1),
+        default=1024 * 2**20,
+        help="client bodies being received at once, in bytes; beyond gets 503 + Retry-After",
     )
     p.add_argument(
         "--max-upstream-bytes",

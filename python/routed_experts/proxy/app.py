@@ -69,13 +69,15 @@ class ProxyConfig:
     connect_timeout: float = 10.0  # seconds to open a connection to an upstream
     max_in_flight: int = 256  # completion requests served at once; beyond: 503 + Retry-After
     max_request_bytes: int = 64 * MiB  # a client body; beyond: 413
+    body_timeout: float = 60.0  # seconds to receive a client's whole body; beyond: 408 + close
+    max_buffered_bytes: int = 1024 * MiB  # client bodies being received at once; beyond: 503
     max_upstream_bytes: int = 256 * MiB  # an upstream body or stream event; beyond: 502
     eject_after: int = 3  # failures in a row that take an upstream out of rotation
     eject_seconds: float = 10.0  # how long it stays out before a trial request
     upstream_api_key: str | None = None  # sent as `Authorization: Bearer` instead of the client's
 
     def __post_init__(self) -> None:
-        for name in ("read_timeout", "connect_timeout", "eject_seconds"):
+        for name in ("read_timeout", "connect_timeout", "eject_seconds", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be a positive number of seconds")
         for name in ("max_in_flight", "max_request_bytes", "max_upstream_bytes", "eject_after"):
@@ -123,6 +125,7 @@ class PDProxy:
         for u in self.prefill.upstreams + self.decode.upstreams:
             self.metrics.upstream_healthy.labels(u.side, u.url).set(1)
         self.in_flight = 0
+        self.buffered = 0  # bytes of client bodies being received (max_buffered_bytes)
         self._session: aiohttp.ClientSession | None = None
 
     # --- ASGI -----------------------------------------------------------------------------
@@ -200,6 +203,19 @@ class PDProxy:
     async def _completion(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         ex = Exchange(_request_id(scope), endpoint)
         ids = [(REQUEST_ID.encode(), ex.request_id.encode())]
+        # The body first, within --body-timeout and the budget of bodies being received: a
+        # request takes a completion slot only once its body is whole, so clients that drip
+        # their bodies cannot hold the slots that real requests need.
+        try:
+            raw = await self._receive_body(scope, receive)
+        except ClientGone:
+            ex.status, ex.side = 499, "client"
+            self._record(ex)
+            return
+        except UpstreamError as e:
+            await self._finish(ex, send, e, ids)
+            self._record(ex)
+            return
         if self.in_flight >= self.config.max_in_flight:
             self.metrics.rejected.labels("in_flight").inc()
             err = UpstreamError(
@@ -214,14 +230,6 @@ class PDProxy:
         self.in_flight += 1
         self.metrics.in_flight.inc()
         try:
-            try:
-                raw = await _read_request(scope, receive, self.config.max_request_bytes)
-            except ClientGone:
-                ex.status, ex.side = 499, "client"
-                return
-            except UpstreamError as e:
-                await self._finish(ex, send, e, ids)
-                return
             # The body is read: from now on a message from the server means the client left
             # (or the response is complete), and a client that left cancels the work.
             work = asyncio.ensure_future(self._serve(ex, raw, scope, send, ids))
@@ -243,6 +251,25 @@ class PDProxy:
             self.in_flight -= 1
             self.metrics.in_flight.dec()
             self._record(ex)
+
+    async def _receive_body(self, scope: Scope, receive: Receive) -> bytes:
+        """The client's whole body, or an UpstreamError: 413 past --max-request-bytes, 408
+        past --body-timeout, 503 past --max-buffered-bytes of bodies being received at once
+        (each closes the connection: its unread rest must not be read as another request)."""
+        c = self.config
+        budget = _Budget(self, c.max_buffered_bytes)
+        try:
+            return await asyncio.wait_for(
+                _read_request(scope, receive, c.max_request_bytes, budget), c.body_timeout
+            )
+        except asyncio.TimeoutError:
+            self.metrics.rejected.labels("body_timeout").inc()
+            raise UpstreamError(
+                "client", 408, f"the request body did not arrive within {c.body_timeout:g} s",
+                close=True,
+            ) from None
+        finally:
+            budget.release()
 
     async def _serve(
         self, ex: Exchange, raw: bytes, scope: Scope, send: Send, ids: list[Any]
@@ -567,6 +594,8 @@ class PDProxy:
             headers.append((b"retry-after", str(err.retry_after).encode()))
         if err.allow is not None:
             headers.append((b"allow", err.allow.encode()))
+        if err.close:
+            headers.append((b"connection", b"close"))
         body = error_body(err.status, err.side, err.message, err.param)
         await _respond(send, err.status, body, headers)
 
@@ -657,9 +686,34 @@ async def _offload(size: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -
     return fn(*args, **kwargs)
 
 
-async def _read_request(scope: Scope, receive: Receive, limit: int) -> bytes:
+class _Budget:
+    """The bytes of one client body counted against the proxy's budget of bodies being
+    received at once (`max_buffered_bytes`), given back when the body is read or dropped."""
+
+    def __init__(self, proxy: PDProxy, limit: int) -> None:
+        self.proxy, self.limit, self.held = proxy, limit, 0
+
+    def take(self, n: int) -> None:
+        if self.proxy.buffered + n > self.limit:
+            self.proxy.metrics.rejected.labels("buffered_bytes").inc()
+            raise UpstreamError(
+                "proxy",
+                503,
+                f"the proxy is receiving its limit of {self.limit} bytes of request bodies",
+                retry_after=1,
+                close=True,
+            )
+        self.proxy.buffered += n
+        self.held += n
+
+    def release(self) -> None:
+        self.proxy.buffered -= self.held
+        self.held = 0
+
+
+async def _read_request(scope: Scope, receive: Receive, limit: int, budget: _Budget) -> bytes:
     """The client's body, refused with 413 past `limit` bytes (by its Content-Length before
-    anything is read, else as it arrives)."""
+    anything is read, else as it arrives), each chunk taken from `budget` as it arrives."""
     declared = _header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
@@ -672,6 +726,7 @@ async def _read_request(scope: Scope, receive: Receive, limit: int) -> bytes:
         size += len(chunk)
         if size > limit:
             raise _too_large(size, limit)
+        budget.take(len(chunk))
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
@@ -683,7 +738,7 @@ class ClientGone(Exception):
 
 def _too_large(size: int, limit: int) -> UpstreamError:
     return UpstreamError(
-        "client", 413, f"the request body is {size} bytes, over the limit of {limit}"
+        "client", 413, f"the request body is {size} bytes, over the limit of {limit}", close=True
     )
 
 

@@ -26,7 +26,8 @@ class UpstreamError(Exception):
     """A request that ends in an error response. `side` says whose fault it is ("client",
     "prefill", "decode", "merge", "proxy"); `retry_after` (seconds) goes into a 503's header;
     `retryable` marks a connection that was never made (safe to try another server); `param`
-    names the request field at fault; `allow` lists the methods a 405's path takes."""
+    names the request field at fault; `allow` lists the methods a 405's path takes; `close`
+    ends the client's connection with the response."""
 
     def __init__(
         self,
@@ -38,11 +39,12 @@ class UpstreamError(Exception):
         retryable: bool = False,
         param: str | None = None,
         allow: str | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.side, self.status, self.message = side, status, message
         self.retry_after, self.retryable = retry_after, retryable
-        self.param, self.allow = param, allow
+        self.param, self.allow, self.close = param, allow, close
 
 
 class BodyError(ValueError):
