@@ -336,6 +336,20 @@ def test_routes_are_exact_not_suffixes() -> None:
         assert httpx.get(url + "/metrics", timeout=10).text.count("routed_experts") > 0
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("body_timeout", 0, "body_timeout must be a positive number of seconds"),
+        ("read_timeout", -1.0, "read_timeout must be a positive number of seconds"),
+        ("max_buffered_bytes", 0, "max_buffered_bytes must be at least 1"),
+        ("max_in_flight", 0, "max_in_flight must be at least 1"),
+    ],
+)
+def test_config_refuses_limits_that_serve_nothing(field: str, value: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ProxyConfig(**{field: value})
+
+
 def test_cli_defaults_are_the_config_defaults() -> None:
     args = build_parser().parse_args(["proxy", "--prefill", "http://p", "--decode", "http://d"])
     defaults = ProxyConfig()

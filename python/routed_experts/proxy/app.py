@@ -80,7 +80,13 @@ class ProxyConfig:
         for name in ("read_timeout", "connect_timeout", "eject_seconds", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be a positive number of seconds")
-        for name in ("max_in_flight", "max_request_bytes", "max_upstream_bytes", "eject_after"):
+        for name in (
+            "max_in_flight",
+            "max_request_bytes",
+            "max_buffered_bytes",
+            "max_upstream_bytes",
+            "eject_after",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
 
