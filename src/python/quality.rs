@@ -265,8 +265,13 @@ impl ExpertLoad {
 pub fn expert_load(
     py: Python<'_>,
     routing: &Bound<'_, PyAny>,
-    num_experts: usize,
+    num_experts: i64,
 ) -> PyResult<ExpertLoad> {
+    // Taken as a signed integer so that a negative count is our error naming the argument,
+    // not a conversion error; a count past usize cannot fit any table.
+    let num_experts = usize::try_from(num_experts).map_err(|_| {
+        crate::Error::field("num_experts", "a count of experts from 1 up", num_experts)
+    })?;
     let items: Vec<Bound<'_, PyAny>> =
         if routing.is_instance_of::<PyList>() || routing.is_instance_of::<PyTuple>() {
             routing.try_iter()?.collect::<PyResult<_>>()?
