@@ -101,8 +101,9 @@ def parse_client_body(raw: bytes) -> dict[str, Any]:
 
 
 def encode_request(body: dict[str, Any]) -> bytes:
-    """`body` as JSON for an upstream. orjson reads 1024 levels of nesting but writes about 255 (by release): a
-    deeper body is the client's error (a 400), found before any upstream is called."""
+    """`body` as JSON for an upstream. orjson reads 1024 levels of nesting but writes about
+    255 (by release): a deeper body is the client's error (a 400), found before any upstream is
+    called."""
     try:
         return orjson.dumps(body)
     except orjson.JSONEncodeError as e:
