@@ -119,24 +119,23 @@ pub fn agreement(a: &Payload, b: &Payload) -> Result<Agreement> {
     let rows = (stop - start) as usize;
     let (from_a, from_b) = ((start - a.start()) as usize, (start - b.start()) as usize);
     let row = la * ka;
-    let mut out = Agreement {
+    let c = with_element!(a.dtype(), A => with_element!(b.dtype(), B => {
+        let va = &a.values::<A>()[from_a * row..(from_a + rows) * row];
+        let vb = &b.values::<B>()[from_b * row..(from_b + rows) * row];
+        count(va, vb, ka, la, start)?
+    }));
+    Ok(Agreement {
         num_layers: la,
         top_k: ka,
         start,
         stop,
-        compared_rows: 0,
-        excluded_rows: 0,
-        exact_per_layer: vec![0; la],
-        overlap_per_layer: vec![0; la],
-        tokens_with_difference: 0,
-        differing_routers: 0,
-    };
-    with_element!(a.dtype(), A => with_element!(b.dtype(), B => {
-        let va = &a.values::<A>()[from_a * row..(from_a + rows) * row];
-        let vb = &b.values::<B>()[from_b * row..(from_b + rows) * row];
-        count(va, vb, ka, start, &mut out)?;
-    }));
-    Ok(out)
+        compared_rows: c.compared,
+        excluded_rows: c.excluded,
+        exact_per_layer: c.exact,
+        overlap_per_layer: c.overlap,
+        tokens_with_difference: c.differing_tokens,
+        differing_routers: c.differing,
+    })
 }
 
 /// Why a group could not be compared by bit masks.
@@ -147,14 +146,15 @@ enum Refused {
     Wide,
 }
 
+/// The counts of `va` against `vb` (rows from position `start`), by the fastest path the
+/// ids allow; a negative id outside a missing row is an error naming side, position, layer.
 fn count<A: Element, B: Element>(
     va: &[A],
     vb: &[B],
     k: usize,
+    layers: usize,
     start: u64,
-    out: &mut Agreement,
-) -> Result<()> {
-    let layers = out.num_layers;
+) -> Result<Counts> {
     // Masks wide enough for every id the dtypes can hold, or for the models in use (384
     // experts); ids past that take the general path, which compares values pairwise.
     let counted = if A::DTYPE.max() < 256 && B::DTYPE.max() < 256 {
@@ -167,15 +167,7 @@ fn count<A: Element, B: Element>(
         other => other,
     };
     match counted {
-        Ok(c) => {
-            out.exact_per_layer = c.exact;
-            out.overlap_per_layer = c.overlap;
-            out.compared_rows = c.compared;
-            out.excluded_rows = c.excluded;
-            out.tokens_with_difference = c.differing_tokens;
-            out.differing_routers = c.differing;
-            Ok(())
-        }
+        Ok(c) => Ok(c),
         Err(Refused::Negative(side, at, v)) => {
             let row = layers * k;
             let (pos, layer) = (start + (at / row) as u64, at % row / k);
