@@ -108,6 +108,9 @@ pub mod npy;
 pub mod pack;
 mod parallel;
 mod payload;
+/// The P/D proxy (feature `proxy`): an HTTP server that merges routing on every response.
+#[cfg(feature = "proxy")]
+pub mod proxy;
 /// Routing inside whole response bodies: finding it, and merging bodies (format.md §3.2, §4).
 pub mod response;
 /// The compact sidecar (format.md §3.1).
@@ -151,6 +154,8 @@ mod _core {
     #[pymodule_export]
     use crate::python::payload::{_from_raw, RoutedExperts};
     #[pymodule_export]
+    use crate::python::proxy::_ProxyServer;
+    #[pymodule_export]
     use crate::python::quality::{agreement, expert_load, Agreement, ExpertLoad};
     #[pymodule_export]
     use crate::python::trajectory::{_trajectory_from_payload, Trajectory};
@@ -168,5 +173,16 @@ mod _core {
     #[pyfunction]
     fn get_max_bytes() -> usize {
         crate::limits::max_bytes()
+    }
+
+    /// The proxy's Rust log records go to Python's `logging` (logger `routed_experts.proxy`).
+    /// Levels are looked up on each record, so `logging` settings made later still apply.
+    #[pymodule_init]
+    fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
+        let logger = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::Nothing)?
+            .filter(log::LevelFilter::Info);
+        // Another extension may have installed a `log` logger first; then ours stays off.
+        let _ = logger.install();
+        Ok(())
     }
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -192,11 +193,25 @@ class Engine:
         return Starlette(routes=routes)
 
 
+# Which data plane serves a proxy app handed to `Server`: "rust" (what `routed-experts proxy`
+# runs; the default) or "python" (the ASGI app under uvicorn). Every proxy test runs against it.
+DATA_PLANE = os.environ.get("RX_PROXY_DATA_PLANE", "rust")
+
+
 class Server:
     """An ASGI app served by uvicorn on a loopback port in a background thread. The socket is
-    bound here and handed to uvicorn, so no other process can take the port in between."""
+    bound here and handed to uvicorn, so no other process can take the port in between. A
+    proxy app (`create_app`) is served by the data plane DATA_PLANE names, with its settings."""
 
     def __init__(self, app: Any) -> None:
+        from routed_experts.proxy import PDProxy, ProxyServer
+
+        self.rust: ProxyServer | None = None
+        if isinstance(app, PDProxy) and DATA_PLANE == "rust":
+            urls = [[u.url for u in pool.upstreams] for pool in (app.prefill, app.decode)]
+            self.rust = ProxyServer(urls[0], urls[1], app.config)
+            self.port = self.rust.port
+            return
         self.socket = socket.socket()
         self.socket.bind(("127.0.0.1", 0))
         self.port = int(self.socket.getsockname()[1])
@@ -211,6 +226,9 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> Server:
+        if self.rust is not None:
+            self.rust.__enter__()
+            return self
         self.thread.start()
         deadline = time.monotonic() + 10
         while not self.server.started:
@@ -220,6 +238,9 @@ class Server:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.rust is not None:
+            self.rust.__exit__(None, None, None)
+            return
         self.server.should_exit = True
         self.thread.join(timeout=10)
         self.socket.close()

@@ -232,23 +232,30 @@ def _needs_extras(command: str, extras: str, e: ImportError) -> int:
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
+    from routed_experts.proxy.config import ProxyConfig
+
+    settings = {name: getattr(args, name) for name in PROXY_SETTINGS}
+    key = args.upstream_api_key or os.environ.get(UPSTREAM_KEY_ENV)
+    config = ProxyConfig(**settings, upstream_api_key=key)
+    if args.data_plane == "python":
+        try:
+            from routed_experts.proxy import serve_asgi
+
+            import aiohttp, orjson, uvicorn  # noqa: E401, F401  (the Python data plane's)
+        except ImportError as e:
+            return _needs_extras("proxy --data-plane python", "proxy", e)
+        serve_asgi(args.prefill, args.decode, args.host, args.port, config, args.log_level)
+        return 0
+    from routed_experts.proxy import serve
+
     try:
-        from routed_experts.proxy import ProxyConfig, serve
-    except ImportError as e:
-        return _needs_extras("proxy", "proxy", e)
-    config = ProxyConfig(
-        read_timeout=args.read_timeout,
-        connect_timeout=args.connect_timeout,
-        max_in_flight=args.max_in_flight,
-        max_request_bytes=args.max_request_bytes,
-        body_timeout=args.body_timeout,
-        max_buffered_bytes=args.max_buffered_bytes,
-        max_upstream_bytes=args.max_upstream_bytes,
-        eject_after=args.eject_after,
-        eject_seconds=args.eject_seconds,
-        upstream_api_key=args.upstream_api_key or os.environ.get(UPSTREAM_KEY_ENV),
-    )
-    serve(args.prefill, args.decode, args.host, args.port, config, log_level=args.log_level)
+        serve(
+            args.prefill, args.decode, args.host, args.port, config, args.log_level,
+            admin_port=args.admin_port,
+        )
+    except (ValueError, OSError) as e:
+        print(f"routed-experts proxy: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -418,9 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure agreement and expert_load beside numpy instead of the codec",
     )
     bench.set_defaults(func=cmd_bench)
-    proxy = sub.add_parser(
-        "proxy", help="P/D proxy that merges routed experts (needs the proxy extra)"
-    )
+    proxy = sub.add_parser("proxy", help="P/D proxy that merges routed experts")
     proxy.add_argument(
         "--prefill", nargs="+", required=True, type=_url, help="prefill server URL(s)"
     )
@@ -430,6 +435,19 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
     proxy.add_argument("--port", type=_count(1), default=8000, help="port to listen on")
     _add_proxy_limits(proxy)
+    proxy.add_argument(
+        "--admin-port",
+        type=_count(1),
+        help="serve /health and /metrics on this port only (default: on --port)",
+    )
+    proxy.add_argument(
+        "--data-plane",
+        choices=["rust", "python"],
+        default="rust",
+        help="rust: the server inside the extension (no extra needed; every limit below); "
+        "python: the ASGI app under uvicorn (the proxy extra; https upstreams; no connection "
+        "limits, request or write timeouts of its own)",
+    )
     proxy.add_argument(
         "--upstream-api-key",
         help="API key sent to the servers instead of the client's Authorization "
@@ -506,7 +524,8 @@ def _add_proxy_limits(p: argparse.ArgumentParser) -> None:
         "--max-buffered-bytes",
         type=_count(1),
         default=1024 * 2**20,
-        help="client bodies being received at once, in bytes; beyond gets 503 + Retry-After",
+        help="bytes held in bodies at once (client bodies being received, upstream replies "
+        "being read and merged); beyond gets 503 + Retry-After",
     )
     p.add_argument(
         "--max-upstream-bytes",
@@ -526,6 +545,67 @@ def _add_proxy_limits(p: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds an ejected upstream stays out before a trial request",
     )
+    p.add_argument(
+        "--header-timeout",
+        type=_seconds,
+        default=30.0,
+        help="seconds from accept to a whole request head; slower gets 408 and is closed "
+        "(an idle keep-alive connection is closed after as long)",
+    )
+    p.add_argument(
+        "--max-header-bytes",
+        type=_count(8192),
+        default=64 * 1024,
+        help="largest request head (request line and headers); larger gets 431",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=_count(1),
+        default=4096,
+        help="client connections open at once; more get 503 and are closed (logged)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=_seconds,
+        default=3600.0,
+        help="seconds for a whole request, streams included; beyond: 504, or a last error "
+        "event on a stream",
+    )
+    p.add_argument(
+        "--write-timeout",
+        type=_seconds,
+        default=60.0,
+        help="seconds a write to a client may wait (a client that stopped reading); beyond, "
+        "the connection is closed",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=_seconds,
+        default=30.0,
+        help="on SIGTERM/SIGINT: seconds for requests under way to finish before they are "
+        "cancelled (a second signal stops at once)",
+    )
+
+
+# The ProxyConfig fields the proxy flags set (all but the API key, which may come from the
+# environment).
+PROXY_SETTINGS = (
+    "read_timeout",
+    "connect_timeout",
+    "max_in_flight",
+    "max_request_bytes",
+    "body_timeout",
+    "max_buffered_bytes",
+    "max_upstream_bytes",
+    "eject_after",
+    "eject_seconds",
+    "header_timeout",
+    "max_header_bytes",
+    "max_connections",
+    "request_timeout",
+    "write_timeout",
+    "shutdown_timeout",
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

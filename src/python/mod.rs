@@ -3,6 +3,7 @@
 pub mod convert;
 pub mod functions;
 pub mod payload;
+pub mod proxy;
 pub mod quality;
 pub mod trajectory;
 

@@ -1,30 +1,40 @@
 """A prefill/decode (P/D) proxy that merges routed experts: vLLM's disaggregated-serving protocol
 in front of prefill and decode servers, with every response's routing merged by absolute position.
 
-Use it as a command (`routed-experts proxy`), mount `create_app(...)` in your own ASGI app, or call
-the pieces (`prefill_request`, `decode_request`, `StreamMerger`) from your own router. It needs the
-`proxy` extra: aiohttp (upstream calls), orjson (the client's JSON), prometheus-client
-(`/metrics`), and uvicorn with uvloop and httptools (the server of `routed-experts proxy`).
+Two data planes speak the same protocol and pass the same tests:
+
+- `ProxyServer` / `serve` (what `routed-experts proxy` runs): Rust, inside the extension (tokio
+  and hyper), with the GIL released. It needs no extra and carries the server's own limits:
+  header timeout and size, connection cap, request and write timeouts, drained shutdown.
+- `create_app(...)`: the proxy as a Python ASGI app, to mount in your own app (needs the `proxy`
+  extra: aiohttp, orjson, prometheus-client, uvicorn). Mounted, it has the limits of the
+  server that hosts it. The pieces (`prefill_request`, `decode_request`, `StreamMerger`) are
+  there for your own router.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .app import PDProxy, ProxyConfig, keep_freed_memory
-from .protocol import (
-    ENDPOINTS,
-    PREFILL_KV_TRANSFER_PARAMS,
-    REQUEST_ID,
-    UpstreamError,
-    decode_request,
-    error_body,
-    parse_client_body,
-    prefill_request,
-)
-from .stream import StreamMerger
+from .config import ProxyConfig
+from .server import ProxyServer, serve
+
+if TYPE_CHECKING:  # the Python data plane: imported on first use (it needs the proxy extra)
+    from .app import PDProxy, keep_freed_memory
+    from .protocol import (
+        ENDPOINTS,
+        PREFILL_KV_TRANSFER_PARAMS,
+        REQUEST_ID,
+        UpstreamError,
+        decode_request,
+        error_body,
+        parse_client_body,
+        prefill_request,
+    )
+    from .stream import StreamMerger
 
 __all__ = [
     "ENDPOINTS",
@@ -32,6 +42,7 @@ __all__ = [
     "REQUEST_ID",
     "PDProxy",
     "ProxyConfig",
+    "ProxyServer",
     "StreamMerger",
     "UpstreamError",
     "create_app",
@@ -41,7 +52,29 @@ __all__ = [
     "parse_client_body",
     "prefill_request",
     "serve",
+    "serve_asgi",
 ]
+
+_LAZY = {
+    "PDProxy": "app",
+    "keep_freed_memory": "app",
+    "ENDPOINTS": "protocol",
+    "PREFILL_KV_TRANSFER_PARAMS": "protocol",
+    "REQUEST_ID": "protocol",
+    "UpstreamError": "protocol",
+    "decode_request": "protocol",
+    "error_body": "protocol",
+    "parse_client_body": "protocol",
+    "prefill_request": "protocol",
+    "StreamMerger": "stream",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
 def create_app(
@@ -54,13 +87,15 @@ def create_app(
     `settings` are `ProxyConfig` fields (`read_timeout=30`, `max_in_flight=64`, ...), applied on
     top of `config`. Mounted inside another app, its lifespan does not run: call `await
     app.aclose()` on shutdown to close its connection pool."""
+    from .app import PDProxy
+
     if settings:
         base = config or ProxyConfig()
         config = ProxyConfig(**{**base.__dict__, **settings})
     return PDProxy(prefill, decode, config)
 
 
-def serve(
+def serve_asgi(
     prefill: Sequence[str],
     decode: Sequence[str],
     host: str,
@@ -68,17 +103,19 @@ def serve(
     config: ProxyConfig | None = None,
     log_level: str = "info",
 ) -> None:
-    """Serve the proxy with uvicorn (its "auto" choices take uvloop and httptools, which the
-    proxy extra installs). One log line per request comes from the proxy, so uvicorn's access
-    log is off."""
+    """Serve the Python data plane with uvicorn (`routed-experts proxy --data-plane python`;
+    uvloop and httptools come with the proxy extra). One log line per request comes from the
+    proxy, so uvicorn's access log is off."""
     import uvicorn
+
+    from .app import keep_freed_memory
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     keep_freed_memory()
     logging.getLogger("routed_experts.proxy").info(
-        "routed-experts proxy on http://%s:%d; prefill %s; decode %s",
+        "routed-experts proxy (Python data plane) on http://%s:%d; prefill %s; decode %s",
         host, port, " ".join(prefill), " ".join(decode),
     )
     uvicorn.run(

@@ -24,6 +24,7 @@ import orjson
 import routed_experts as rx
 from routed_experts._core import _read_prefill
 
+from .config import ProxyConfig
 from .metrics import Metrics
 from .protocol import (
     ENDPOINTS,
@@ -59,36 +60,6 @@ OFFLOAD_BYTES = 8 * MiB
 # is refused: at most once a second, answered within two seconds (or --connect-timeout).
 PROBE_INTERVAL = 1.0
 PROBE_TIMEOUT = 2.0
-
-
-@dataclass(frozen=True)
-class ProxyConfig:
-    """Everything an operator sets (the `routed-experts proxy` flags)."""
-
-    read_timeout: float = 600.0  # seconds an upstream may stay silent (a whole plain generation)
-    connect_timeout: float = 10.0  # seconds to open a connection to an upstream
-    max_in_flight: int = 256  # completion requests served at once; beyond: 503 + Retry-After
-    max_request_bytes: int = 64 * MiB  # a client body; beyond: 413
-    body_timeout: float = 60.0  # seconds to receive a client's whole body; beyond: 408 + close
-    max_buffered_bytes: int = 1024 * MiB  # client bodies being received at once; beyond: 503
-    max_upstream_bytes: int = 256 * MiB  # an upstream body or stream event; beyond: 502
-    eject_after: int = 3  # failures in a row that take an upstream out of rotation
-    eject_seconds: float = 10.0  # how long it stays out before a trial request
-    upstream_api_key: str | None = None  # sent as `Authorization: Bearer` instead of the client's
-
-    def __post_init__(self) -> None:
-        for name in ("read_timeout", "connect_timeout", "eject_seconds", "body_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be a positive number of seconds")
-        for name in (
-            "max_in_flight",
-            "max_request_bytes",
-            "max_buffered_bytes",
-            "max_upstream_bytes",
-            "eject_after",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
 
 
 @dataclass

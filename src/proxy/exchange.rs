@@ -1,0 +1,1023 @@
+//! One completion request, end to end: the client's body read within its limits, a decode
+//! server leased, the prefill call, the decode call, and every response's routing merged by
+//! absolute position (a plain body at once, a stream event by event).
+
+use std::convert::Infallible;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Frame, Incoming};
+use hyper::header::{HeaderValue, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE};
+use hyper::{Method, Request, Response, StatusCode};
+use tokio::sync::mpsc;
+
+use super::budget::{Budget, Share};
+use super::config::Config;
+use super::fault::Fault;
+use super::metrics::Metrics;
+use super::pool::{Lease, Outcome, Pool, Side};
+use super::request::{acceptable_request_id, ClientBody};
+use super::stream::{StreamError, StreamMerger};
+use super::upstream::{CallError, Upstreams};
+use crate::response::{read_prefill, routing_rows, MergeOptions};
+use crate::{Error, Hints};
+
+/// The body of every response the proxy sends.
+pub type Body = BoxBody<Bytes, Infallible>;
+
+/// Bodies at least this large are read or merged with the runtime told the thread blocks
+/// (`block_in_place`), so other connections move to the other workers meanwhile.
+const BLOCKING_BYTES: usize = 8 << 20;
+/// When every server of a side is out of rotation, one is probed before a request is refused:
+/// at most once a second, answered within two seconds (or the connect timeout, if shorter).
+const PROBE_INTERVAL: Duration = Duration::from_secs(1);
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Pieces of a stream queued for a client that is slower than the decode server.
+const STREAM_QUEUE: usize = 16;
+
+/// Everything the requests of one proxy share.
+pub struct Proxy {
+    /// The settings it serves with.
+    pub config: Config,
+    /// The prefill servers.
+    pub prefill: Pool,
+    /// The decode servers.
+    pub decode: Pool,
+    /// Its metrics.
+    pub metrics: Metrics,
+    /// Bytes held in bodies.
+    pub budget: Arc<Budget>,
+    /// Completion requests being served.
+    pub in_flight: AtomicUsize,
+    upstreams: Upstreams,
+    merge_max_bytes: usize,
+}
+
+impl Proxy {
+    /// A proxy serving `config` (checked by [`Config::check`] first).
+    pub fn new(config: Config) -> Self {
+        let prefill = Pool::new(
+            Side::Prefill,
+            &config.prefill,
+            config.eject_after,
+            config.eject_seconds,
+        );
+        let decode = Pool::new(
+            Side::Decode,
+            &config.decode,
+            config.eject_after,
+            config.eject_seconds,
+        );
+        let metrics = Metrics::default();
+        for u in prefill.upstreams.iter().chain(&decode.upstreams) {
+            metrics.upstream_healthy(u.side.name(), &u.url, true);
+        }
+        Proxy {
+            upstreams: Upstreams::new(
+                config.connect_timeout,
+                config.read_timeout,
+                config.max_in_flight,
+            ),
+            budget: Budget::new(config.max_buffered_bytes),
+            merge_max_bytes: crate::limits::max_bytes(),
+            prefill,
+            decode,
+            metrics,
+            in_flight: AtomicUsize::new(0),
+            config,
+        }
+    }
+
+    fn pool(&self, side: Side) -> &Pool {
+        match side {
+            Side::Prefill => &self.prefill,
+            Side::Decode => &self.decode,
+        }
+    }
+
+    fn release(&self, side: Side, lease: Lease, outcome: Outcome) {
+        let pool = self.pool(side);
+        let url = &pool.upstreams[lease.index].url;
+        if outcome == Outcome::Failed {
+            self.metrics.upstream_failed(side.name(), url);
+        }
+        if let Some((index, healthy)) = pool.release(lease, outcome) {
+            let url = &pool.upstreams[index].url;
+            if healthy {
+                log::warn!(target: "routed_experts::proxy", "{} server {url} is back in rotation", side.name());
+            }
+            self.metrics.upstream_healthy(side.name(), url, healthy);
+        }
+    }
+
+    /// A completion request (`endpoint` is its exact path).
+    pub async fn completion(
+        self: &Arc<Self>,
+        req: Request<Incoming>,
+        endpoint: &'static str,
+    ) -> Response<Body> {
+        let began = Instant::now();
+        let mut ex = Exchange::new(Arc::clone(self), request_id(&req), endpoint);
+        let deadline = tokio::time::Instant::from_std(began + self.config.request_timeout);
+        let auth = match &self.config.upstream_api_key {
+            Some(key) => HeaderValue::from_str(&format!("Bearer {key}")).ok(),
+            None => req.headers().get(AUTHORIZATION).cloned(),
+        };
+        // The body first, within its limits: a request takes a completion slot only once its
+        // body is whole, so clients that drip their bodies cannot hold the slots.
+        let raw = match self.receive_body(req).await {
+            Ok(raw) => raw,
+            Err(None) => {
+                ex.status(499, "client");
+                return Response::new(empty());
+            }
+            Err(Some(fault)) => return ex.fail(fault),
+        };
+        let Some(slot) = Slot::take(self) else {
+            self.metrics.rejected("in_flight");
+            let max = self.config.max_in_flight;
+            let fault = Fault::new(
+                "proxy",
+                503,
+                format!("the proxy is serving its limit of {max} requests"),
+            );
+            return ex.fail(fault.retry_after(1));
+        };
+        let body = match ClientBody::parse(&raw.0) {
+            Ok(b) => b,
+            Err(fault) => return ex.fail(fault),
+        };
+        drop(raw); // its bytes go back to the budget; the parsed fields hold their own copy
+        ex.stream = body.stream;
+        let call = Call {
+            proxy: Arc::clone(self),
+            endpoint,
+            chat: endpoint.ends_with("chat/completions"),
+            headers: upstream_headers(&ex.request_id, auth),
+            deadline,
+        };
+        match tokio::time::timeout_at(deadline, call.run(&mut ex, body, slot)).await {
+            Ok(Ok(response)) => response,
+            Ok(Err(fault)) => ex.fail(fault),
+            Err(_) => {
+                let t = self.config.request_timeout.as_secs_f64();
+                ex.fail(Fault::new(
+                    "proxy",
+                    504,
+                    format!("the request did not finish within {t} s (--request-timeout)"),
+                ))
+            }
+        }
+    }
+
+    /// The client's whole body, or the fault to answer with (`None`: the client left).
+    async fn receive_body(&self, req: Request<Incoming>) -> Result<(Bytes, Share), Option<Fault>> {
+        let c = &self.config;
+        let too_large = |size: u64| {
+            Fault::new(
+                "client",
+                413,
+                format!(
+                    "the request body is {size} bytes, over the limit of {}",
+                    c.max_request_bytes
+                ),
+            )
+            .closing()
+        };
+        let declared = req
+            .headers()
+            .get(CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if let Some(n) = declared.filter(|&n| n > c.max_request_bytes as u64) {
+            return Err(Some(too_large(n)));
+        }
+        let mut share = self.budget.share();
+        let over_budget = || {
+            self.metrics.rejected("buffered_bytes");
+            Fault::new(
+                "proxy",
+                503,
+                format!(
+                    "the proxy is receiving its limit of {} bytes of request bodies",
+                    self.budget.limit()
+                ),
+            )
+            .retry_after(1)
+            .closing()
+        };
+        let mut body = req.into_body();
+        let mut out = Vec::with_capacity(declared.unwrap_or(0).min(1 << 20) as usize);
+        let read = async {
+            while let Some(frame) = body.frame().await {
+                let Ok(data) = frame.map(Frame::into_data) else {
+                    return Err(None); // the connection broke: the client is gone
+                };
+                let Ok(data) = data else { continue };
+                let size = out.len() + data.len();
+                if size > c.max_request_bytes {
+                    return Err(Some(too_large(size as u64)));
+                }
+                if !share.grow(data.len()) {
+                    return Err(Some(over_budget()));
+                }
+                out.extend_from_slice(&data);
+            }
+            Ok(())
+        };
+        match tokio::time::timeout(c.body_timeout, read).await {
+            Ok(Ok(())) => Ok((Bytes::from(out), share)),
+            Ok(Err(e)) => Err(e),
+            Err(_) => {
+                self.metrics.rejected("body_timeout");
+                let t = c.body_timeout.as_secs_f64();
+                Err(Some(
+                    Fault::new(
+                        "client",
+                        408,
+                        format!("the request body did not arrive within {t} s"),
+                    )
+                    .closing(),
+                ))
+            }
+        }
+    }
+
+    /// The next server of `side`; when every one is out of rotation, the one due first is
+    /// probed and serves the request if it answers. Else 503 + Retry-After.
+    async fn lease(&self, side: Side) -> Result<Lease, Fault> {
+        let pool = self.pool(side);
+        if let Some(lease) = pool.pick(None) {
+            return Ok(lease);
+        }
+        if let Some(index) = pool.probe_candidate(PROBE_INTERVAL) {
+            let u = &pool.upstreams[index];
+            let wait = self.config.connect_timeout.min(PROBE_TIMEOUT);
+            let probe = self
+                .upstreams
+                .call(Method::GET, u.target.uri("/health"), &[], Bytes::new(), Some(wait));
+            let answered = matches!(probe.await, Ok(r) if r.status() == StatusCode::OK);
+            if let Some(lease) = pool.probed(index, answered) {
+                log::warn!(target: "routed_experts::proxy",
+                    "{} server {} answered a health probe: trying it", side.name(), u.url);
+                return Ok(lease);
+            }
+        }
+        self.metrics.rejected("no_upstream");
+        Err(Fault::new(
+            "proxy",
+            503,
+            format!(
+                "no {} server is in rotation (each failed repeatedly, and none answered a \
+                 health probe)",
+                side.name()
+            ),
+        )
+        .retry_after(pool.retry_after()))
+    }
+
+    /// `GET /v1/models`, relayed from a decode server (clients call it first).
+    pub async fn models(self: &Arc<Self>, req: Request<Incoming>) -> Response<Body> {
+        let id = request_id(&req);
+        let headers = upstream_headers(&id, req.headers().get(AUTHORIZATION).cloned());
+        let answer = async {
+            let lease = self.lease(Side::Decode).await?;
+            let u = &self.decode.upstreams[lease.index];
+            let result = self
+                .upstreams
+                .call(Method::GET, u.target.uri("/v1/models"), &headers, Bytes::new(), None)
+                .await;
+            let result = match result {
+                Ok(r) => {
+                    let status = r.status();
+                    let mut share = self.budget.share();
+                    let limit = self.config.max_upstream_bytes;
+                    self.upstreams
+                        .read_body(r, limit, &mut share)
+                        .await
+                        .map(|b| (status, b))
+                }
+                Err(e) => Err(e),
+            };
+            let outcome = match &result {
+                Ok((s, _)) if s.is_server_error() => Outcome::Failed,
+                Ok(_) => Outcome::Ok,
+                Err(_) => Outcome::Failed,
+            };
+            let url = u.url.clone();
+            self.release(Side::Decode, lease, outcome);
+            result.map_err(|e| self.call_fault(Side::Decode, &url, e))
+        };
+        let mut response = match answer.await {
+            Ok((status, body)) => json_response(status.as_u16(), body),
+            Err(fault) => fault_response(&fault),
+        };
+        if let Ok(v) = HeaderValue::from_str(&id) {
+            response.headers_mut().insert("x-request-id", v);
+        }
+        response
+    }
+
+    /// The fault a failed call is answered with: a server that could not be reached or read
+    /// (its address in the log, never to the client). A timeout is a 504; a connection never
+    /// made may be retried elsewhere.
+    fn call_fault(&self, side: Side, url: &str, e: CallError) -> Fault {
+        let s = side.name();
+        let limit = self.config.max_upstream_bytes;
+        match e {
+            CallError::Connect(why) => {
+                log::warn!(target: "routed_experts::proxy", "{s} server {url} failed: {why}");
+                Fault {
+                    retryable: true,
+                    ..Fault::new(s, 502, format!("the {s} server could not be reached: connect error"))
+                }
+            }
+            CallError::Timeout => {
+                log::warn!(target: "routed_experts::proxy", "{s} server {url} failed: read timeout");
+                Fault::new(s, 504, format!("the {s} server did not answer in time (read timeout)"))
+            }
+            CallError::Broken(why) => {
+                log::warn!(target: "routed_experts::proxy", "{s} server {url} failed: {why}");
+                Fault::new(s, 502, format!("the {s} server failed: the connection broke"))
+            }
+            CallError::TooLarge(size, more) => Fault::new(
+                s,
+                502,
+                format!(
+                    "the {s} server's reply is {}{size} bytes, over the limit of {limit} \
+                     (--max-upstream-bytes)",
+                    if more { "at least " } else { "" }
+                ),
+            ),
+            CallError::Budget => {
+                self.metrics.rejected("buffered_bytes");
+                Fault::new(
+                    "proxy",
+                    503,
+                    format!(
+                        "the proxy is holding its limit of {} bytes of bodies",
+                        self.budget.limit()
+                    ),
+                )
+                .retry_after(1)
+            }
+        }
+    }
+}
+
+/// A completion slot, given back on drop.
+struct Slot(Arc<Proxy>);
+
+impl Slot {
+    fn take(proxy: &Arc<Proxy>) -> Option<Slot> {
+        let max = proxy.config.max_in_flight;
+        proxy
+            .in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1))
+            .ok()?;
+        proxy.metrics.in_flight(1);
+        Some(Slot(Arc::clone(proxy)))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.0.metrics.in_flight(-1);
+    }
+}
+
+/// One request on its way: what its log line and metrics report. Recorded when dropped, so a
+/// request whose client left (its future dropped) is counted too, as 499.
+pub struct Exchange {
+    proxy: Arc<Proxy>,
+    /// The id both halves and the response carry.
+    pub request_id: String,
+    endpoint: &'static str,
+    began: Instant,
+    status: u16,
+    side: &'static str,
+    stream: bool,
+    prefill: String,
+    decode: String,
+    seconds: [f64; 3], // prefill, decode, merge
+    bytes_out: usize,
+    finished: bool,
+    handed_off: bool, // its record moved to a stream relay, which records it
+}
+
+impl Exchange {
+    fn new(proxy: Arc<Proxy>, request_id: String, endpoint: &'static str) -> Self {
+        Exchange {
+            proxy,
+            request_id,
+            endpoint,
+            began: Instant::now(),
+            status: 0,
+            side: "none",
+            stream: false,
+            prefill: "-".into(),
+            decode: "-".into(),
+            seconds: [0.0; 3],
+            bytes_out: 0,
+            finished: false,
+            handed_off: false,
+        }
+    }
+
+    fn status(&mut self, status: u16, side: &'static str) {
+        self.status = status;
+        self.side = side;
+        self.finished = true;
+    }
+
+    /// The error response for `fault`, recorded.
+    fn fail(&mut self, fault: Fault) -> Response<Body> {
+        if fault.status != 499 {
+            log::warn!(target: "routed_experts::proxy",
+                "{} {} {}: {}", self.request_id, self.endpoint, fault.side, fault.message);
+        }
+        self.status(fault.status, fault.side);
+        let mut r = fault_response(&fault);
+        self.bytes_out = fault.body().len();
+        self.tag(&mut r);
+        r
+    }
+
+    fn tag(&self, r: &mut Response<Body>) {
+        if let Ok(v) = HeaderValue::from_str(&self.request_id) {
+            r.headers_mut().insert("x-request-id", v);
+        }
+    }
+}
+
+impl Drop for Exchange {
+    fn drop(&mut self) {
+        if self.handed_off {
+            return;
+        }
+        if !self.finished {
+            (self.status, self.side) = (499, "client");
+        }
+        let total = self.began.elapsed().as_secs_f64();
+        let m = &self.proxy.metrics;
+        m.request(self.endpoint, self.status, self.side);
+        m.observe("total", total);
+        for (phase, s) in ["prefill", "decode", "merge"].iter().zip(self.seconds) {
+            if s > 0.0 {
+                m.observe(phase, s);
+            }
+        }
+        let [p, d, g] = self.seconds.map(|s| s * 1e3);
+        log::info!(target: "routed_experts::proxy",
+            "request_id={} endpoint={} status={} side={} stream={} prefill={} decode={} \
+             prefill_ms={p:.1} decode_ms={d:.1} merge_ms={g:.1} total_ms={:.1} bytes_out={}",
+            self.request_id, self.endpoint, self.status, self.side, self.stream, self.prefill,
+            self.decode, total * 1e3, self.bytes_out);
+    }
+}
+
+/// The upstream side of one completion request.
+struct Call {
+    proxy: Arc<Proxy>,
+    endpoint: &'static str,
+    chat: bool,
+    headers: Vec<(&'static str, HeaderValue)>,
+    deadline: tokio::time::Instant,
+}
+
+impl Call {
+    async fn run(
+        self,
+        ex: &mut Exchange,
+        body: ClientBody,
+        slot: Slot,
+    ) -> Result<Response<Body>, Fault> {
+        let proxy = Arc::clone(&self.proxy);
+        // A decode server first: with none to take the request, it is refused before a prefill
+        // server computes a KV cache that no decode would ever fetch.
+        let lease = proxy.lease(Side::Decode).await?;
+        let mut guard = LeaseGuard {
+            proxy: &proxy,
+            lease: Some(lease),
+        };
+        let prefill_json = body.prefill_request(self.chat);
+        let (prefill_body, _prefill_share) = self.prefill(ex, prefill_json).await?;
+        let start = body.start;
+        let kv = read_prefill_for(&prefill_body, start, proxy.merge_max_bytes)
+            .map_err(|e| Fault::new("prefill", 502, format!("malformed prefill body: {e}")))?;
+        let (kv, rows) = kv;
+        if let Some(s) = start {
+            if rows.contains(&0) {
+                return Err(Fault::bad_field(
+                    "routed_experts_prompt_start",
+                    format!(
+                        "routed_experts_prompt_start={s} is not below the prompt's length \
+                         (prefill returned no rows)"
+                    ),
+                ));
+            }
+        }
+        let decode_json = body.decode_request(kv.as_deref());
+        drop(body);
+        let lease = guard.lease.take().expect("leased above");
+        ex.decode = proxy.decode.upstreams[lease.index].url.clone();
+        let opts = MergeOptions {
+            hints: Hints {
+                start,
+                ..Hints::default()
+            },
+            ..MergeOptions::new(proxy.merge_max_bytes)
+        };
+        if ex.stream {
+            return self
+                .stream(ex, lease, decode_json, prefill_body, opts, slot)
+                .await;
+        }
+        let (decode_body, _decode_share) =
+            self.fetch(ex, Side::Decode, lease, decode_json.into()).await?;
+        let began = Instant::now();
+        let merged = blocking_if(decode_body.len() >= BLOCKING_BYTES, || {
+            let opts = MergeOptions {
+                require_routing: true,
+                ..opts
+            };
+            crate::response::merge_response(&prefill_body, &decode_body, opts)
+        })
+        .map_err(merge_fault)?;
+        ex.seconds[2] = began.elapsed().as_secs_f64();
+        proxy.metrics.merged(merged.len());
+        ex.status(200, "none");
+        ex.bytes_out = merged.len();
+        let mut r = json_response(200, Bytes::from(merged));
+        ex.tag(&mut r);
+        Ok(r)
+    }
+
+    /// The prefill call; a server that could not be connected to is replaced by the next.
+    async fn prefill(&self, ex: &mut Exchange, data: Vec<u8>) -> Result<(Bytes, Share), Fault> {
+        let proxy = &self.proxy;
+        let lease = proxy.lease(Side::Prefill).await?;
+        let first = lease.index;
+        ex.prefill = proxy.prefill.upstreams[first].url.clone();
+        let data = Bytes::from(data);
+        match self.fetch(ex, Side::Prefill, lease, data.clone()).await {
+            Err(fault) if fault.retryable => {
+                let Some(retry) = proxy.prefill.pick(Some(first)) else {
+                    return Err(fault);
+                };
+                let url = proxy.prefill.upstreams[retry.index].url.clone();
+                log::warn!(target: "routed_experts::proxy",
+                    "{} prefill {} unreachable, retrying on {url}", ex.request_id, ex.prefill);
+                ex.prefill = url;
+                self.fetch(ex, Side::Prefill, retry, data).await
+            }
+            other => other,
+        }
+    }
+
+    /// POST to an upstream and read its JSON reply, recording the upstream's health.
+    async fn fetch(
+        &self,
+        ex: &mut Exchange,
+        side: Side,
+        lease: Lease,
+        data: Bytes,
+    ) -> Result<(Bytes, Share), Fault> {
+        let proxy = &self.proxy;
+        let u = &proxy.pool(side).upstreams[lease.index];
+        let began = Instant::now();
+        let mut guard = ReleaseGuard {
+            proxy,
+            side,
+            lease: Some(lease),
+            outcome: Outcome::Unknown,
+        };
+        let s = side.name();
+        let result = async {
+            let r = proxy
+                .upstreams
+                .call(Method::POST, u.target.uri(self.endpoint), &self.headers, data, None)
+                .await?;
+            let status = r.status().as_u16();
+            let json = is_mime(r.headers().get(CONTENT_TYPE), "application/json");
+            let mut share = proxy.budget.share();
+            let body = proxy
+                .upstreams
+                .read_body(r, proxy.config.max_upstream_bytes, &mut share)
+                .await?;
+            Ok((status, json, body, share))
+        }
+        .await;
+        let i = if side == Side::Prefill { 0 } else { 1 };
+        ex.seconds[i] += began.elapsed().as_secs_f64();
+        let (status, json, body, share) = result.map_err(|e: CallError| {
+            guard.outcome = Outcome::Failed;
+            proxy.call_fault(side, &u.url, e)
+        })?;
+        guard.outcome = if status >= 500 {
+            Outcome::Failed
+        } else {
+            Outcome::Ok
+        };
+        if status >= 400 {
+            return Err(status_fault(side, &u.url, status, &body));
+        }
+        if !json {
+            log::warn!(target: "routed_experts::proxy", "{s} server {} did not answer with JSON", u.url);
+            return Err(Fault::new(s, 502, format!("the {s} server did not answer with JSON")));
+        }
+        Ok((body, share))
+    }
+
+    /// The decode call as a stream: headers go to the client once decode answers with one;
+    /// from then on its events are relayed by a task of their own, merged where they carry
+    /// routing, and any failure is reported in-band as a last error event.
+    async fn stream(
+        self,
+        ex: &mut Exchange,
+        lease: Lease,
+        data: Vec<u8>,
+        prefill_body: Bytes,
+        opts: MergeOptions,
+        slot: Slot,
+    ) -> Result<Response<Body>, Fault> {
+        let proxy = Arc::clone(&self.proxy);
+        let u = &proxy.decode.upstreams[lease.index];
+        let url = u.url.clone();
+        let began = Instant::now();
+        let mut guard = ReleaseGuard {
+            proxy: &proxy,
+            side: Side::Decode,
+            lease: Some(lease),
+            outcome: Outcome::Unknown,
+        };
+        let r = proxy
+            .upstreams
+            .call(Method::POST, u.target.uri(self.endpoint), &self.headers, data.into(), None)
+            .await
+            .map_err(|e| {
+                guard.outcome = Outcome::Failed;
+                proxy.call_fault(Side::Decode, &url, e)
+            })?;
+        let status = r.status().as_u16();
+        if status >= 400 {
+            guard.outcome = if status >= 500 {
+                Outcome::Failed
+            } else {
+                Outcome::Ok
+            };
+            let mut share = proxy.budget.share();
+            let limit = proxy.config.max_upstream_bytes;
+            let body = proxy
+                .upstreams
+                .read_body(r, limit, &mut share)
+                .await
+                .unwrap_or_default();
+            return Err(status_fault(Side::Decode, &url, status, &body));
+        }
+        if !is_mime(r.headers().get(CONTENT_TYPE), "text/event-stream") {
+            guard.outcome = Outcome::Ok;
+            log::warn!(target: "routed_experts::proxy", "decode server {url} did not answer with a stream");
+            return Err(Fault::new(
+                "decode",
+                502,
+                "the decode server did not answer with a stream",
+            ));
+        }
+        let lease = guard.lease.take().expect("leased above");
+        drop(guard);
+        // Headers go out now: from here on, failures are reported in-band.
+        ex.status(200, "none");
+        let (tx, rx) = mpsc::channel(STREAM_QUEUE);
+        let mut response = Response::new(BodyExt::boxed(ChannelBody(rx)));
+        response
+            .headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+        ex.tag(&mut response);
+        // The relay owns the request's record from here on (it logs when the stream ends).
+        let mut record = Exchange::new(Arc::clone(&proxy), ex.request_id.clone(), self.endpoint);
+        std::mem::swap(&mut record, ex);
+        ex.handed_off = true;
+        let merger = StreamMerger::new(prefill_body, opts, proxy.config.max_upstream_bytes);
+        let relay = Relay {
+            proxy,
+            url,
+            record,
+            lease: Some(lease),
+            merger,
+            tx,
+            deadline: self.deadline,
+            began,
+            _slot: slot,
+        };
+        tokio::spawn(relay.run(r.into_body()));
+        Ok(response)
+    }
+}
+
+/// A decode stream being relayed to its client.
+struct Relay {
+    proxy: Arc<Proxy>,
+    url: String,
+    record: Exchange,
+    lease: Option<Lease>,
+    merger: StreamMerger,
+    tx: mpsc::Sender<Bytes>,
+    deadline: tokio::time::Instant,
+    began: Instant,
+    _slot: Slot,
+}
+
+enum Step {
+    Chunk(Option<Bytes>),
+    Failed(CallError),
+    Expired,
+    ClientGone,
+}
+
+impl Relay {
+    async fn run(mut self, mut body: Incoming) {
+        let proxy = Arc::clone(&self.proxy);
+        let (outcome, tail) = loop {
+            let step = tokio::select! {
+                r = proxy.upstreams.next_chunk(&mut body) => match r {
+                    Ok(c) => Step::Chunk(c),
+                    Err(e) => Step::Failed(e),
+                },
+                _ = tokio::time::sleep_until(self.deadline) => Step::Expired,
+                _ = self.tx.closed() => Step::ClientGone,
+            };
+            let mut out = Vec::new();
+            let fed = match step {
+                Step::Chunk(Some(chunk)) => {
+                    let big = self.merger.buffered() + chunk.len() >= BLOCKING_BYTES;
+                    blocking_if(big, || self.merger.feed(chunk, &mut out))
+                }
+                Step::Chunk(None) => match self.merger.finish(&mut out) {
+                    Ok(()) => {
+                        self.send_all(out).await;
+                        break (Outcome::Ok, None);
+                    }
+                    Err(e) => Err(e),
+                },
+                Step::Failed(e) => {
+                    break (Outcome::Failed, Some(proxy.call_fault(Side::Decode, &self.url, e)));
+                }
+                Step::Expired => {
+                    let t = self.proxy.config.request_timeout.as_secs_f64();
+                    let f = Fault::new(
+                        "proxy",
+                        504,
+                        format!("the request did not finish within {t} s (--request-timeout)"),
+                    );
+                    break (Outcome::Ok, Some(f));
+                }
+                Step::ClientGone => {
+                    self.record.finished = false; // recorded as 499
+                    break (Outcome::Unknown, None);
+                }
+            };
+            match fed {
+                Ok(()) => {
+                    if !self.send_all(out).await {
+                        self.record.finished = false;
+                        break (Outcome::Unknown, None);
+                    }
+                }
+                Err(e) => {
+                    self.send_all(out).await;
+                    break (Outcome::Ok, Some(stream_fault(e)));
+                }
+            }
+        };
+        drop(body); // closes the upstream connection if the stream did not end
+        self.proxy.metrics.merged(self.merger.merged_bytes);
+        if let Some(fault) = tail {
+            log::warn!(target: "routed_experts::proxy", "{} {} stream {}: {}",
+                self.record.request_id, self.record.endpoint, fault.side, fault.message);
+            self.record.side = fault.side;
+            self.send_all(vec![Bytes::from(fault.event())]).await;
+        }
+        if let Some(lease) = self.lease.take() {
+            self.proxy.release(Side::Decode, lease, outcome);
+        }
+        self.record.seconds[1] = self.began.elapsed().as_secs_f64();
+    }
+
+    /// Send pieces to the client; `false` when it is gone.
+    async fn send_all(&mut self, pieces: Vec<Bytes>) -> bool {
+        for piece in pieces {
+            let n = piece.len();
+            if self.tx.send(piece).await.is_err() {
+                return false;
+            }
+            self.record.bytes_out += n;
+        }
+        true
+    }
+}
+
+/// A response body fed by a channel: the stream relay's pieces, in order.
+struct ChannelBody(mpsc::Receiver<Bytes>);
+
+impl hyper::body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0.poll_recv(cx).map(|piece| piece.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+/// Gives a lease back when a request ends before its upstream call starts.
+struct LeaseGuard<'a> {
+    proxy: &'a Proxy,
+    lease: Option<Lease>,
+}
+
+impl Drop for LeaseGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            self.proxy.release(Side::Decode, lease, Outcome::Unknown);
+        }
+    }
+}
+
+/// Gives a lease back with the call's outcome (Unknown if the client left first).
+struct ReleaseGuard<'a> {
+    proxy: &'a Proxy,
+    side: Side,
+    lease: Option<Lease>,
+    outcome: Outcome,
+}
+
+impl Drop for ReleaseGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            self.proxy.release(self.side, lease, self.outcome);
+        }
+    }
+}
+
+/// `kv_transfer_params` and, when the client gave a prompt start, each routing value's rows.
+fn read_prefill_for(
+    body: &[u8],
+    start: Option<u64>,
+    max_bytes: usize,
+) -> crate::Result<(Option<Vec<u8>>, Vec<usize>)> {
+    blocking_if(body.len() >= BLOCKING_BYTES, || {
+        let read = read_prefill(body)?;
+        let hints = Hints {
+            start,
+            ..Hints::default()
+        };
+        let rows = match start {
+            None => Vec::new(),
+            Some(_) => read
+                .routing
+                .iter()
+                .map(|f| {
+                    routing_rows(f, &hints, max_bytes)
+                        .map_err(|e| e.context(format!("choice {}", f.index)))
+                })
+                .collect::<crate::Result<_>>()?,
+        };
+        Ok((read.kv_transfer_params.map(<[u8]>::to_vec), rows))
+    })
+}
+
+/// Run `f` telling the runtime this thread blocks, when the work is large.
+fn blocking_if<T>(large: bool, f: impl FnOnce() -> T) -> T {
+    if large {
+        tokio::task::block_in_place(f)
+    } else {
+        f()
+    }
+}
+
+fn merge_fault(e: Error) -> Fault {
+    let text = e.to_string();
+    for side in ["prefill", "decode"] {
+        if text.contains(&format!("missing routing on the {side} side")) {
+            return Fault::new(side, 502, text);
+        }
+    }
+    match e {
+        Error::Merge(_) => Fault::new(
+            "merge",
+            502,
+            format!("prefill and decode routing do not merge: {text}"),
+        ),
+        Error::Payload(_) => Fault::new(
+            "merge",
+            502,
+            format!("malformed routing from an upstream: {text}"),
+        ),
+    }
+}
+
+fn stream_fault(e: StreamError) -> Fault {
+    match e {
+        StreamError::NoDone => Fault::new(
+            "decode",
+            502,
+            "the decode stream ended before data: [DONE]",
+        ),
+        StreamError::LineTooLong(n) => Fault::new(
+            "decode",
+            502,
+            format!("decode stream: a line of more than {n} bytes (the limit on one event)"),
+        ),
+        StreamError::Merge(e) => merge_fault(e),
+    }
+}
+
+/// A 4xx is about the client's request: its status is passed on. A 5xx is the upstream's
+/// fault (502).
+fn status_fault(side: Side, url: &str, status: u16, body: &[u8]) -> Fault {
+    let text = String::from_utf8_lossy(&body[..body.len().min(2000)]).into_owned();
+    let s = side.name();
+    log::warn!(target: "routed_experts::proxy", "{s} server {url} answered {status}: {text}");
+    let code = if status < 500 { status } else { 502 };
+    Fault::new(s, code, format!("the {s} server answered {status}: {text}"))
+}
+
+fn is_mime(value: Option<&HeaderValue>, mime: &str) -> bool {
+    value
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|m| m.trim().eq_ignore_ascii_case(mime))
+}
+
+fn upstream_headers(id: &str, auth: Option<HeaderValue>) -> Vec<(&'static str, HeaderValue)> {
+    let mut h = vec![("content-type", HeaderValue::from_static("application/json"))];
+    if let Ok(v) = HeaderValue::from_str(id) {
+        h.push(("x-request-id", v));
+    }
+    if let Some(a) = auth {
+        h.push(("authorization", a));
+    }
+    h
+}
+
+/// The client's `X-Request-Id` when acceptable, else a new random one.
+pub fn request_id<B>(req: &Request<B>) -> String {
+    if let Some(v) = req.headers().get("x-request-id") {
+        if acceptable_request_id(v.as_bytes()) {
+            if let Ok(s) = v.to_str() {
+                return s.to_string();
+            }
+        }
+    }
+    // RandomState is seeded from the OS per process and stepped per instance: 128 random-
+    // enough bits with no extra dependency (ids need to be unique, not secret).
+    let s = std::collections::hash_map::RandomState::new();
+    let (mut a, mut b) = (s.build_hasher(), s.build_hasher());
+    a.write_u8(1);
+    b.write_u8(2);
+    format!("rx-{:016x}{:016x}", a.finish(), b.finish())
+}
+
+/// An empty body.
+pub fn empty() -> Body {
+    Full::new(Bytes::new()).boxed()
+}
+
+/// A JSON response with `body`.
+pub fn json_response(status: u16, body: Bytes) -> Response<Body> {
+    response(status, "application/json", body)
+}
+
+/// A response with a content type and a whole body.
+pub fn response(status: u16, content_type: &'static str, body: Bytes) -> Response<Body> {
+    let mut r = Response::new(Full::new(body).boxed());
+    *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r
+}
+
+/// The error response for `fault`, with its headers.
+pub fn fault_response(fault: &Fault) -> Response<Body> {
+    let mut r = json_response(fault.status, Bytes::from(fault.body()));
+    let h = r.headers_mut();
+    if let Some(s) = fault.retry_after {
+        h.insert("retry-after", HeaderValue::from(s));
+    }
+    if let Some(allow) = fault.allow {
+        h.insert("allow", HeaderValue::from_static(allow));
+    }
+    if fault.close {
+        h.insert("connection", HeaderValue::from_static("close"));
+    }
+    r
+}

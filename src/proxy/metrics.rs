@@ -1,0 +1,246 @@
+//! The proxy's Prometheus metrics, kept in memory and written as the text exposition format at
+//! `GET /metrics`. Names and labels are the Python data plane's, so dashboards carry over.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// Seconds: from a fast merge (a millisecond) to a long generation (ten minutes).
+const BUCKETS: [f64; 17] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    300.0, 600.0,
+];
+
+/// The phases whose time is observed.
+pub const PHASES: [&str; 4] = ["prefill", "decode", "merge", "total"];
+
+#[derive(Default)]
+struct Histogram {
+    counts: [u64; BUCKETS.len()],
+    count: u64,
+    sum: f64,
+}
+
+/// Every metric of one proxy.
+#[derive(Default)]
+pub struct Metrics {
+    requests: Mutex<BTreeMap<(String, u16, &'static str), u64>>,
+    phases: Mutex<[Histogram; 4]>,
+    merged_bytes: AtomicU64,
+    in_flight: AtomicI64,
+    connections: AtomicI64,
+    rejected: Mutex<BTreeMap<&'static str, u64>>,
+    upstream_healthy: Mutex<BTreeMap<(&'static str, String), bool>>,
+    upstream_failures: Mutex<BTreeMap<(&'static str, String), u64>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A number as Python's prometheus client writes it (`1.0`, `0.25`).
+fn num(x: f64) -> String {
+    if x.is_finite() && x.fract() == 0.0 && x.abs() < 1e15 {
+        format!("{x:.1}")
+    } else {
+        format!("{x}")
+    }
+}
+
+impl Metrics {
+    /// A request answered: its endpoint, status and the side at fault ("none" for a success).
+    pub fn request(&self, endpoint: &str, status: u16, side: &'static str) {
+        *lock(&self.requests)
+            .entry((endpoint.to_string(), status, side))
+            .or_default() += 1;
+    }
+
+    /// The time of one phase of a request.
+    pub fn observe(&self, phase: &str, seconds: f64) {
+        let Some(i) = PHASES.iter().position(|p| *p == phase) else {
+            return;
+        };
+        let mut phases = lock(&self.phases);
+        let h = &mut phases[i];
+        for (bound, count) in BUCKETS.iter().zip(h.counts.iter_mut()) {
+            if seconds <= *bound {
+                *count += 1;
+            }
+        }
+        h.count += 1;
+        h.sum += seconds;
+    }
+
+    /// Bytes of merged bodies and events sent.
+    pub fn merged(&self, bytes: usize) {
+        self.merged_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// Completion requests being served: +1 or -1.
+    pub fn in_flight(&self, delta: i64) {
+        self.in_flight.fetch_add(delta, Ordering::Relaxed);
+    }
+
+    /// Client connections open: +1 or -1.
+    pub fn connections(&self, delta: i64) {
+        self.connections.fetch_add(delta, Ordering::Relaxed);
+    }
+
+    /// A request or connection refused before any upstream was called, by reason.
+    pub fn rejected(&self, reason: &'static str) {
+        *lock(&self.rejected).entry(reason).or_default() += 1;
+    }
+
+    /// An upstream entered (`true`) or left the rotation.
+    pub fn upstream_healthy(&self, side: &'static str, url: &str, healthy: bool) {
+        lock(&self.upstream_healthy).insert((side, url.to_string()), healthy);
+    }
+
+    /// A failed request to an upstream.
+    pub fn upstream_failed(&self, side: &'static str, url: &str) {
+        *lock(&self.upstream_failures)
+            .entry((side, url.to_string()))
+            .or_default() += 1;
+    }
+
+    /// The text exposition format.
+    pub fn render(&self) -> String {
+        let mut o = String::with_capacity(4096);
+        let head = |o: &mut String, name: &str, kind: &str, help: &str| {
+            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        };
+        head(
+            &mut o,
+            "routed_experts_proxy_requests_total",
+            "counter",
+            "Requests answered, by endpoint, HTTP status and the side at fault (none, client, \
+             prefill, decode, merge, proxy); 499: the client left first",
+        );
+        for ((endpoint, status, side), n) in lock(&self.requests).iter() {
+            let _ = writeln!(
+                o,
+                "routed_experts_proxy_requests_total{{endpoint=\"{endpoint}\",side=\"{side}\",\
+                 status=\"{status}\"}} {}",
+                num(*n as f64)
+            );
+        }
+        head(
+            &mut o,
+            "routed_experts_proxy_phase_seconds",
+            "histogram",
+            "Time of each phase of a request: prefill call, decode call (to the end of a \
+             stream), merge, and the whole request",
+        );
+        let phases = lock(&self.phases);
+        for (phase, h) in PHASES.iter().zip(phases.iter()) {
+            let name = "routed_experts_proxy_phase_seconds";
+            for (bound, count) in BUCKETS.iter().zip(h.counts.iter()) {
+                let _ = writeln!(
+                    o,
+                    "{name}_bucket{{le=\"{}\",phase=\"{phase}\"}} {}",
+                    num(*bound),
+                    num(*count as f64)
+                );
+            }
+            let count = num(h.count as f64);
+            let _ = writeln!(o, "{name}_bucket{{le=\"+Inf\",phase=\"{phase}\"}} {count}");
+            let _ = writeln!(o, "{name}_count{{phase=\"{phase}\"}} {count}");
+            let _ = writeln!(o, "{name}_sum{{phase=\"{phase}\"}} {}", num(h.sum));
+        }
+        drop(phases);
+        head(
+            &mut o,
+            "routed_experts_proxy_merged_bytes_total",
+            "counter",
+            "Bytes of merged response bodies and merged stream events sent to clients",
+        );
+        let merged = self.merged_bytes.load(Ordering::Relaxed) as f64;
+        let _ = writeln!(o, "routed_experts_proxy_merged_bytes_total {}", num(merged));
+        head(
+            &mut o,
+            "routed_experts_proxy_requests_in_flight",
+            "gauge",
+            "Completion requests being served",
+        );
+        let in_flight = self.in_flight.load(Ordering::Relaxed) as f64;
+        let _ = writeln!(o, "routed_experts_proxy_requests_in_flight {}", num(in_flight));
+        head(
+            &mut o,
+            "routed_experts_proxy_connections",
+            "gauge",
+            "Client connections open",
+        );
+        let conns = self.connections.load(Ordering::Relaxed) as f64;
+        let _ = writeln!(o, "routed_experts_proxy_connections {}", num(conns));
+        head(
+            &mut o,
+            "routed_experts_proxy_rejected_total",
+            "counter",
+            "Requests or connections refused before any upstream was called, by reason \
+             (in_flight, no_upstream, body_timeout, buffered_bytes, connections, header_timeout)",
+        );
+        for (reason, n) in lock(&self.rejected).iter() {
+            let _ = writeln!(
+                o,
+                "routed_experts_proxy_rejected_total{{reason=\"{reason}\"}} {}",
+                num(*n as f64)
+            );
+        }
+        head(
+            &mut o,
+            "routed_experts_proxy_upstream_healthy",
+            "gauge",
+            "1 while an upstream is in rotation, 0 while it is ejected by passive health checks",
+        );
+        for ((side, url), up) in lock(&self.upstream_healthy).iter() {
+            let v = if *up { "1.0" } else { "0.0" };
+            let _ = writeln!(
+                o,
+                "routed_experts_proxy_upstream_healthy{{side=\"{side}\",upstream=\"{url}\"}} {v}"
+            );
+        }
+        head(
+            &mut o,
+            "routed_experts_proxy_upstream_failures_total",
+            "counter",
+            "Failed requests to an upstream (no connection, timeout, broken reply, 5xx)",
+        );
+        for ((side, url), n) in lock(&self.upstream_failures).iter() {
+            let _ = writeln!(
+                o,
+                "routed_experts_proxy_upstream_failures_total{{side=\"{side}\",upstream=\"{url}\"}} {}",
+                num(*n as f64)
+            );
+        }
+        o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counters_histograms_and_gauges() {
+        let m = Metrics::default();
+        m.request("/v1/completions", 200, "none");
+        m.request("/v1/completions", 200, "none");
+        m.observe("merge", 0.003);
+        m.rejected("body_timeout");
+        m.in_flight(1);
+        m.in_flight(-1);
+        m.upstream_healthy("decode", "http://d:1", false);
+        let text = m.render();
+        assert!(text.contains(
+            "routed_experts_proxy_requests_total{endpoint=\"/v1/completions\",side=\"none\",\
+             status=\"200\"} 2.0"
+        ));
+        assert!(text.contains("routed_experts_proxy_phase_seconds_bucket{le=\"0.0025\",phase=\"merge\"} 0.0"));
+        assert!(text.contains("routed_experts_proxy_phase_seconds_bucket{le=\"0.005\",phase=\"merge\"} 1.0"));
+        assert!(text.contains("routed_experts_proxy_phase_seconds_count{phase=\"total\"} 0.0"));
+        assert!(text.contains("routed_experts_proxy_rejected_total{reason=\"body_timeout\"} 1.0"));
+        assert!(text.contains("routed_experts_proxy_requests_in_flight 0.0"));
+        assert!(text.contains("upstream=\"http://d:1\"} 0.0"));
+    }
+}

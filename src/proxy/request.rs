@@ -1,0 +1,248 @@
+//! vLLM's disaggregated-serving protocol as the proxy speaks it: the client's body checked, and
+//! what prefill and decode each receive. The client's fields are kept as their raw JSON text
+//! (field order and number spelling included); only the fields the protocol sets are rewritten.
+
+use indexmap::IndexMap;
+use serde_json::value::RawValue;
+
+use super::fault::{push_json_string, Fault};
+
+/// Nesting the proxy passes on (objects and arrays, the body itself included). JSON readers
+/// upstream are recursive; a deeper body is the client's error, found before any upstream call.
+pub const MAX_DEPTH: usize = 256;
+
+/// What vLLM's disaggregated prefill expects: compute the prompt, keep the KV cache for a
+/// remote decode, return the parameters the decode server needs to fetch it.
+pub const PREFILL_KV_TRANSFER_PARAMS: &str = r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
+
+/// A client's completion request, its top-level fields as raw JSON text.
+#[derive(Debug)]
+pub struct ClientBody {
+    fields: IndexMap<String, Box<RawValue>>,
+    /// `routed_experts_prompt_start`: where the client wants routing to start.
+    pub start: Option<u64>,
+    /// Whether the client asked for a stream.
+    pub stream: bool,
+}
+
+impl ClientBody {
+    /// Read the client's body; anything the proxy cannot pass on is a 400 naming what is
+    /// wrong: invalid UTF-8, not JSON (NaN and Infinity are not), not an object, nested past
+    /// [`MAX_DEPTH`], a `routed_experts_prompt_start` that is not a non-negative integer, a
+    /// `stream` that is not a boolean.
+    pub fn parse(raw: &[u8]) -> Result<Self, Fault> {
+        let bad = |why: String| Fault::new("client", 400, format!("invalid request body: {why}"));
+        if !simdutf::validate_utf8(raw) {
+            return Err(bad("not UTF-8 text".into()));
+        }
+        let depth = nesting(raw);
+        if depth > MAX_DEPTH {
+            return Err(bad(format!(
+                "the request body cannot be written back as JSON (nested {depth} levels deep, \
+                 over the limit of {MAX_DEPTH})"
+            )));
+        }
+        let fields: IndexMap<String, Box<RawValue>> = match serde_json::from_slice(raw) {
+            Ok(f) => f,
+            Err(e) if e.classify() == serde_json::error::Category::Data => {
+                return Err(bad("the request body must be a JSON object".into()))
+            }
+            Err(e) => return Err(bad(format!("not JSON ({e})"))),
+        };
+        let start = match fields.get("routed_experts_prompt_start").map(|v| v.get()) {
+            None | Some("null") => None,
+            Some(text) => Some(text.parse::<u64>().map_err(|_| {
+                Fault::bad_field(
+                    "routed_experts_prompt_start",
+                    format!(
+                        "invalid request body: routed_experts_prompt_start must be a \
+                         non-negative integer, got {}",
+                        clip(text)
+                    ),
+                )
+            })?),
+        };
+        let stream = match fields.get("stream").map(|v| v.get()) {
+            None | Some("null") | Some("false") => false,
+            Some("true") => true,
+            Some(text) => {
+                return Err(Fault::bad_field(
+                    "stream",
+                    format!("invalid request body: stream must be true or false, got {}", clip(text)),
+                ))
+            }
+        };
+        Ok(ClientBody {
+            fields,
+            start,
+            stream,
+        })
+    }
+
+    /// The request for the prefill server: one token, no streaming, KV cache kept for decode.
+    /// `min_tokens` and `min_completion_tokens` are for decode only (vLLM refuses them above
+    /// `max_tokens`); every other field goes through unchanged.
+    pub fn prefill_request(&self, chat: bool) -> Vec<u8> {
+        let one = raw("1");
+        let mut f = self.fields.clone();
+        f.insert("max_tokens".into(), one.clone());
+        if chat || f.contains_key("max_completion_tokens") {
+            f.insert("max_completion_tokens".into(), one);
+        }
+        for key in ["min_tokens", "min_completion_tokens", "stream_options"] {
+            f.shift_remove(key);
+        }
+        f.insert("stream".into(), raw("false"));
+        f.insert("kv_transfer_params".into(), raw(PREFILL_KV_TRANSFER_PARAMS));
+        write_object(f.iter())
+    }
+
+    /// The request for the decode server: the client's, with the `kv_transfer_params` prefill
+    /// returned (their raw JSON text) in place of any the client sent.
+    pub fn decode_request(&self, kv_transfer_params: Option<&[u8]>) -> Vec<u8> {
+        let Some(kv) = kv_transfer_params else {
+            return write_object(self.fields.iter());
+        };
+        let mut out = write_object(self.fields.iter().filter(|(k, _)| *k != "kv_transfer_params"));
+        out.pop(); // the closing brace
+        if out.len() > 1 {
+            out.push(b',');
+        }
+        out.extend_from_slice(br#""kv_transfer_params":"#);
+        out.extend_from_slice(kv);
+        out.push(b'}');
+        out
+    }
+}
+
+fn raw(text: &str) -> Box<RawValue> {
+    RawValue::from_string(text.to_string()).expect("constant JSON")
+}
+
+fn write_object<'a>(fields: impl Iterator<Item = (&'a String, &'a Box<RawValue>)>) -> Vec<u8> {
+    let mut out = String::from("{");
+    for (i, (k, v)) in fields.enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        push_json_string(&mut out, k);
+        out.push(':');
+        out.push_str(v.get());
+    }
+    out.push('}');
+    out.into_bytes()
+}
+
+/// The deepest nesting of objects and arrays in `raw` (brackets inside strings skipped). Only
+/// bounds what is passed on; the JSON itself is checked by the parser.
+fn nesting(raw: &[u8]) -> usize {
+    let (mut depth, mut deepest, mut in_string, mut escaped) = (0usize, 0usize, false, false);
+    for &b in raw {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'{' | b'[' => {
+                depth += 1;
+                deepest = deepest.max(depth);
+            }
+            b'}' | b']' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    deepest
+}
+
+/// At most 64 characters of a client's value, for an error message.
+fn clip(text: &str) -> String {
+    match text.char_indices().nth(64) {
+        Some((i, _)) => format!("{}...", &text[..i]),
+        None => text.to_string(),
+    }
+}
+
+/// A client's `X-Request-Id` is kept when it is 1 to 128 printable ASCII characters without
+/// spaces, so it can neither bloat every upstream request nor forge fields in the log line.
+pub fn acceptable_request_id(id: &[u8]) -> bool {
+    (1..=128).contains(&id.len()) && id.iter().all(|b| (b'!'..=b'~').contains(b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn json(bytes: &[u8]) -> serde_json::Value {
+        serde_json::from_slice(bytes).unwrap()
+    }
+
+    #[test]
+    fn prefill_and_decode_requests_keep_every_other_field_as_sent() {
+        let body = ClientBody::parse(
+            br#"{"model":"m","prompt":[1,2],"max_tokens":9,"min_tokens":3,"stream":true,
+                 "stream_options":{"include_usage":true},"big":123456789012345678901234567890,
+                 "routed_experts_prompt_start":2}"#,
+        )
+        .unwrap();
+        assert!(body.stream && body.start == Some(2));
+        let p = body.prefill_request(false);
+        let text = std::str::from_utf8(&p).unwrap();
+        assert!(text.starts_with(r#"{"model":"m","prompt":[1,2],"max_tokens":1,"stream":false"#));
+        assert!(text.contains("123456789012345678901234567890")); // not rounded to a float
+        let v = json(&p);
+        assert!(v.get("min_tokens").is_none() && v.get("stream_options").is_none());
+        assert!(v.get("max_completion_tokens").is_none());
+        assert_eq!(v["kv_transfer_params"]["do_remote_decode"], true);
+        let chat = json(&body.prefill_request(true));
+        assert_eq!(chat["max_completion_tokens"], 1);
+
+        let d = body.decode_request(Some(br#"{"remote_host":"h"}"#));
+        let v = json(&d);
+        assert_eq!(v["kv_transfer_params"]["remote_host"], "h");
+        assert_eq!((v["max_tokens"].clone(), v["min_tokens"].clone()), (9.into(), 3.into()));
+        let empty = ClientBody::parse(b"{}").unwrap();
+        assert_eq!(empty.decode_request(Some(b"{}")), br#"{"kv_transfer_params":{}}"#);
+        assert_eq!(empty.decode_request(None), b"{}");
+    }
+
+    #[test]
+    fn client_mistakes_name_the_field() {
+        for (body, param) in [
+            (&br#"{"routed_experts_prompt_start":-1}"#[..], Some("routed_experts_prompt_start")),
+            (br#"{"routed_experts_prompt_start":"3"}"#, Some("routed_experts_prompt_start")),
+            (br#"{"routed_experts_prompt_start":2.5}"#, Some("routed_experts_prompt_start")),
+            (br#"{"routed_experts_prompt_start":true}"#, Some("routed_experts_prompt_start")),
+            (br#"{"stream":1}"#, Some("stream")),
+            (b"[1]", None),
+            (b"{not json", None),
+            (br#"{"t":NaN}"#, None),
+            (b"{\"a\":\"\xff\"}", None),
+        ] {
+            let e = ClientBody::parse(body).unwrap_err();
+            assert_eq!((e.status, e.side, e.param), (400, "client", param), "{e:?}");
+        }
+        let deep = format!("{{\"x\":{}{}}}", "[".repeat(300), "]".repeat(300));
+        let e = ClientBody::parse(deep.as_bytes()).unwrap_err();
+        assert!(e.message.contains("cannot be written back as JSON"), "{}", e.message);
+        let ok = format!("{{\"x\":{}{}}}", "[".repeat(200), "]".repeat(200));
+        assert!(ClientBody::parse(ok.as_bytes()).is_ok());
+        assert_eq!(nesting(br#"{"s":"[[[{\"]"}"#), 1);
+    }
+
+    #[test]
+    fn request_ids() {
+        assert!(acceptable_request_id(b"abc-1"));
+        assert!(acceptable_request_id(&[b'a'; 128]));
+        assert!(!acceptable_request_id(&[b'a'; 129]));
+        assert!(!acceptable_request_id(b""));
+        assert!(!acceptable_request_id(b"x y"));
+        assert!(!acceptable_request_id("é".as_bytes()));
+    }
+}

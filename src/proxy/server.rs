@@ -1,0 +1,606 @@
+//! The HTTP/1.1 server in front: listeners, connection limits and timeouts, exact routes, and
+//! shutdown. Each accepted connection is served by hyper with a header read timeout and a
+//! header size limit; its socket is wrapped so a write that waits too long (a client that
+//! stopped reading) ends the connection, and a head that never arrives is answered with 408.
+
+use std::convert::Infallible;
+use std::future::Future as _;
+use std::io;
+use std::net::{SocketAddr, TcpListener as StdListener};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hyper::body::Incoming;
+use hyper::rt::{Read, ReadBufCursor, Write};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response};
+use hyper_util::rt::TokioTimer;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+use super::config::Config;
+use super::exchange::{fault_response, json_response, response, Body, Proxy};
+use super::fault::{push_json_string, Fault};
+
+/// How a running server is asked to stop: `Graceful` drains (within the shutdown timeout),
+/// `Now` stops at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Stop {
+    /// Serving.
+    Running,
+    /// Stop accepting; let requests under way finish within the shutdown timeout.
+    Graceful,
+    /// Stop at once.
+    Now,
+}
+
+/// A handle that stops a [`Server`] from any thread.
+#[derive(Clone)]
+pub struct Stopper(Arc<watch::Sender<Stop>>);
+
+impl Stopper {
+    /// Ask for `how`; a second graceful request becomes `Now` (what a second signal does).
+    pub fn stop(&self, how: Stop) {
+        self.0.send_modify(|s| {
+            *s = if *s >= Stop::Graceful && how == Stop::Graceful {
+                Stop::Now
+            } else {
+                (*s).max(how)
+            }
+        });
+    }
+}
+
+/// The proxy bound to its addresses, ready to run.
+pub struct Server {
+    listener: StdListener,
+    admin: Option<StdListener>,
+    proxy: Arc<Proxy>,
+    stop: Arc<watch::Sender<Stop>>,
+    workers: usize,
+}
+
+/// Client connections are counted here; a new one past the cap is answered and closed.
+struct Gate {
+    open: AtomicUsize,
+    max: usize,
+    last_logged: AtomicU64, // seconds since start of the last "cap reached" line
+    started: Instant,
+}
+
+impl Server {
+    /// Check `config` and bind `addr` (and `admin`, which then alone serves `/health` and
+    /// `/metrics`). Port 0 picks a free port ([`local_addr`](Self::local_addr) says which).
+    pub fn bind(config: Config, addr: SocketAddr, admin: Option<SocketAddr>) -> io::Result<Self> {
+        config
+            .check()
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        let listener = bind(addr)?;
+        let admin = admin.map(bind).transpose()?;
+        let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
+        Ok(Server {
+            listener,
+            admin,
+            proxy: Arc::new(Proxy::new(config)),
+            stop: Arc::new(watch::channel(Stop::Running).0),
+            workers,
+        })
+    }
+
+    /// The address the proxy serves on.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// The admin address, when there is one.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
+    /// A handle to stop the server from another thread.
+    pub fn stopper(&self) -> Stopper {
+        Stopper(Arc::clone(&self.stop))
+    }
+
+    /// Serve until stopped (by [`Stopper::stop`], or SIGTERM/SIGINT when `signals`): a first
+    /// stop drains requests under way for up to the shutdown timeout, then cancels their
+    /// upstream calls and closes their connections; a second one stops at once.
+    pub fn run(self, signals: bool) -> io::Result<()> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(self.workers)
+            .thread_name("routed-experts-proxy")
+            .enable_all()
+            .build()?;
+        let result = runtime.block_on(self.serve(signals));
+        // Tasks still running (streams past the shutdown timeout) are dropped here: their
+        // upstream connections close.
+        runtime.shutdown_timeout(Duration::from_secs(1));
+        result
+    }
+
+    async fn serve(self, signals: bool) -> io::Result<()> {
+        let Server {
+            listener,
+            admin,
+            proxy,
+            stop,
+            ..
+        } = self;
+        raise_file_limit();
+        let listener = TcpListener::from_std(listener)?;
+        let admin = admin.map(TcpListener::from_std).transpose()?;
+        let gate = Arc::new(Gate {
+            open: AtomicUsize::new(0),
+            max: proxy.config.max_connections,
+            last_logged: AtomicU64::new(u64::MAX),
+            started: Instant::now(),
+        });
+        let graceful = GracefulShutdown::new();
+        if signals {
+            tokio::spawn(forward_signals(Stopper(Arc::clone(&stop))));
+        }
+        tokio::spawn(give_back_memory(Arc::clone(&proxy)));
+        let mut stopped = stop.subscribe();
+        let admin_on = admin.is_some();
+        let accept_main = accept_loop(
+            listener,
+            Arc::clone(&proxy),
+            Arc::clone(&gate),
+            &graceful,
+            if admin_on { Routes::Service } else { Routes::All },
+            stop.subscribe(),
+        );
+        let accept_admin = async {
+            if let Some(admin) = admin {
+                let gate = Arc::new(Gate {
+                    open: AtomicUsize::new(0),
+                    max: 64,
+                    last_logged: AtomicU64::new(u64::MAX),
+                    started: Instant::now(),
+                });
+                accept_loop(admin, Arc::clone(&proxy), gate, &graceful, Routes::Admin, stop.subscribe())
+                    .await;
+            }
+        };
+        tokio::join!(accept_main, accept_admin);
+        if *stopped.borrow_and_update() == Stop::Now {
+            log::warn!(target: "routed_experts::proxy", "stopping at once");
+            return Ok(());
+        }
+        let wait = proxy.config.shutdown_timeout;
+        log::info!(target: "routed_experts::proxy",
+            "shutting down: {} requests under way get up to {} s",
+            proxy.in_flight.load(Ordering::Relaxed), wait.as_secs_f64());
+        tokio::select! {
+            _ = graceful.shutdown() => {
+                log::info!(target: "routed_experts::proxy", "shutdown complete: every request finished");
+            }
+            _ = tokio::time::sleep(wait) => {
+                log::warn!(target: "routed_experts::proxy",
+                    "shutdown timeout: cancelling {} requests under way",
+                    proxy.in_flight.load(Ordering::Relaxed));
+            }
+            _ = stopped.wait_for(|s| *s == Stop::Now) => {
+                log::warn!(target: "routed_experts::proxy", "stopping at once");
+            }
+        }
+        Ok(())
+    }
+}
+
+fn bind(addr: SocketAddr) -> io::Result<StdListener> {
+    let l = StdListener::bind(addr)?;
+    l.set_nonblocking(true)?;
+    Ok(l)
+}
+
+/// Which routes a listener serves.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Routes {
+    /// Completions and the operator endpoints.
+    All,
+    /// Completions only (the operator endpoints are on the admin port).
+    Service,
+    /// The operator endpoints only.
+    Admin,
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    proxy: Arc<Proxy>,
+    gate: Arc<Gate>,
+    graceful: &GracefulShutdown,
+    routes: Routes,
+    mut stop: watch::Receiver<Stop>,
+) {
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = stop.wait_for(|s| *s != Stop::Running) => return,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors or memory: wait instead of spinning.
+                log::warn!(target: "routed_experts::proxy", "accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        if gate.open.load(Ordering::Relaxed) >= gate.max {
+            refuse_connection(&proxy, &gate, stream);
+            continue;
+        }
+        gate.open.fetch_add(1, Ordering::Relaxed);
+        proxy.metrics.connections(1);
+        let stream = Arc::new(stream);
+        let served = Arc::new(AtomicUsize::new(0));
+        let io = ConnIo::new(Arc::clone(&stream), proxy.config.write_timeout);
+        let svc = {
+            let (proxy, served) = (Arc::clone(&proxy), Arc::clone(&served));
+            service_fn(move |req| {
+                served.fetch_add(1, Ordering::Relaxed);
+                let proxy = Arc::clone(&proxy);
+                async move { Ok::<_, Infallible>(route(proxy, req, routes).await) }
+            })
+        };
+        let conn = http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(proxy.config.header_timeout)
+            .max_buf_size(proxy.config.max_header_bytes.max(super::config::MIN_HEADER_BYTES))
+            .serve_connection(io, svc);
+        let conn = graceful.watch(conn);
+        let (proxy, gate) = (Arc::clone(&proxy), Arc::clone(&gate));
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                // A head that did not arrive in time on a connection that has not been served
+                // yet (slow or silent clients): 408, then close. An idle keep-alive connection
+                // is closed without a reply.
+                if e.is_timeout() && served.load(Ordering::Relaxed) == 0 {
+                    proxy.metrics.rejected("header_timeout");
+                    let t = proxy.config.header_timeout.as_secs_f64();
+                    let f = Fault::new(
+                        "client",
+                        408,
+                        format!("the request head did not arrive within {t} s"),
+                    );
+                    write_raw(&stream, &f, "Request Timeout").await;
+                }
+            }
+            gate.open.fetch_sub(1, Ordering::Relaxed);
+            proxy.metrics.connections(-1);
+        });
+    }
+}
+
+/// A connection past the cap: answered with 503 and closed, logged at most once a second.
+fn refuse_connection(proxy: &Arc<Proxy>, gate: &Gate, stream: TcpStream) {
+    proxy.metrics.rejected("connections");
+    let now = gate.started.elapsed().as_secs();
+    if gate.last_logged.swap(now, Ordering::Relaxed) != now {
+        log::warn!(target: "routed_experts::proxy",
+            "connection cap reached: {} client connections open (--max-connections); new ones get 503",
+            gate.max);
+    }
+    let f = Fault::new(
+        "proxy",
+        503,
+        format!("the proxy has its limit of {} connections open", gate.max),
+    )
+    .retry_after(1);
+    tokio::spawn(async move {
+        let stream = Arc::new(stream);
+        write_raw(&stream, &f, "Service Unavailable").await;
+    });
+}
+
+/// Write a whole error response straight to the socket (outside hyper), then close: bounded
+/// to a second, for clients that do not read.
+async fn write_raw(stream: &TcpStream, fault: &Fault, reason: &str) {
+    let body = fault.body();
+    let mut head = format!(
+        "HTTP/1.1 {} {reason}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+         connection: close\r\n",
+        fault.status,
+        body.len()
+    );
+    if let Some(s) = fault.retry_after {
+        head.push_str(&format!("retry-after: {s}\r\n"));
+    }
+    head.push_str("\r\n");
+    let mut bytes = head.into_bytes();
+    bytes.extend_from_slice(&body);
+    let write = async {
+        let mut rest = &bytes[..];
+        while !rest.is_empty() {
+            stream.writable().await?;
+            match stream.try_write(rest) {
+                Ok(n) => rest = &rest[n..],
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+        }
+        io::Result::Ok(())
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
+    shutdown_write(stream);
+}
+
+fn shutdown_write(stream: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: the descriptor belongs to `stream`, which is alive for this call; shutdown(2)
+    // only changes the socket's state and touches no memory.
+    unsafe {
+        libc::shutdown(stream.as_raw_fd(), libc::SHUT_WR);
+    }
+}
+
+async fn route(proxy: Arc<Proxy>, req: Request<Incoming>, routes: Routes) -> Response<Body> {
+    let path = req.uri().path();
+    let method = req.method().clone();
+    // Exact routes: a path that merely ends like one (`/admin/v1/completions`,
+    // `/etc/passwd/metrics`) is a 404, so an ingress's path rules cannot be walked around.
+    let completion = match path {
+        "/v1/completions" => Some("/v1/completions"),
+        "/v1/chat/completions" => Some("/v1/chat/completions"),
+        _ => None,
+    };
+    if let Some(endpoint) = completion.filter(|_| routes != Routes::Admin) {
+        if method != Method::POST {
+            return not_allowed(format!("{endpoint} takes POST"), "POST");
+        }
+        return proxy.completion(req, endpoint).await;
+    }
+    let operator = matches!(path, "/health" | "/metrics");
+    let known = match routes {
+        Routes::All => operator || matches!(path, "/v1/models" | "/healthcheck"),
+        Routes::Service => matches!(path, "/v1/models" | "/healthcheck"),
+        Routes::Admin => operator || path == "/healthcheck",
+    };
+    if !known {
+        let mut shown = String::new();
+        push_json_string(&mut shown, &path.chars().take(200).collect::<String>());
+        return fault_response(&Fault::new("client", 404, format!("no {method} {shown}")));
+    }
+    if method != Method::GET && method != Method::HEAD {
+        return not_allowed(format!("{path} takes GET"), "GET, HEAD");
+    }
+    match path {
+        "/v1/models" => proxy.models(req).await,
+        "/healthcheck" => json_response(200, Bytes::from_static(br#"{"status":"ok"}"#)),
+        "/health" => health(&proxy),
+        _ => response(
+            200,
+            "text/plain; version=0.0.4; charset=utf-8",
+            Bytes::from(proxy.metrics.render()),
+        ),
+    }
+}
+
+fn not_allowed(message: String, allow: &'static str) -> Response<Body> {
+    fault_response(&Fault {
+        allow: Some(allow),
+        ..Fault::new("client", 405, message)
+    })
+}
+
+/// Each upstream's passive health; 503 when a side has no server in rotation.
+fn health(proxy: &Proxy) -> Response<Body> {
+    let ok = proxy.prefill.any_healthy() && proxy.decode.any_healthy();
+    let side = |pool: &super::pool::Pool| {
+        serde_json::Value::Array(
+            pool.status()
+                .iter()
+                .map(|s| {
+                    serde_json::json!({
+                        "url": s.url,
+                        "healthy": s.healthy,
+                        "consecutive_failures": s.consecutive_failures,
+                        "retry_in_s": (s.retry_in * 1000.0).round() / 1000.0,
+                    })
+                })
+                .collect(),
+        )
+    };
+    let doc = serde_json::json!({
+        "status": if ok { "ok" } else { "unavailable" },
+        "in_flight": proxy.in_flight.load(Ordering::Relaxed),
+        "connections_limit": proxy.config.max_connections,
+        "buffered_bytes": proxy.budget.used(),
+        "prefill": side(&proxy.prefill),
+        "decode": side(&proxy.decode),
+    });
+    let body = serde_json::to_vec(&doc).unwrap_or_default();
+    json_response(if ok { 200 } else { 503 }, Bytes::from(body))
+}
+
+/// SIGTERM or SIGINT: a graceful stop; a second one: stop at once.
+async fn forward_signals(stopper: Stopper) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        log::warn!(target: "routed_experts::proxy", "cannot listen for signals");
+        return;
+    };
+    loop {
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        log::info!(target: "routed_experts::proxy", "{name} received");
+        stopper.stop(Stop::Graceful);
+    }
+}
+
+/// After a burst, glibc keeps the freed body buffers mapped. Once nothing has been in flight
+/// for a few seconds, hand the free memory back to the system.
+async fn give_back_memory(proxy: Arc<Proxy>) {
+    let mut quiet_ticks = 0u32;
+    let mut trimmed = true;
+    loop {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        if proxy.in_flight.load(Ordering::Relaxed) > 0 || proxy.budget.used() > 0 {
+            quiet_ticks = 0;
+            trimmed = false;
+            continue;
+        }
+        quiet_ticks += 1;
+        if !trimmed && quiet_ticks >= 2 {
+            trimmed = true;
+            trim_heap();
+        }
+    }
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn trim_heap() {
+    // SAFETY: malloc_trim only returns free heap pages to the system; it takes no pointers.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn trim_heap() {}
+
+/// Raise the soft limit on open files to the hard limit, so the connection cap (not the
+/// descriptor limit) is what a flood meets.
+fn raise_file_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid, writable rlimit for getrlimit, and a valid one for setrlimit.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
+
+/// A client socket as hyper reads and writes it. Shared (`Arc`), so the server can still
+/// answer 408 after hyper gives up on a head; a write that cannot proceed for `write_timeout`
+/// fails the connection (a client that stopped reading cannot hold a reply in memory).
+struct ConnIo {
+    stream: Arc<TcpStream>,
+    write_timeout: Duration,
+    write_stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl ConnIo {
+    fn new(stream: Arc<TcpStream>, write_timeout: Duration) -> Self {
+        ConnIo {
+            stream,
+            write_timeout,
+            write_stalled: None,
+        }
+    }
+
+    /// Called when the socket is not writable: arm the stall timer, or fail once it fired.
+    fn stalled(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        let timeout = self.write_timeout;
+        let timer = self
+            .write_stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        if timer.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client did not read the response in time",
+            )));
+        }
+        Poll::Pending
+    }
+
+    fn poll_write_with(
+        &mut self,
+        cx: &mut Context<'_>,
+        write: impl Fn(&TcpStream) -> io::Result<usize>,
+    ) -> Poll<io::Result<usize>> {
+        loop {
+            match self.stream.poll_write_ready(cx) {
+                Poll::Pending => return self.stalled(cx),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Ready(Ok(())) => {}
+            }
+            match write(&self.stream) {
+                Ok(n) => {
+                    self.write_stalled = None;
+                    return Poll::Ready(Ok(n));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+}
+
+impl Read for ConnIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        mut buf: ReadBufCursor<'_>,
+    ) -> Poll<io::Result<()>> {
+        loop {
+            ready!(self.stream.poll_read_ready(cx))?;
+            // SAFETY: `try_read_buf` writes initialised bytes only into the front of `dst` and
+            // returns how many; the cursor is advanced by exactly that many, so every byte it
+            // reports as filled was written. Nothing else aliases the cursor meanwhile.
+            let result = unsafe {
+                let mut dst = buf.as_mut();
+                self.stream.try_read_buf(&mut dst)
+            };
+            match result {
+                Ok(n) => {
+                    // SAFETY: as above, `n` bytes at the front of the cursor were written.
+                    unsafe { buf.advance(n) };
+                    return Poll::Ready(Ok(()));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+}
+
+impl Write for ConnIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        self.get_mut().poll_write_with(cx, |s| s.try_write(buf))
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        self.get_mut()
+            .poll_write_with(cx, |s| s.try_write_vectored(bufs))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        shutdown_write(&self.stream);
+        Poll::Ready(Ok(()))
+    }
+}
+

@@ -1,0 +1,223 @@
+//! Merging the routing of a decode server's event stream, relayed as bytes: blocks of events
+//! that cannot hold routing pass through untouched (no copy); only an event that carries it is
+//! merged with the prefill routing.
+
+use bytes::{Bytes, BytesMut};
+use memchr::memmem;
+
+use crate::response::{find_routing, merge_response_pieces, MergeOptions};
+
+/// Why a stream cannot be relayed to its end.
+#[derive(Debug)]
+pub enum StreamError {
+    /// The stream ended without `data: [DONE]`.
+    NoDone,
+    /// A line (one event's data) passed the limit.
+    LineTooLong(usize),
+    /// An event's routing did not merge, or no event carried routing while prefill did.
+    Merge(crate::Error),
+}
+
+/// Merges the routing of server-sent events from a decode server with the prefill routing.
+/// Feed it the stream's chunks as they arrive ([`feed`](Self::feed)), then call
+/// [`finish`](Self::finish); what they emit is the stream to send on.
+pub struct StreamMerger {
+    prefill: Bytes,
+    opts: MergeOptions,
+    max_line: usize,
+    partial: BytesMut,
+    /// Some event carried routing (and was merged).
+    pub merged: bool,
+    /// Bytes of merged events.
+    pub merged_bytes: usize,
+    done: bool,
+}
+
+/// What may hold routing: the key, or any `\u` escape (the key may be spelled with one).
+fn may_route(text: &[u8]) -> bool {
+    memmem::find(text, b"\"routed_experts\"").is_some() || memmem::find(text, b"\\u").is_some()
+}
+
+fn is_done(line: &[u8]) -> bool {
+    line.strip_prefix(b"data:")
+        .is_some_and(|rest| rest.trim_ascii() == b"[DONE]")
+}
+
+impl StreamMerger {
+    /// A merger for one stream; `opts` as for `merge_response` (its hints carry the prompt
+    /// start); a line longer than `max_line` bytes is an error.
+    pub fn new(prefill: Bytes, opts: MergeOptions, max_line: usize) -> Self {
+        StreamMerger {
+            prefill,
+            opts,
+            max_line,
+            partial: BytesMut::new(),
+            merged: false,
+            merged_bytes: 0,
+            done: false,
+        }
+    }
+
+    /// Bytes of an incomplete line held back until its end arrives.
+    pub fn buffered(&self) -> usize {
+        self.partial.len()
+    }
+
+    /// Push onto `out` the pieces to send for the lines this chunk completes.
+    pub fn feed(&mut self, chunk: Bytes, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
+        let mut pos = 0;
+        if !self.partial.is_empty() {
+            let Some(nl) = memchr::memchr(b'\n', &chunk) else {
+                return self.hold(&chunk);
+            };
+            pos = nl + 1;
+            self.hold(&chunk[..pos])?;
+            let line = self.partial.split().freeze();
+            self.line(line, out)?;
+        }
+        let cut = memchr::memrchr(b'\n', &chunk).map_or(0, |i| i + 1);
+        if cut > pos {
+            self.block(chunk.slice(pos..cut), out)?;
+            pos = cut;
+        }
+        if pos < chunk.len() {
+            self.hold(&chunk[pos..])?;
+        }
+        Ok(())
+    }
+
+    /// The rest of the stream (a last line without a newline); then the checks: the stream
+    /// ended with `data: [DONE]`, and carried routing if the prefill body did.
+    pub fn finish(&mut self, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
+        if !self.partial.is_empty() {
+            let line = self.partial.split().freeze();
+            self.line(line, out)?;
+        }
+        if !self.done {
+            return Err(StreamError::NoDone);
+        }
+        if !self.merged {
+            let opts = MergeOptions {
+                require_routing: true,
+                ..self.opts
+            };
+            merge_response_pieces(&self.prefill, b"{}", opts).map_err(StreamError::Merge)?;
+        }
+        Ok(())
+    }
+
+    fn hold(&mut self, piece: &[u8]) -> Result<(), StreamError> {
+        if self.partial.len() + piece.len() > self.max_line {
+            return Err(StreamError::LineTooLong(self.max_line));
+        }
+        self.partial.extend_from_slice(piece);
+        Ok(())
+    }
+
+    /// Whole lines: passed on as one piece unless one may hold routing or the stream's end.
+    fn block(&mut self, block: Bytes, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
+        let look_closer = may_route(&block) || memmem::find(&block, b"[DONE]").is_some();
+        if !look_closer && block.len() <= self.max_line {
+            out.push(block);
+            return Ok(());
+        }
+        let mut start = 0;
+        for nl in memchr::memchr_iter(b'\n', &block) {
+            self.line(block.slice(start..nl + 1), out)?;
+            start = nl + 1;
+        }
+        Ok(())
+    }
+
+    /// One line: merged if it is a `data:` event that carries routing, else as it came.
+    fn line(&mut self, line: Bytes, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
+        if line.len() > self.max_line {
+            return Err(StreamError::LineTooLong(self.max_line));
+        }
+        if is_done(&line) {
+            self.done = true;
+            out.push(line);
+            return Ok(());
+        }
+        let Some(rest) = line.strip_prefix(b"data:") else {
+            out.push(line);
+            return Ok(());
+        };
+        if !may_route(rest) {
+            out.push(line);
+            return Ok(());
+        }
+        let payload = rest.trim_ascii_start();
+        let carries = !find_routing(payload).map_err(StreamError::Merge)?.is_empty();
+        let merged = merge_response_pieces(&self.prefill, payload, self.opts)
+            .and_then(|s| s.to_vec())
+            .map_err(StreamError::Merge)?;
+        if carries {
+            self.merged = true;
+            self.merged_bytes += merged.len();
+        }
+        out.push(Bytes::from_static(b"data: "));
+        out.push(Bytes::from(merged));
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DEFAULT_MAX_BYTES;
+
+    const PREFILL: &[u8] = br#"{"choices":[{"index":0,"routed_experts":{"data":"CgsUFR4f","shape":[3,1,2],"start":0,"dtype":"uint8"}}]}"#;
+    const STREAM: &[u8] = b"data: {\"choices\":[{\"index\":0,\"text\":\"h\"}]}\n\n\
+data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"Hh8oKQ==\",\"shape\":[2,1,2],\"start\":2,\"dtype\":\"uint8\"}}]}\n\n\
+: a comment\n\ndata: [DONE]\n\n";
+
+    fn run(chunks: &[&[u8]], max_line: usize) -> Result<Vec<u8>, StreamError> {
+        let mut m = StreamMerger::new(
+            Bytes::from_static(PREFILL),
+            MergeOptions::new(DEFAULT_MAX_BYTES),
+            max_line,
+        );
+        let mut out = Vec::new();
+        for c in chunks {
+            m.feed(Bytes::copy_from_slice(c), &mut out)?;
+        }
+        m.finish(&mut out)?;
+        assert!(m.merged);
+        Ok(out.concat())
+    }
+
+    #[test]
+    fn any_chunking_gives_the_same_merged_stream() {
+        let whole = run(&[STREAM], 1 << 20).unwrap();
+        let text = String::from_utf8(whole.clone()).unwrap();
+        assert!(text.contains(r#""data":"CgsUFR4fKCk=","shape":[4,1,2],"start":0"#), "{text}");
+        assert!(text.starts_with("data: {\"choices\":[{\"index\":0,\"text\":\"h\"}]}\n\n"));
+        assert!(text.ends_with(": a comment\n\ndata: [DONE]\n\n"));
+        for a in 0..STREAM.len() {
+            for b in (a..STREAM.len()).step_by(7) {
+                let got = run(&[&STREAM[..a], &STREAM[a..b], &STREAM[b..]], 1 << 20).unwrap();
+                assert_eq!(got, whole, "split at {a}, {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_cut_stream_a_long_line_and_missing_routing_are_errors() {
+        let cut = &STREAM[..STREAM.len() - 14];
+        assert!(matches!(run(&[cut], 1 << 20), Err(StreamError::NoDone)));
+        assert!(matches!(run(&[STREAM], 100), Err(StreamError::LineTooLong(100))));
+        let mut m = StreamMerger::new(
+            Bytes::from_static(PREFILL),
+            MergeOptions::new(DEFAULT_MAX_BYTES),
+            1 << 20,
+        );
+        let mut out = Vec::new();
+        m.feed(Bytes::from_static(b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n"), &mut out)
+            .unwrap();
+        let Err(StreamError::Merge(e)) = m.finish(&mut out) else {
+            panic!("a stream without routing passed")
+        };
+        assert!(e.to_string().contains("missing routing on the decode side"), "{e}");
+    }
+}

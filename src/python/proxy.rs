@@ -1,0 +1,136 @@
+//! The proxy's data plane as Python sees it: bind, serve with the GIL released, stop.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::proxy::{Config, Server, Stop, Stopper};
+
+/// The Rust data plane of the P/D proxy, bound to its address and ready to serve.
+///
+/// `settings` holds `ProxyConfig`'s fields (seconds as numbers, limits as integers, None for
+/// "not set"). Binding happens here, so port 0 picks a free port that `port` then tells.
+/// `serve()` blocks (GIL released) until `stop()` is called from another thread, or, with
+/// `signals=True`, until SIGTERM or SIGINT (a second one stops at once).
+#[pyclass(module = "routed_experts._core", frozen)]
+pub struct _ProxyServer {
+    server: Mutex<Option<Server>>,
+    stopper: Stopper,
+    addr: SocketAddr,
+    admin: Option<SocketAddr>,
+}
+
+fn resolve(host: &str, port: u16) -> PyResult<SocketAddr> {
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| PyOSError::new_err(format!("cannot resolve {host}:{port}: {e}")))?
+        .next()
+        .ok_or_else(|| PyOSError::new_err(format!("{host}:{port} resolves to no address")))
+}
+
+fn seconds(name: &str, v: &Bound<'_, PyAny>) -> PyResult<Duration> {
+    let s: f64 = v.extract()?;
+    Duration::try_from_secs_f64(s)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| PyValueError::new_err(format!("{name} must be a positive number of seconds")))
+}
+
+fn config(prefill: Vec<String>, decode: Vec<String>, settings: &Bound<'_, PyDict>) -> PyResult<Config> {
+    let mut c = Config {
+        prefill,
+        decode,
+        ..Config::default()
+    };
+    for (key, value) in settings.iter() {
+        let name: String = key.extract()?;
+        if value.is_none() {
+            continue;
+        }
+        let v = &value;
+        match name.as_str() {
+            "read_timeout" => c.read_timeout = seconds(&name, v)?,
+            "connect_timeout" => c.connect_timeout = seconds(&name, v)?,
+            "body_timeout" => c.body_timeout = seconds(&name, v)?,
+            "eject_seconds" => c.eject_seconds = seconds(&name, v)?,
+            "header_timeout" => c.header_timeout = seconds(&name, v)?,
+            "request_timeout" => c.request_timeout = seconds(&name, v)?,
+            "write_timeout" => c.write_timeout = seconds(&name, v)?,
+            "shutdown_timeout" => c.shutdown_timeout = seconds(&name, v)?,
+            "max_in_flight" => c.max_in_flight = v.extract()?,
+            "max_request_bytes" => c.max_request_bytes = v.extract()?,
+            "max_buffered_bytes" => c.max_buffered_bytes = v.extract()?,
+            "max_upstream_bytes" => c.max_upstream_bytes = v.extract()?,
+            "eject_after" => c.eject_after = v.extract()?,
+            "max_header_bytes" => c.max_header_bytes = v.extract()?,
+            "max_connections" => c.max_connections = v.extract()?,
+            "upstream_api_key" => c.upstream_api_key = Some(v.extract()?),
+            other => return Err(PyTypeError::new_err(format!("unknown proxy setting {other:?}"))),
+        }
+    }
+    c.check().map_err(PyValueError::new_err)?;
+    Ok(c)
+}
+
+#[pymethods]
+impl _ProxyServer {
+    #[new]
+    #[pyo3(signature = (prefill, decode, host, port, settings, admin_port = None))]
+    fn new(
+        prefill: Vec<String>,
+        decode: Vec<String>,
+        host: &str,
+        port: u16,
+        settings: &Bound<'_, PyDict>,
+        admin_port: Option<u16>,
+    ) -> PyResult<Self> {
+        let config = config(prefill, decode, settings)?;
+        let addr = resolve(host, port)?;
+        let admin = admin_port.map(|p| resolve(host, p)).transpose()?;
+        let server = Server::bind(config, addr, admin)
+            .map_err(|e| PyOSError::new_err(format!("cannot listen on {addr}: {e}")))?;
+        Ok(_ProxyServer {
+            addr: server.local_addr()?,
+            admin: server.admin_addr(),
+            stopper: server.stopper(),
+            server: Mutex::new(Some(server)),
+        })
+    }
+
+    /// The port it listens on.
+    #[getter]
+    fn port(&self) -> u16 {
+        self.addr.port()
+    }
+
+    /// The admin port (`/health`, `/metrics`), or None when they are served on `port`.
+    #[getter]
+    fn admin_port(&self) -> Option<u16> {
+        self.admin.map(|a| a.port())
+    }
+
+    /// Serve until stopped (GIL released). Once only.
+    #[pyo3(signature = (signals = false))]
+    fn serve(&self, py: Python<'_>, signals: bool) -> PyResult<()> {
+        let server = self
+            .server
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("the proxy server's lock is poisoned"))?
+            .take()
+            .ok_or_else(|| PyRuntimeError::new_err("this proxy server has already served"))?;
+        py.detach(|| server.run(signals))
+            .map_err(|e| PyOSError::new_err(format!("the proxy stopped: {e}")))
+    }
+
+    /// Stop serving: drain requests under way (up to the shutdown timeout), or at once with
+    /// `now=True`. Safe from any thread, before or during `serve`.
+    #[pyo3(signature = (now = false))]
+    fn stop(&self, now: bool) {
+        self.stopper
+            .stop(if now { Stop::Now } else { Stop::Graceful });
+    }
+}
