@@ -60,7 +60,8 @@ class Engine:
     # stream request), "sse_reply" (a stream to a plain one), "no_routing", "escaped_key";
     # prefill fault: "array" (a JSON array body); either side: "hang" (never answers; records
     # the client's disconnect), "slow" (answers after `delay` seconds), "slow_stream" (a stream
-    # that never ends, one event per 20 ms; records when the client goes)
+    # that never ends, one event per 20 ms; records when the client goes), "flood_stream" (the
+    # same, 64 KB comments as fast as they are read)
     fail: str | None = None
     delay: float = 1.0
     requests: list[dict[str, Any]] = field(default_factory=list)
@@ -125,9 +126,10 @@ class Engine:
             stream = False
         elif self.fail == "sse_reply":
             stream = True
-        if self.fail == "slow_stream":
+        if self.fail in ("slow_stream", "flood_stream"):
             rid = request.headers.get("x-request-id", "")
-            return StreamingResponse(self.endless(rid), media_type="text/event-stream")
+            events = self.endless(rid, flood=self.fail == "flood_stream")
+            return StreamingResponse(events, media_type="text/event-stream")
         if stream:
             return StreamingResponse(self.sse(routing, G, chat), media_type="text/event-stream")
         choice = {
@@ -165,11 +167,14 @@ class Engine:
         if self.fail != "no_done":
             yield b"data: [DONE]\n\n"
 
-    async def endless(self, request_id: str):  # type: ignore[no-untyped-def]
+    async def endless(self, request_id: str, flood: bool = False):  # type: ignore[no-untyped-def]
+        event = b'data: {"choices":[{"index":0,"text":" tok"}]}\n\n'
+        if flood:  # as fast as it is taken, 64 KB at a time
+            event = b": " + b"x" * 65536 + b"\n\n"
         try:
             while True:
-                yield b'data: {"choices":[{"index":0,"text":" tok"}]}\n\n'
-                await asyncio.sleep(0.02)
+                yield event
+                await asyncio.sleep(0 if flood else 0.02)
         finally:  # the client went: the server stops generating
             self.disconnected.append(request_id)
 

@@ -239,9 +239,11 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     config = ProxyConfig(**settings, upstream_api_key=key)
     if args.data_plane == "python":
         try:
-            from routed_experts.proxy import serve_asgi
+            import aiohttp  # noqa: F401  (the Python data plane's dependencies)
+            import orjson  # noqa: F401
+            import uvicorn  # noqa: F401
 
-            import aiohttp, orjson, uvicorn  # noqa: E401, F401  (the Python data plane's)
+            from routed_experts.proxy import serve_asgi
         except ImportError as e:
             return _needs_extras("proxy --data-plane python", "proxy", e)
         serve_asgi(args.prefill, args.decode, args.host, args.port, config, args.log_level)

@@ -258,9 +258,13 @@ impl Proxy {
         if let Some(index) = pool.probe_candidate(PROBE_INTERVAL) {
             let u = &pool.upstreams[index];
             let wait = self.config.connect_timeout.min(PROBE_TIMEOUT);
-            let probe = self
-                .upstreams
-                .call(Method::GET, u.target.uri("/health"), &[], Bytes::new(), Some(wait));
+            let probe = self.upstreams.call(
+                Method::GET,
+                u.target.uri("/health"),
+                &[],
+                Bytes::new(),
+                Some(wait),
+            );
             let answered = matches!(probe.await, Ok(r) if r.status() == StatusCode::OK);
             if let Some(lease) = pool.probed(index, answered) {
                 log::warn!(target: "routed_experts::proxy",
@@ -290,7 +294,13 @@ impl Proxy {
             let u = &self.decode.upstreams[lease.index];
             let result = self
                 .upstreams
-                .call(Method::GET, u.target.uri("/v1/models"), &headers, Bytes::new(), None)
+                .call(
+                    Method::GET,
+                    u.target.uri("/v1/models"),
+                    &headers,
+                    Bytes::new(),
+                    None,
+                )
                 .await;
             let result = match result {
                 Ok(r) => {
@@ -334,16 +344,28 @@ impl Proxy {
                 log::warn!(target: "routed_experts::proxy", "{s} server {url} failed: {why}");
                 Fault {
                     retryable: true,
-                    ..Fault::new(s, 502, format!("the {s} server could not be reached: connect error"))
+                    ..Fault::new(
+                        s,
+                        502,
+                        format!("the {s} server could not be reached: connect error"),
+                    )
                 }
             }
             CallError::Timeout => {
                 log::warn!(target: "routed_experts::proxy", "{s} server {url} failed: read timeout");
-                Fault::new(s, 504, format!("the {s} server did not answer in time (read timeout)"))
+                Fault::new(
+                    s,
+                    504,
+                    format!("the {s} server did not answer in time (read timeout)"),
+                )
             }
             CallError::Broken(why) => {
                 log::warn!(target: "routed_experts::proxy", "{s} server {url} failed: {why}");
-                Fault::new(s, 502, format!("the {s} server failed: the connection broke"))
+                Fault::new(
+                    s,
+                    502,
+                    format!("the {s} server failed: the connection broke"),
+                )
             }
             CallError::TooLarge(size, more) => Fault::new(
                 s,
@@ -378,7 +400,9 @@ impl Slot {
         let max = proxy.config.max_in_flight;
         proxy
             .in_flight
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1))
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
             .ok()?;
         proxy.metrics.in_flight(1);
         Some(Slot(Arc::clone(proxy)))
@@ -539,8 +563,9 @@ impl Call {
                 .stream(ex, lease, decode_json, prefill_body, opts, slot)
                 .await;
         }
-        let (decode_body, _decode_share) =
-            self.fetch(ex, Side::Decode, lease, decode_json.into()).await?;
+        let (decode_body, _decode_share) = self
+            .fetch(ex, Side::Decode, lease, decode_json.into())
+            .await?;
         let began = Instant::now();
         let merged = blocking_if(decode_body.len() >= BLOCKING_BYTES, || {
             let opts = MergeOptions {
@@ -602,7 +627,13 @@ impl Call {
         let result = async {
             let r = proxy
                 .upstreams
-                .call(Method::POST, u.target.uri(self.endpoint), &self.headers, data, None)
+                .call(
+                    Method::POST,
+                    u.target.uri(self.endpoint),
+                    &self.headers,
+                    data,
+                    None,
+                )
                 .await?;
             let status = r.status().as_u16();
             let json = is_mime(r.headers().get(CONTENT_TYPE), "application/json");
@@ -630,7 +661,11 @@ impl Call {
         }
         if !json {
             log::warn!(target: "routed_experts::proxy", "{s} server {} did not answer with JSON", u.url);
-            return Err(Fault::new(s, 502, format!("the {s} server did not answer with JSON")));
+            return Err(Fault::new(
+                s,
+                502,
+                format!("the {s} server did not answer with JSON"),
+            ));
         }
         Ok((body, share))
     }
@@ -659,7 +694,13 @@ impl Call {
         };
         let r = proxy
             .upstreams
-            .call(Method::POST, u.target.uri(self.endpoint), &self.headers, data.into(), None)
+            .call(
+                Method::POST,
+                u.target.uri(self.endpoint),
+                &self.headers,
+                data.into(),
+                None,
+            )
             .await
             .map_err(|e| {
                 guard.outcome = Outcome::Failed;
@@ -767,7 +808,10 @@ impl Relay {
                     Err(e) => Err(e),
                 },
                 Step::Failed(e) => {
-                    break (Outcome::Failed, Some(proxy.call_fault(Side::Decode, &self.url, e)));
+                    break (
+                        Outcome::Failed,
+                        Some(proxy.call_fault(Side::Decode, &self.url, e)),
+                    );
                 }
                 Step::Expired => {
                     let t = self.proxy.config.request_timeout.as_secs_f64();
@@ -834,7 +878,9 @@ impl hyper::body::Body for ChannelBody {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        self.0.poll_recv(cx).map(|piece| piece.map(|b| Ok(Frame::data(b))))
+        self.0
+            .poll_recv(cx)
+            .map(|piece| piece.map(|b| Ok(Frame::data(b))))
     }
 }
 
@@ -927,11 +973,9 @@ fn merge_fault(e: Error) -> Fault {
 
 fn stream_fault(e: StreamError) -> Fault {
     match e {
-        StreamError::NoDone => Fault::new(
-            "decode",
-            502,
-            "the decode stream ended before data: [DONE]",
-        ),
+        StreamError::NoDone => {
+            Fault::new("decode", 502, "the decode stream ended before data: [DONE]")
+        }
         StreamError::LineTooLong(n) => Fault::new(
             "decode",
             502,

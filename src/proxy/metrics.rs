@@ -164,7 +164,11 @@ impl Metrics {
             "Completion requests being served",
         );
         let in_flight = self.in_flight.load(Ordering::Relaxed) as f64;
-        let _ = writeln!(o, "routed_experts_proxy_requests_in_flight {}", num(in_flight));
+        let _ = writeln!(
+            o,
+            "routed_experts_proxy_requests_in_flight {}",
+            num(in_flight)
+        );
         head(
             &mut o,
             "routed_experts_proxy_connections",
@@ -236,8 +240,12 @@ mod tests {
             "routed_experts_proxy_requests_total{endpoint=\"/v1/completions\",side=\"none\",\
              status=\"200\"} 2.0"
         ));
-        assert!(text.contains("routed_experts_proxy_phase_seconds_bucket{le=\"0.0025\",phase=\"merge\"} 0.0"));
-        assert!(text.contains("routed_experts_proxy_phase_seconds_bucket{le=\"0.005\",phase=\"merge\"} 1.0"));
+        assert!(text.contains(
+            "routed_experts_proxy_phase_seconds_bucket{le=\"0.0025\",phase=\"merge\"} 0.0"
+        ));
+        assert!(text.contains(
+            "routed_experts_proxy_phase_seconds_bucket{le=\"0.005\",phase=\"merge\"} 1.0"
+        ));
         assert!(text.contains("routed_experts_proxy_phase_seconds_count{phase=\"total\"} 0.0"));
         assert!(text.contains("routed_experts_proxy_rejected_total{reason=\"body_timeout\"} 1.0"));
         assert!(text.contains("routed_experts_proxy_requests_in_flight 0.0"));

@@ -177,7 +177,8 @@ impl Pool {
             .filter(|(_, h)| {
                 !self.healthy(h)
                     && h.trials == 0
-                    && h.probed_at.is_none_or(|t| now.duration_since(t) >= interval)
+                    && h.probed_at
+                        .is_none_or(|t| now.duration_since(t) >= interval)
             })
             .min_by_key(|(_, h)| h.ejected_until)
             .map(|(i, _)| i)?;
@@ -239,7 +240,10 @@ impl Pool {
         let wait = s
             .health
             .iter()
-            .map(|h| h.ejected_until.map_or(0.0, |t| t.saturating_duration_since(now).as_secs_f64()))
+            .map(|h| {
+                h.ejected_until
+                    .map_or(0.0, |t| t.saturating_duration_since(now).as_secs_f64())
+            })
             .fold(f64::INFINITY, f64::min);
         (wait.ceil() as u64).max(1)
     }
@@ -260,9 +264,8 @@ impl Pool {
                     retry_in: if healthy {
                         0.0
                     } else {
-                        h.ejected_until.map_or(0.0, |t| {
-                            t.saturating_duration_since(now).as_secs_f64()
-                        })
+                        h.ejected_until
+                            .map_or(0.0, |t| t.saturating_duration_since(now).as_secs_f64())
                     },
                 }
             })
@@ -280,7 +283,9 @@ mod tests {
     use super::*;
 
     fn pool(n: usize, eject_after: u32, eject_for: Duration) -> Pool {
-        let urls: Vec<String> = (0..n).map(|i| format!("http://127.0.0.1:{}", 1000 + i)).collect();
+        let urls: Vec<String> = (0..n)
+            .map(|i| format!("http://127.0.0.1:{}", 1000 + i))
+            .collect();
         Pool::new(Side::Decode, &urls, eject_after, eject_for)
     }
 

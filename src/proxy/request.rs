@@ -68,7 +68,10 @@ impl ClientBody {
             Some(text) => {
                 return Err(Fault::bad_field(
                     "stream",
-                    format!("invalid request body: stream must be true or false, got {}", clip(text)),
+                    format!(
+                        "invalid request body: stream must be true or false, got {}",
+                        clip(text)
+                    ),
                 ))
             }
         };
@@ -103,7 +106,11 @@ impl ClientBody {
         let Some(kv) = kv_transfer_params else {
             return write_object(self.fields.iter());
         };
-        let mut out = write_object(self.fields.iter().filter(|(k, _)| *k != "kv_transfer_params"));
+        let mut out = write_object(
+            self.fields
+                .iter()
+                .filter(|(k, _)| *k != "kv_transfer_params"),
+        );
         out.pop(); // the closing brace
         if out.len() > 1 {
             out.push(b',');
@@ -206,19 +213,37 @@ mod tests {
         let d = body.decode_request(Some(br#"{"remote_host":"h"}"#));
         let v = json(&d);
         assert_eq!(v["kv_transfer_params"]["remote_host"], "h");
-        assert_eq!((v["max_tokens"].clone(), v["min_tokens"].clone()), (9.into(), 3.into()));
+        assert_eq!(
+            (v["max_tokens"].clone(), v["min_tokens"].clone()),
+            (9.into(), 3.into())
+        );
         let empty = ClientBody::parse(b"{}").unwrap();
-        assert_eq!(empty.decode_request(Some(b"{}")), br#"{"kv_transfer_params":{}}"#);
+        assert_eq!(
+            empty.decode_request(Some(b"{}")),
+            br#"{"kv_transfer_params":{}}"#
+        );
         assert_eq!(empty.decode_request(None), b"{}");
     }
 
     #[test]
     fn client_mistakes_name_the_field() {
         for (body, param) in [
-            (&br#"{"routed_experts_prompt_start":-1}"#[..], Some("routed_experts_prompt_start")),
-            (br#"{"routed_experts_prompt_start":"3"}"#, Some("routed_experts_prompt_start")),
-            (br#"{"routed_experts_prompt_start":2.5}"#, Some("routed_experts_prompt_start")),
-            (br#"{"routed_experts_prompt_start":true}"#, Some("routed_experts_prompt_start")),
+            (
+                &br#"{"routed_experts_prompt_start":-1}"#[..],
+                Some("routed_experts_prompt_start"),
+            ),
+            (
+                br#"{"routed_experts_prompt_start":"3"}"#,
+                Some("routed_experts_prompt_start"),
+            ),
+            (
+                br#"{"routed_experts_prompt_start":2.5}"#,
+                Some("routed_experts_prompt_start"),
+            ),
+            (
+                br#"{"routed_experts_prompt_start":true}"#,
+                Some("routed_experts_prompt_start"),
+            ),
             (br#"{"stream":1}"#, Some("stream")),
             (b"[1]", None),
             (b"{not json", None),
@@ -230,7 +255,11 @@ mod tests {
         }
         let deep = format!("{{\"x\":{}{}}}", "[".repeat(300), "]".repeat(300));
         let e = ClientBody::parse(deep.as_bytes()).unwrap_err();
-        assert!(e.message.contains("cannot be written back as JSON"), "{}", e.message);
+        assert!(
+            e.message.contains("cannot be written back as JSON"),
+            "{}",
+            e.message
+        );
         let ok = format!("{{\"x\":{}{}}}", "[".repeat(200), "]".repeat(200));
         assert!(ClientBody::parse(ok.as_bytes()).is_ok());
         assert_eq!(nesting(br#"{"s":"[[[{\"]"}"#), 1);

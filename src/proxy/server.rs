@@ -153,7 +153,11 @@ impl Server {
             Arc::clone(&proxy),
             Arc::clone(&gate),
             &graceful,
-            if admin_on { Routes::Service } else { Routes::All },
+            if admin_on {
+                Routes::Service
+            } else {
+                Routes::All
+            },
             stop.subscribe(),
         );
         let accept_admin = async {
@@ -164,8 +168,15 @@ impl Server {
                     last_logged: AtomicU64::new(u64::MAX),
                     started: Instant::now(),
                 });
-                accept_loop(admin, Arc::clone(&proxy), gate, &graceful, Routes::Admin, stop.subscribe())
-                    .await;
+                accept_loop(
+                    admin,
+                    Arc::clone(&proxy),
+                    gate,
+                    &graceful,
+                    Routes::Admin,
+                    stop.subscribe(),
+                )
+                .await;
             }
         };
         tokio::join!(accept_main, accept_admin);
@@ -254,7 +265,12 @@ async fn accept_loop(
         let conn = http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(proxy.config.header_timeout)
-            .max_buf_size(proxy.config.max_header_bytes.max(super::config::MIN_HEADER_BYTES))
+            .max_buf_size(
+                proxy
+                    .config
+                    .max_header_bytes
+                    .max(super::config::MIN_HEADER_BYTES),
+            )
             .serve_connection(io, svc);
         let conn = graceful.watch(conn);
         let (proxy, gate) = (Arc::clone(&proxy), Arc::clone(&gate));
@@ -603,4 +619,3 @@ impl Write for ConnIo {
         Poll::Ready(Ok(()))
     }
 }
-

@@ -148,7 +148,9 @@ impl StreamMerger {
             return Ok(());
         }
         let payload = rest.trim_ascii_start();
-        let carries = !find_routing(payload).map_err(StreamError::Merge)?.is_empty();
+        let carries = !find_routing(payload)
+            .map_err(StreamError::Merge)?
+            .is_empty();
         let merged = merge_response_pieces(&self.prefill, payload, self.opts)
             .and_then(|s| s.to_vec())
             .map_err(StreamError::Merge)?;
@@ -191,7 +193,10 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
     fn any_chunking_gives_the_same_merged_stream() {
         let whole = run(&[STREAM], 1 << 20).unwrap();
         let text = String::from_utf8(whole.clone()).unwrap();
-        assert!(text.contains(r#""data":"CgsUFR4fKCk=","shape":[4,1,2],"start":0"#), "{text}");
+        assert!(
+            text.contains(r#""data":"CgsUFR4fKCk=","shape":[4,1,2],"start":0"#),
+            "{text}"
+        );
         assert!(text.starts_with("data: {\"choices\":[{\"index\":0,\"text\":\"h\"}]}\n\n"));
         assert!(text.ends_with(": a comment\n\ndata: [DONE]\n\n"));
         for a in 0..STREAM.len() {
@@ -206,18 +211,27 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
     fn a_cut_stream_a_long_line_and_missing_routing_are_errors() {
         let cut = &STREAM[..STREAM.len() - 14];
         assert!(matches!(run(&[cut], 1 << 20), Err(StreamError::NoDone)));
-        assert!(matches!(run(&[STREAM], 100), Err(StreamError::LineTooLong(100))));
+        assert!(matches!(
+            run(&[STREAM], 100),
+            Err(StreamError::LineTooLong(100))
+        ));
         let mut m = StreamMerger::new(
             Bytes::from_static(PREFILL),
             MergeOptions::new(DEFAULT_MAX_BYTES),
             1 << 20,
         );
         let mut out = Vec::new();
-        m.feed(Bytes::from_static(b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n"), &mut out)
-            .unwrap();
+        m.feed(
+            Bytes::from_static(b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n"),
+            &mut out,
+        )
+        .unwrap();
         let Err(StreamError::Merge(e)) = m.finish(&mut out) else {
             panic!("a stream without routing passed")
         };
-        assert!(e.to_string().contains("missing routing on the decode side"), "{e}");
+        assert!(
+            e.to_string().contains("missing routing on the decode side"),
+            "{e}"
+        );
     }
 }

@@ -212,7 +212,10 @@ mod tests {
     #[test]
     fn urls_are_checked_and_joined() {
         let t = Target::parse("http://127.0.0.1:8000/prefix/").unwrap();
-        assert_eq!(t.uri("/v1/completions").to_string(), "http://127.0.0.1:8000/prefix/v1/completions");
+        assert_eq!(
+            t.uri("/v1/completions").to_string(),
+            "http://127.0.0.1:8000/prefix/v1/completions"
+        );
         for (url, why) in [
             ("localhost:8000", "expected a URL starting with http://"),
             ("ftp://h:1", "expected a URL starting with http://"),

@@ -37,10 +37,16 @@ fn seconds(name: &str, v: &Bound<'_, PyAny>) -> PyResult<Duration> {
     Duration::try_from_secs_f64(s)
         .ok()
         .filter(|d| !d.is_zero())
-        .ok_or_else(|| PyValueError::new_err(format!("{name} must be a positive number of seconds")))
+        .ok_or_else(|| {
+            PyValueError::new_err(format!("{name} must be a positive number of seconds"))
+        })
 }
 
-fn config(prefill: Vec<String>, decode: Vec<String>, settings: &Bound<'_, PyDict>) -> PyResult<Config> {
+fn config(
+    prefill: Vec<String>,
+    decode: Vec<String>,
+    settings: &Bound<'_, PyDict>,
+) -> PyResult<Config> {
     let mut c = Config {
         prefill,
         decode,
@@ -69,7 +75,11 @@ fn config(prefill: Vec<String>, decode: Vec<String>, settings: &Bound<'_, PyDict
             "max_header_bytes" => c.max_header_bytes = v.extract()?,
             "max_connections" => c.max_connections = v.extract()?,
             "upstream_api_key" => c.upstream_api_key = Some(v.extract()?),
-            other => return Err(PyTypeError::new_err(format!("unknown proxy setting {other:?}"))),
+            other => {
+                return Err(PyTypeError::new_err(format!(
+                    "unknown proxy setting {other:?}"
+                )))
+            }
         }
     }
     c.check().map_err(PyValueError::new_err)?;

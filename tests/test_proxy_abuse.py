@@ -1,0 +1,283 @@
+"""The proxy as an attacker meets it, end to end on loopback: slow and silent heads, huge heads,
+connection floods, endless streams, clients that never read, and shutdown with work under way.
+Each test sets short limits by flag, checks the answer a production proxy gives, and checks
+that healthy requests are served during and after. Every wait is bounded."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from engines import Engine, Server
+from test_proxy import COMPLETION, expected
+from test_proxy_resilience import closed_port_url, post, stack, wait_for
+
+import routed_experts as rx
+from routed_experts.proxy import ProxyConfig, ProxyServer
+
+
+def address(url: str) -> tuple[str, int]:
+    host, port = url.rsplit("/", 1)[1].split(":")
+    return host, int(port)
+
+
+def read_all(s: socket.socket, seconds: float) -> bytes:
+    """Everything the server sends until it closes the connection (or `seconds` pass)."""
+    s.settimeout(seconds)
+    out = b""
+    with contextlib.suppress(OSError):
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def healthy(url: str) -> None:
+    r = post(url)
+    assert r.status_code == 200 and rx.from_response(r.content) == expected(COMPLETION)
+
+
+def test_slow_and_silent_heads_get_408_and_are_closed_while_others_are_served() -> None:
+    with stack([Engine()], [Engine()], header_timeout=1.0) as url:
+        silent = [socket.create_connection(address(url)) for _ in range(20)]
+        slow = [socket.create_connection(address(url)) for _ in range(20)]
+        stop = threading.Event()
+
+        def drip() -> None:  # slowloris: a head one byte at a time, never finished
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 1000
+            for i in range(len(head)):
+                if stop.is_set():
+                    return
+                for s in slow:
+                    with contextlib.suppress(OSError):
+                        s.send(head[i : i + 1])
+                time.sleep(0.1)
+
+        dripper = threading.Thread(target=drip, daemon=True)
+        dripper.start()
+        began = time.monotonic()
+        try:
+            healthy(url)  # served while they wait
+            answers = [read_all(s, 5) for s in silent + slow]
+        finally:
+            stop.set()
+            dripper.join(timeout=5)
+            for s in silent + slow:
+                s.close()
+        assert time.monotonic() - began < 5
+        for a in answers:  # each one answered 408, then closed (read_all saw the end)
+            assert a.startswith(b"HTTP/1.1 408"), a[:80]
+            assert b"connection: close" in a.lower()
+            assert b"did not arrive within 1 s" in a
+        healthy(url)
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert 'routed_experts_proxy_rejected_total{reason="header_timeout"} 40.0' in metrics
+
+
+def test_an_idle_keep_alive_connection_is_closed_without_a_reply() -> None:
+    with stack([Engine()], [Engine()], header_timeout=0.5) as url:
+        s = socket.create_connection(address(url))
+        s.sendall(b"GET /healthcheck HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.settimeout(5)
+        first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200")
+        assert read_all(s, 5) == b""  # closed at the timeout, nothing unasked for sent
+        s.close()
+
+
+def test_a_head_past_the_size_limit_gets_431() -> None:
+    with stack([Engine()], [Engine()], max_header_bytes=16384) as url:
+        with socket.create_connection(address(url)) as s:
+            head = b"GET /healthcheck HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1_000_000
+            with contextlib.suppress(OSError):  # the server may close before all is sent
+                s.sendall(head)
+            answer = read_all(s, 5)
+        assert answer.startswith(b"HTTP/1.1 431"), answer[:80]
+        r = httpx.get(url + "/healthcheck", headers={"X-Big": "a" * 8000}, timeout=10)
+        assert r.status_code == 200  # under the limit
+        healthy(url)
+
+
+def test_connections_past_the_cap_get_503_and_the_cap_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="routed_experts.proxy")
+    with stack([Engine()], [Engine()], max_connections=4) as url:
+        held = [socket.create_connection(address(url)) for _ in range(4)]
+        try:
+            wait_for(lambda: 'connections 4.0' in _metric_lines(held[0]))
+            r = httpx.get(url + "/healthcheck", timeout=10)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert "limit of 4 connections" in r.json()["error"]["message"]
+        finally:
+            for s in held:
+                s.close()
+        wait_for(lambda: _answers(url))
+        healthy(url)
+    assert any("connection cap reached" in r.getMessage() for r in caplog.records)
+
+
+def _metric_lines(s: socket.socket) -> str:
+    """/metrics asked on one of the held connections (which counts as open)."""
+    s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    s.settimeout(5)
+    data = b""
+    while b"routed_experts_proxy_connections " not in data or not data.endswith(b"\n"):
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+        if b"upstream_failures_total" in data and data.endswith(b"\n"):
+            break
+    return data.decode(errors="replace")
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url + "/healthcheck", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_an_endless_stream_ends_at_the_request_timeout_with_an_error_event() -> None:
+    decode = Engine(fail="slow_stream")
+    with stack([Engine()], [decode], request_timeout=1.0) as url:
+        began = time.monotonic()
+        body = dict(COMPLETION, stream=True)
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10,
+                          headers={"X-Request-Id": "endless"}) as r:
+            assert r.status_code == 200
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert time.monotonic() - began < 5
+        last = json.loads(events[-1])["error"]
+        assert last["code"] == 504 and "--request-timeout" in last["message"]
+        assert len(events) > 5  # it was relayed until then
+        wait_for(lambda: decode.disconnected == ["endless"])  # and decode was let go
+
+
+def test_a_plain_request_past_the_request_timeout_is_504() -> None:
+    decode = Engine(fail="hang")
+    with stack([Engine()], [decode], request_timeout=1.0) as url:
+        began = time.monotonic()
+        r = post(url)
+        assert time.monotonic() - began < 5
+        assert r.status_code == 504 and "--request-timeout" in r.json()["error"]["message"]
+        wait_for(lambda: len(decode.disconnected) == 1)
+
+
+def test_a_client_that_stops_reading_is_dropped_at_the_write_timeout() -> None:
+    decode = Engine(fail="flood_stream")  # round robin: the healthy request goes to the other
+    with stack([Engine()], [decode, Engine()], write_timeout=1.0) as url:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(address(url))
+        body = json.dumps(dict(COMPLETION, stream=True)).encode()
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"X-Request-Id: never-reads\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        try:  # never read: the proxy's writes stall, and past a second it lets go
+            wait_for(lambda: decode.disconnected == ["never-reads"], seconds=15)
+            metrics = httpx.get(url + "/metrics", timeout=10).text
+            assert "routed_experts_proxy_requests_in_flight 0.0" in metrics
+            healthy(url)
+        finally:
+            s.close()
+
+
+def test_operator_endpoints_move_to_the_admin_port() -> None:
+    with Server(Engine().app()) as p, Server(Engine().app()) as d:
+        config = ProxyConfig(read_timeout=10)
+        with ProxyServer([p.url], [d.url], config, admin_port=0) as proxy:
+            admin = f"http://127.0.0.1:{proxy.admin_port}"
+            assert proxy.admin_port not in (None, proxy.port)
+            assert httpx.get(proxy.url + "/metrics", timeout=10).status_code == 404
+            assert httpx.get(proxy.url + "/health", timeout=10).status_code == 404
+            assert httpx.get(admin + "/health", timeout=10).json()["status"] == "ok"
+            assert "routed_experts_proxy" in httpx.get(admin + "/metrics", timeout=10).text
+            assert httpx.post(admin + "/v1/completions", json=COMPLETION).status_code == 404
+            healthy(proxy.url)
+
+
+@contextlib.contextmanager
+def proxy_process(decode_url: str, *flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`routed-experts proxy` in a child process, as an operator runs it."""
+    with Server(Engine().app()) as p:
+        url = closed_port_url()
+        port = url.rsplit(":", 1)[1]
+        cmd = [sys.executable, "-m", "routed_experts.cli", "proxy", "--prefill", p.url,
+               "--decode", decode_url, "--port", port, *flags]
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: _answers(url), seconds=20)
+            yield proc, url
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate(timeout=20)
+
+
+def _stream_in_background(url: str) -> list[str]:
+    events: list[str] = []
+
+    def run() -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            body = dict(COMPLETION, stream=True)
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():
+                    events.append(line)
+
+    threading.Thread(target=run, daemon=True).start()
+    wait_for(lambda: len(events) > 2)
+    return events
+
+
+def test_sigterm_drains_then_cancels_and_exits_0() -> None:
+    decode = Engine(fail="slow_stream")
+    with Server(decode.app()) as d:
+        with proxy_process(d.url, "--shutdown-timeout", "1") as (proc, url):
+            events = _stream_in_background(url)
+            began = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=20)
+            assert proc.returncode == 0, err
+            assert time.monotonic() - began < 5  # one second of drain, then cancelled
+            assert "shutdown timeout: cancelling 1 requests under way" in err
+            wait_for(lambda: len(decode.disconnected) == 1)  # the upstream call was cancelled
+            n = len(events)
+            time.sleep(0.2)
+            assert len(events) == n  # the stream ended
+
+
+def test_a_second_signal_stops_at_once() -> None:
+    decode = Engine(fail="slow_stream")
+    with Server(decode.app()) as d:
+        with proxy_process(d.url, "--shutdown-timeout", "600") as (proc, url):
+            _stream_in_background(url)
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            assert proc.poll() is None  # draining: the stream may take its time
+            began = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=20)
+            assert time.monotonic() - began < 5
+            assert proc.returncode == 0 and "stopping at once" in err, err
+
+
+def test_the_cli_refuses_what_the_rust_data_plane_cannot_serve() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "routed_experts.cli", "proxy", "--prefill", "https://h:1",
+         "--decode", "http://h:2"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 2
+    assert "https upstreams are served only by the Python data plane" in r.stderr
