@@ -26,7 +26,7 @@ DIST ?= dist
 # The working corpus grows in fuzz/corpus/ (not committed); fuzz/seeds/ is the checked-in seed
 # corpus; an input that crashes is saved under fuzz/artifacts/ and belongs in fuzz/regressions/.
 FUZZ_SECONDS ?= 600
-FUZZ_TARGETS := sidecar formats response merge_response npy_header trajectory quality
+FUZZ_TARGETS := sidecar formats response merge_response npy_header trajectory quality proxy
 
 $(VENV)/.run-deps:
 	@echo "make: creating $(VENV) with the build tool and numpy (first time only)"
@@ -57,7 +57,7 @@ run: build-dev
 	routed-experts demo
 
 test: build-dev $(VENV)/.test-deps
-	cargo test --quiet
+	cargo test --quiet --features proxy
 	$(PY) -m pytest -q
 
 # The wheel users install (abi3, manylinux2014, C++ runtime linked in by zig) and the sdist.
@@ -77,7 +77,7 @@ lint: build-dev $(VENV)/.test-deps $(VENV)/.lint-deps
 	cargo fmt --check
 	cargo clippy --all-targets --features python -- -D warnings
 	cargo clippy --all-targets -- -D warnings
-	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
+	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet --features proxy
 	ruff check python tests benches
 	$(PY) -m mypy.stubtest routed_experts._core --allowlist stubtest-allowlist.txt
 	$(PY) -m mypy python/routed_experts

@@ -43,3 +43,6 @@ replay_targets!(
     trajectory,
     quality
 );
+
+#[cfg(feature = "proxy")]
+replay_targets!(proxy);

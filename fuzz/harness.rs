@@ -440,3 +440,52 @@ fn check_expert_load(routings: &[(&Payload, &Vec<i64>)], num_experts: usize) {
         assert_eq!(load.counts(), &want[..]);
     }
 }
+
+/// A client body and a decode stream (split at the first 0xff): what the proxy accepts from a
+/// client it rewrites into JSON objects for prefill and decode with the protocol's fields set,
+/// and a decode stream merged in any chunking gives the same bytes (or the same refusal).
+#[cfg(feature = "proxy")]
+pub fn proxy(data: &[u8]) {
+    use routed_experts::proxy::{ClientBody, StreamError, StreamMerger};
+    let (client, stream) = match data.iter().position(|&b| b == 0xff) {
+        Some(i) => (&data[..i], &data[i + 1..]),
+        None => (data, &[][..]),
+    };
+    if let Ok(body) = ClientBody::parse(client) {
+        for chat in [false, true] {
+            let p: serde_json::Map<String, serde_json::Value> =
+                serde_json::from_slice(&body.prefill_request(chat)).expect("prefill JSON");
+            assert_eq!(p["stream"], false);
+            assert_eq!(p["max_tokens"], 1);
+            assert!(p["kv_transfer_params"]["do_remote_decode"] == true);
+        }
+        let d: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(&body.decode_request(Some(b"{\"k\":1}"))).expect("decode JSON");
+        assert_eq!(d["kv_transfer_params"]["k"], 1);
+    }
+    const PREFILL: &[u8] = br#"{"choices":[{"index":0,"routed_experts":{"data":"CgsUFR4f","shape":[3,1,2],"start":0,"dtype":"uint8"}}]}"#;
+    let run = |chunks: &[&[u8]]| -> Result<Vec<u8>, String> {
+        let mut m = StreamMerger::new(
+            bytes::Bytes::from_static(PREFILL),
+            MergeOptions::new(LIMIT),
+            4096,
+        );
+        let mut out = Vec::new();
+        let mut fed = || -> Result<(), StreamError> {
+            for c in chunks {
+                m.feed(bytes::Bytes::copy_from_slice(c), &mut out)?;
+            }
+            m.finish(&mut out)
+        };
+        match fed() {
+            Ok(()) => Ok(out.concat()),
+            Err(StreamError::Merge(e)) => Err(e.to_string()),
+            Err(e) => Err(format!("{e:?}")),
+        }
+    };
+    let whole = run(&[stream]);
+    let cut = stream.first().map_or(0, |&b| b as usize % (stream.len() + 1));
+    let (a, b) = stream.split_at(cut);
+    let (b, c) = b.split_at(b.len() / 2);
+    assert_eq!(run(&[a, b, c]), whole, "a stream merged in pieces differs from the whole");
+}
