@@ -137,6 +137,22 @@ pub fn merge_response(data: &[u8]) {
             ..opts
         },
     );
+    // What a server writes out unassembled (the proxy): the same bytes, or the same refusal;
+    // and with the prefill routing found first, the same again.
+    let pieces = response::merge_response_pieces(prefill, decode, opts);
+    let unassembled = pieces
+        .as_ref()
+        .map_err(|e| e.clone())
+        .and_then(|p| p.checked_slices().map(|s| s.concat()));
+    assert_eq!(unassembled.is_ok(), spliced.is_ok(), "checked_slices disagrees with to_vec");
+    if let (Ok(u), Ok(a)) = (&unassembled, &spliced) {
+        assert_eq!(u, a, "checked_slices and to_vec differ");
+        let found = response::find_routing(prefill).expect("prefill parsed in the merge");
+        let again = response::merge_response_found(prefill, &found, decode, opts)
+            .and_then(|p| p.to_vec())
+            .expect("the same merge with the routing given");
+        assert_eq!(&again, a, "merge_response_found differs");
+    }
     match (&spliced, &general) {
         (Ok(a), Ok(b)) => {
             assert_eq!(a, b, "splice and general merges differ");

@@ -360,6 +360,7 @@ impl MergeOptions {
 /// straight into its final buffer.
 pub struct Spliced<'a> {
     pieces: Vec<Piece<'a>>,
+    merged: usize,
 }
 
 /// One piece of a merged body.
@@ -452,6 +453,39 @@ impl Spliced<'_> {
     pub fn to_vec(&self) -> Result<Vec<u8>> {
         b64::try_filled_vec(self.len(), |out| self.write_into(out))
     }
+
+    /// How many routing values of the decode body were merged (0: it carried none, and is
+    /// returned as it is).
+    pub fn merged_values(&self) -> usize {
+        self.merged
+    }
+
+    /// The body as slices in order, its base64 text checked, nothing copied: each slice is
+    /// part of one of the two input bodies, or of this value (the small rewritten parts). For
+    /// a server that writes them out with one vectored write instead of assembling the body.
+    pub fn checked_slices(&self) -> Result<Vec<&[u8]>> {
+        let mut out = Vec::with_capacity(self.pieces.len());
+        for piece in &self.pieces {
+            match piece {
+                Piece::Copy(b) => out.push(&b[..]),
+                Piece::Base64 {
+                    text,
+                    last,
+                    whole,
+                    context,
+                } => {
+                    let chunks = text.len().div_ceil(CHECK_CHUNK);
+                    for (i, chunk) in text.chunks(CHECK_CHUNK).enumerate() {
+                        if !b64::groups_valid(chunk, *last && i + 1 == chunks) {
+                            return Err(b64::error_in(whole, "data").context(context));
+                        }
+                    }
+                    out.push(text);
+                }
+            }
+        }
+        Ok(out)
+    }
 }
 
 /// The decode body with each routing value replaced by its merge with the prefill routing of the
@@ -470,10 +504,37 @@ pub fn merge_response_pieces<'a>(
     decode_body: &'a [u8],
     opts: MergeOptions,
 ) -> Result<Spliced<'a>> {
+    merge_pieces(prefill_body, None, decode_body, opts)
+}
+
+/// `merge_response_pieces` with the prefill body's routing already found (by
+/// [`read_prefill`] or [`find_routing`] on `prefill_body`), so a proxy walks that body once.
+pub fn merge_response_found<'a>(
+    prefill_body: &'a [u8],
+    prefill_routing: &[Found<'a>],
+    decode_body: &'a [u8],
+    opts: MergeOptions,
+) -> Result<Spliced<'a>> {
+    merge_pieces(prefill_body, Some(prefill_routing), decode_body, opts)
+}
+
+fn merge_pieces<'a>(
+    prefill_body: &'a [u8],
+    prefill_routing: Option<&[Found<'a>]>,
+    decode_body: &'a [u8],
+    opts: MergeOptions,
+) -> Result<Spliced<'a>> {
+    // The prefill body is walked only when its routing is needed and was not given.
+    let prefill_found = || -> Result<Cow<'_, [Found<'a>]>> {
+        match prefill_routing {
+            Some(found) => Ok(Cow::Borrowed(found)),
+            None => Ok(Cow::Owned(find_routing(prefill_body)?)),
+        }
+    };
     let decode = find_routing(decode_body)?;
     if decode.is_empty() {
         if opts.require_routing {
-            if let Some(p) = find_routing(prefill_body)?.first() {
+            if let Some(p) = prefill_found()?.first() {
                 return Err(Error::merge(format!(
                     "missing routing on the decode side: the prefill body carries routing \
                      (choice {}) but the decode body has none",
@@ -483,9 +544,10 @@ pub fn merge_response_pieces<'a>(
         }
         return Ok(Spliced {
             pieces: vec![Piece::Copy(Cow::Borrowed(decode_body))],
+            merged: 0,
         });
     }
-    let prefill = find_routing(prefill_body)?;
+    let prefill = prefill_found()?;
     let mut pieces = Vec::with_capacity(decode.len() * 6 + 1);
     let mut at = 0;
     for d in &decode {
@@ -512,7 +574,10 @@ pub fn merge_response_pieces<'a>(
         at = d.span.end;
     }
     pieces.push(Piece::Copy(Cow::Borrowed(&decode_body[at..])));
-    Ok(Spliced { pieces })
+    Ok(Spliced {
+        pieces,
+        merged: decode.len(),
+    })
 }
 
 /// Merge two routing values into the pieces of the JSON text that replaces the decode value.
@@ -692,6 +757,19 @@ mod tests {
             .unwrap();
             assert_eq!(String::from_utf8(out).unwrap(), body(merged));
         }
+        // Unassembled, and with the prefill routing found first: the same bytes.
+        let (p, d) = (prefill.as_bytes(), decode.as_bytes());
+        let found = find_routing(p).unwrap();
+        let pieces = merge_response_found(p, &found, d, OPTS).unwrap();
+        assert_eq!(pieces.merged_values(), 1);
+        assert_eq!(pieces.checked_slices().unwrap().concat(), body(merged).as_bytes());
+        let none = merge_response_pieces(p, br#"{"choices":[]}"#, OPTS).unwrap();
+        assert_eq!(none.merged_values(), 0);
+        // Bad base64 in the spliced text is refused by the unassembled path too.
+        let bad = body(r#"{"data":"AAAAAAAAK!k=","shape":[4,1,2],"start":0,"dtype":"uint8"}"#);
+        let pieces = merge_response_pieces(p, bad.as_bytes(), OPTS);
+        let refused = pieces.and_then(|s| s.checked_slices().map(|v| v.concat()));
+        assert!(refused.is_err(), "{refused:?}");
     }
 
     #[test]

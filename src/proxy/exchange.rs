@@ -20,11 +20,14 @@ use super::budget::{Budget, Share};
 use super::config::Config;
 use super::fault::Fault;
 use super::metrics::Metrics;
+use super::parts::{shared_slices, PartsBody};
 use super::pool::{Lease, Outcome, Pool, Side};
 use super::request::{acceptable_request_id, ClientBody};
 use super::stream::{StreamError, StreamMerger};
 use super::upstream::{CallError, Upstreams};
-use crate::response::{read_prefill, routing_rows, MergeOptions};
+use crate::response::{
+    merge_response_found, read_prefill, routing_rows, MergeOptions, PrefillBody,
+};
 use crate::{Error, Hints};
 
 /// The body of every response the proxy sends.
@@ -531,11 +534,13 @@ impl Call {
             lease: Some(lease),
         };
         let prefill_json = body.prefill_request(self.chat);
-        let (prefill_body, _prefill_share) = self.prefill(ex, prefill_json).await?;
+        let (prefill_body, prefill_share) = self.prefill(ex, prefill_json).await?;
         let start = body.start;
-        let kv = read_prefill_for(&prefill_body, start, proxy.merge_max_bytes)
-            .map_err(|e| Fault::new("prefill", 502, format!("malformed prefill body: {e}")))?;
-        let (kv, rows) = kv;
+        let read = blocking_if(prefill_body.len() >= BLOCKING_BYTES, || {
+            prefill_rows(&prefill_body, start, proxy.merge_max_bytes)
+        })
+        .map_err(|e| Fault::new("prefill", 502, format!("malformed prefill body: {e}")))?;
+        let (read, rows) = read;
         if let Some(s) = start {
             if rows.contains(&0) {
                 return Err(Fault::bad_field(
@@ -547,7 +552,7 @@ impl Call {
                 ));
             }
         }
-        let decode_json = body.decode_request(kv.as_deref());
+        let decode_json = body.decode_request(read.kv_transfer_params);
         drop(body);
         let lease = guard.lease.take().expect("leased above");
         ex.decode = proxy.decode.upstreams[lease.index].url.clone();
@@ -559,27 +564,34 @@ impl Call {
             ..MergeOptions::new(proxy.merge_max_bytes)
         };
         if ex.stream {
-            return self
-                .stream(ex, lease, decode_json, prefill_body, opts, slot)
-                .await;
+            let held = (prefill_body.clone(), prefill_share);
+            return self.stream(ex, lease, decode_json, held, opts, slot).await;
         }
-        let (decode_body, _decode_share) = self
+        let (decode_body, decode_share) = self
             .fetch(ex, Side::Decode, lease, decode_json.into())
             .await?;
         let began = Instant::now();
-        let merged = blocking_if(decode_body.len() >= BLOCKING_BYTES, || {
+        // The merged body goes out as slices of the two bodies (only the rewritten parts are
+        // new bytes): nothing is assembled, and the bodies' budget is held until it is sent.
+        let parts = blocking_if(decode_body.len() >= BLOCKING_BYTES, || {
             let opts = MergeOptions {
                 require_routing: true,
                 ..opts
             };
-            crate::response::merge_response(&prefill_body, &decode_body, opts)
+            let spliced =
+                merge_response_found(&prefill_body, &read.routing, &decode_body, opts)?;
+            shared_slices(&spliced, &[&prefill_body, &decode_body])
         })
         .map_err(merge_fault)?;
         ex.seconds[2] = began.elapsed().as_secs_f64();
-        proxy.metrics.merged(merged.len());
+        let len = parts.iter().map(Bytes::len).sum();
+        proxy.metrics.merged(len);
         ex.status(200, "none");
-        ex.bytes_out = merged.len();
-        let mut r = json_response(200, Bytes::from(merged));
+        ex.bytes_out = len;
+        let body = PartsBody::new(parts, [prefill_share, decode_share]);
+        let mut r = Response::new(BodyExt::boxed(body));
+        r.headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         ex.tag(&mut r);
         Ok(r)
     }
@@ -678,7 +690,7 @@ impl Call {
         ex: &mut Exchange,
         lease: Lease,
         data: Vec<u8>,
-        prefill_body: Bytes,
+        (prefill_body, prefill_share): (Bytes, Share),
         opts: MergeOptions,
         slot: Slot,
     ) -> Result<Response<Body>, Fault> {
@@ -755,7 +767,7 @@ impl Call {
             tx,
             deadline: self.deadline,
             began,
-            _slot: slot,
+            _held: (slot, prefill_share),
         };
         tokio::spawn(relay.run(r.into_body()));
         Ok(response)
@@ -772,7 +784,7 @@ struct Relay {
     tx: mpsc::Sender<Bytes>,
     deadline: tokio::time::Instant,
     began: Instant,
-    _slot: Slot,
+    _held: (Slot, Share), // the completion slot, and the prefill body's budget
 }
 
 enum Step {
@@ -914,31 +926,30 @@ impl Drop for ReleaseGuard<'_> {
     }
 }
 
-/// `kv_transfer_params` and, when the client gave a prompt start, each routing value's rows.
-fn read_prefill_for(
+/// The prefill body read as the proxy needs it, and, when the client gave a prompt start,
+/// each routing value's rows.
+fn prefill_rows(
     body: &[u8],
     start: Option<u64>,
     max_bytes: usize,
-) -> crate::Result<(Option<Vec<u8>>, Vec<usize>)> {
-    blocking_if(body.len() >= BLOCKING_BYTES, || {
-        let read = read_prefill(body)?;
-        let hints = Hints {
-            start,
-            ..Hints::default()
-        };
-        let rows = match start {
-            None => Vec::new(),
-            Some(_) => read
-                .routing
-                .iter()
-                .map(|f| {
-                    routing_rows(f, &hints, max_bytes)
-                        .map_err(|e| e.context(format!("choice {}", f.index)))
-                })
-                .collect::<crate::Result<_>>()?,
-        };
-        Ok((read.kv_transfer_params.map(<[u8]>::to_vec), rows))
-    })
+) -> crate::Result<(PrefillBody<'_>, Vec<usize>)> {
+    let read = read_prefill(body)?;
+    let hints = Hints {
+        start,
+        ..Hints::default()
+    };
+    let rows = match start {
+        None => Vec::new(),
+        Some(_) => read
+            .routing
+            .iter()
+            .map(|f| {
+                routing_rows(f, &hints, max_bytes)
+                    .map_err(|e| e.context(format!("choice {}", f.index)))
+            })
+            .collect::<crate::Result<_>>()?,
+    };
+    Ok((read, rows))
 }
 
 /// Run `f` telling the runtime this thread blocks, when the work is large.

@@ -28,6 +28,7 @@ mod config;
 mod exchange;
 mod fault;
 mod metrics;
+mod parts;
 mod pool;
 mod request;
 mod server;

@@ -5,7 +5,8 @@
 use bytes::{Bytes, BytesMut};
 use memchr::memmem;
 
-use crate::response::{find_routing, merge_response_pieces, MergeOptions};
+use super::parts::shared_slices;
+use crate::response::{merge_response_pieces, MergeOptions};
 
 /// Why a stream cannot be relayed to its end.
 #[derive(Debug)]
@@ -147,19 +148,16 @@ impl StreamMerger {
             out.push(line);
             return Ok(());
         }
-        let payload = rest.trim_ascii_start();
-        let carries = !find_routing(payload)
-            .map_err(StreamError::Merge)?
-            .is_empty();
-        let merged = merge_response_pieces(&self.prefill, payload, self.opts)
-            .and_then(|s| s.to_vec())
-            .map_err(StreamError::Merge)?;
-        if carries {
+        let payload = line.slice_ref(rest.trim_ascii_start());
+        let spliced =
+            merge_response_pieces(&self.prefill, &payload, self.opts).map_err(StreamError::Merge)?;
+        let parts = shared_slices(&spliced, &[&self.prefill, &payload]).map_err(StreamError::Merge)?;
+        if spliced.merged_values() > 0 {
             self.merged = true;
-            self.merged_bytes += merged.len();
+            self.merged_bytes += spliced.len();
         }
         out.push(Bytes::from_static(b"data: "));
-        out.push(Bytes::from(merged));
+        out.extend(parts);
         Ok(())
     }
 }

@@ -221,20 +221,19 @@ def _engine_main(role: str, fault: str | None, tokens: int, layers: int, top_k: 
 
 
 def _serve_main(kind: str, prefill: list[str], decode: list[str], settings: dict[str, Any]) -> None:
-    import uvicorn
+    if kind == "proxy":  # the Rust data plane, as `routed-experts proxy` runs it
+        from routed_experts.proxy import ProxyConfig, ProxyServer
 
-    from routed_experts.proxy import create_app, keep_freed_memory
+        server = ProxyServer(prefill, decode, ProxyConfig(**settings))
+        print(f"PORT {server.port}", flush=True)
+        server.serve(signals=True)
+        return
+    import uvicorn
 
     from .passthrough import passthrough_app
 
     sock = _bound_socket()
-    app: Any
-    if kind == "proxy":
-        keep_freed_memory()  # as `routed-experts proxy` does
-        app = create_app(prefill, decode, **settings)
-    else:
-        app = passthrough_app(prefill, decode)
-    config = uvicorn.Config(app, access_log=False, log_level="warning")
+    config = uvicorn.Config(passthrough_app(prefill, decode), access_log=False, log_level="warning")
     print(f"PORT {sock.getsockname()[1]}", flush=True)
     uvicorn.Server(config).run(sockets=[sock])
 
