@@ -486,6 +486,18 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["load", "stream", "memory", "faults"],
         help="run only these parts (default: all)",
     )
+    bench_proxy.add_argument(
+        "--memory-budget",
+        type=_count(1),
+        default=None,
+        help="the proxy's --max-buffered-bytes in the memory rounds (default: its default)",
+    )
+    bench_proxy.add_argument(
+        "--idle-wait",
+        type=_seconds,
+        default=60.0,
+        help="seconds to wait after the memory rounds for the proxy to give memory back",
+    )
     bench_proxy.add_argument("--json", help="also write the results to this JSON file")
     bench_proxy.set_defaults(func=cmd_bench_proxy)
     return parser

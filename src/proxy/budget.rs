@@ -1,15 +1,21 @@
 //! The budget of bytes held in bodies at once (`max_buffered_bytes`): client bodies being
-//! received and upstream bodies being read, held or merged. A request that would go past it is
-//! refused (503 + Retry-After) instead of growing the process without bound.
+//! received and upstream bodies being read, held or merged. A client body that would go past
+//! it is refused (503 + Retry-After). An upstream reply waits for room instead (it stays in the
+//! socket meanwhile: TCP pushes back on the server), for a bounded time; prefill replies may
+//! fill only three quarters of the budget, so decode replies, which finish requests and free
+//! their bytes, always have room to make progress.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+
+use tokio::sync::Notify;
 
 /// The process-wide count of bytes held, against its limit.
 #[derive(Debug)]
 pub struct Budget {
     used: AtomicUsize,
     limit: usize,
+    freed: Notify,
 }
 
 impl Budget {
@@ -18,12 +24,18 @@ impl Budget {
         Arc::new(Budget {
             used: AtomicUsize::new(0),
             limit,
+            freed: Notify::new(),
         })
     }
 
     /// The limit in bytes.
     pub fn limit(&self) -> usize {
         self.limit
+    }
+
+    /// What replies that do not finish a request (prefill's) may fill: three quarters.
+    pub fn prefill_ceiling(&self) -> usize {
+        self.limit - self.limit / 4
     }
 
     /// Bytes held now.
@@ -51,10 +63,51 @@ pub struct Share {
 impl Share {
     /// Take `n` more bytes; `false` (nothing taken) when that would pass the limit.
     pub fn grow(&mut self, n: usize) -> bool {
+        let limit = self.budget.limit;
+        self.grow_within(n, limit)
+    }
+
+    /// Take `n` more bytes once the budget has room below `ceiling`, waiting until then
+    /// (until `deadline` at most); `false` (nothing taken) if it never came.
+    pub async fn grow_wait(
+        &mut self,
+        n: usize,
+        ceiling: usize,
+        deadline: tokio::time::Instant,
+    ) -> bool {
+        let budget = Arc::clone(&self.budget);
+        loop {
+            let freed = budget.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable(); // registered before the check: no wake-up is missed
+            if self.grow_within(n, ceiling) {
+                return true;
+            }
+            if n > ceiling {
+                return false; // it can never fit
+            }
+            tokio::select! {
+                _ = freed => {}
+                _ = tokio::time::sleep_until(deadline) => return false,
+            }
+        }
+    }
+
+    /// Give back what this share holds beyond `n` bytes.
+    pub fn shrink_to(&mut self, n: usize) {
+        if self.held > n {
+            let freed = self.held - n;
+            self.held = n;
+            self.budget.used.fetch_sub(freed, Ordering::Relaxed);
+            self.budget.freed.notify_waiters();
+        }
+    }
+
+    fn grow_within(&mut self, n: usize, ceiling: usize) -> bool {
         let b = &self.budget;
         let mut used = b.used.load(Ordering::Relaxed);
         loop {
-            let Some(next) = used.checked_add(n).filter(|&t| t <= b.limit) else {
+            let Some(next) = used.checked_add(n).filter(|&t| t <= ceiling) else {
                 return false;
             };
             match b
@@ -72,7 +125,7 @@ impl Share {
 
 impl Drop for Share {
     fn drop(&mut self) {
-        self.budget.used.fetch_sub(self.held, Ordering::Relaxed);
+        self.shrink_to(0);
     }
 }
 
@@ -94,5 +147,34 @@ mod tests {
         assert_eq!(b.used(), 4);
         drop(c);
         assert_eq!(b.used(), 0);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_reply_waits_for_room_and_gets_it_when_bytes_are_freed() {
+        let b = Budget::new(100);
+        assert_eq!(b.prefill_ceiling(), 75);
+        let mut holder = b.share();
+        assert!(holder.grow(90));
+        let mut waiter = b.share();
+        let soon = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+        // Past the ceiling forever: refused at once, without waiting.
+        assert!(!waiter.grow_wait(80, b.prefill_ceiling(), soon).await);
+        let waiting = tokio::spawn(async move {
+            let ok = waiter.grow_wait(50, 100, soon).await;
+            (ok, waiter)
+        });
+        tokio::task::yield_now().await;
+        holder.shrink_to(40); // frees 50: the waiter fits now
+        let (ok, waiter) = waiting.await.unwrap();
+        assert!(ok);
+        assert_eq!(b.used(), 90);
+        drop((holder, waiter));
+        assert_eq!(b.used(), 0);
+        // No room before the deadline: refused when it passes.
+        let mut full = b.share();
+        assert!(full.grow(100));
+        let mut late = b.share();
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(1);
+        assert!(!late.grow_wait(1, 100, deadline).await);
     }
 }

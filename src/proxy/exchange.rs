@@ -310,8 +310,10 @@ impl Proxy {
                     let status = r.status();
                     let mut share = self.budget.share();
                     let limit = self.config.max_upstream_bytes;
+                    let deadline = tokio::time::Instant::now() + self.config.read_timeout;
+                    let ceiling = self.budget.limit();
                     self.upstreams
-                        .read_body(r, limit, &mut share)
+                        .read_body(r, limit, &mut share, ceiling, deadline)
                         .await
                         .map(|b| (status, b))
                 }
@@ -519,6 +521,21 @@ struct Call {
 }
 
 impl Call {
+    /// Where an upstream reply may fill the budget to: prefill replies leave a quarter free for
+    /// decode replies, which finish requests (and so free bytes).
+    fn ceiling(&self, side: Side) -> usize {
+        match side {
+            Side::Prefill => self.proxy.budget.prefill_ceiling(),
+            Side::Decode => self.proxy.budget.limit(),
+        }
+    }
+
+    /// How long a reply may wait for room in the budget: as long as an upstream may stay
+    /// silent, within the request's own deadline.
+    fn wait_deadline(&self) -> tokio::time::Instant {
+        (tokio::time::Instant::now() + self.proxy.config.read_timeout).min(self.deadline)
+    }
+
     async fn run(
         self,
         ex: &mut Exchange,
@@ -650,9 +667,10 @@ impl Call {
             let status = r.status().as_u16();
             let json = is_mime(r.headers().get(CONTENT_TYPE), "application/json");
             let mut share = proxy.budget.share();
+            let limit = proxy.config.max_upstream_bytes;
             let body = proxy
                 .upstreams
-                .read_body(r, proxy.config.max_upstream_bytes, &mut share)
+                .read_body(r, limit, &mut share, self.ceiling(side), self.wait_deadline())
                 .await?;
             Ok((status, json, body, share))
         }
@@ -727,9 +745,10 @@ impl Call {
             };
             let mut share = proxy.budget.share();
             let limit = proxy.config.max_upstream_bytes;
+            let (ceiling, deadline) = (self.ceiling(Side::Decode), self.wait_deadline());
             let body = proxy
                 .upstreams
-                .read_body(r, limit, &mut share)
+                .read_body(r, limit, &mut share, ceiling, deadline)
                 .await
                 .unwrap_or_default();
             return Err(status_fault(Side::Decode, &url, status, &body));
@@ -758,6 +777,7 @@ impl Call {
         std::mem::swap(&mut record, ex);
         ex.handed_off = true;
         let merger = StreamMerger::new(prefill_body, opts, proxy.config.max_upstream_bytes);
+        let proxy_budget_share = proxy.budget.share();
         let relay = Relay {
             proxy,
             url,
@@ -767,6 +787,7 @@ impl Call {
             tx,
             deadline: self.deadline,
             began,
+            share: proxy_budget_share,
             _held: (slot, prefill_share),
         };
         tokio::spawn(relay.run(r.into_body()));
@@ -784,6 +805,7 @@ struct Relay {
     tx: mpsc::Sender<Bytes>,
     deadline: tokio::time::Instant,
     began: Instant,
+    share: Share,         // the stream's bytes held: a line being received, pieces queued
     _held: (Slot, Share), // the completion slot, and the prefill body's budget
 }
 
@@ -795,6 +817,10 @@ enum Step {
 }
 
 impl Relay {
+    fn wait_deadline(&self) -> tokio::time::Instant {
+        (tokio::time::Instant::now() + self.proxy.config.read_timeout).min(self.deadline)
+    }
+
     async fn run(mut self, mut body: Incoming) {
         let proxy = Arc::clone(&self.proxy);
         let (outcome, tail) = loop {
@@ -809,6 +835,11 @@ impl Relay {
             let mut out = Vec::new();
             let fed = match step {
                 Step::Chunk(Some(chunk)) => {
+                    let (limit, wait) = (proxy.budget.limit(), self.wait_deadline());
+                    if !self.share.grow_wait(chunk.len(), limit, wait).await {
+                        let fault = proxy.call_fault(Side::Decode, &self.url, CallError::Budget);
+                        break (Outcome::Ok, Some(fault));
+                    }
                     let big = self.merger.buffered() + chunk.len() >= BLOCKING_BYTES;
                     blocking_if(big, || self.merger.feed(chunk, &mut out))
                 }
@@ -845,6 +876,8 @@ impl Relay {
                         self.record.finished = false;
                         break (Outcome::Unknown, None);
                     }
+                    // What was sent is queued or written; what stays is the line held back.
+                    self.share.shrink_to(self.merger.buffered());
                 }
                 Err(e) => {
                     self.send_all(out).await;

@@ -94,6 +94,7 @@ impl Upstreams {
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(4))
             .pool_max_idle_per_host(max_idle)
+            .http1_max_buf_size(256 * 1024)
             .pool_timer(TokioTimer::new())
             .timer(TokioTimer::new())
             .build(connector);
@@ -147,12 +148,15 @@ impl Upstreams {
     }
 
     /// A whole body, refused past `limit` bytes (by its Content-Length before reading, else
-    /// as it arrives) and counted against the budget through `share`.
+    /// as it arrives) and counted against the budget through `share`: it waits (until
+    /// `deadline`) for room below `ceiling`, and is refused if none comes.
     pub async fn read_body(
         &self,
         response: Response<Incoming>,
         limit: usize,
         share: &mut Share,
+        ceiling: usize,
+        deadline: tokio::time::Instant,
     ) -> Result<Bytes, CallError> {
         let declared = response
             .headers()
@@ -163,7 +167,7 @@ impl Upstreams {
             if n > limit as u64 {
                 return Err(CallError::TooLarge(n, false));
             }
-            if !share.grow(n as usize) {
+            if !share.grow_wait(n as usize, ceiling, deadline).await {
                 return Err(CallError::Budget);
             }
         }
@@ -175,7 +179,9 @@ impl Upstreams {
             if size > limit {
                 return Err(CallError::TooLarge(size as u64, true));
             }
-            if declared.is_none_or(|n| size as u64 > n) && !share.grow(chunk.len()) {
+            if declared.is_none_or(|n| size as u64 > n)
+                && !share.grow_wait(chunk.len(), ceiling, deadline).await
+            {
                 return Err(CallError::Budget);
             }
             // A body that arrives in one piece is kept as it is; more pieces are joined once.

@@ -532,7 +532,8 @@ def bench_memory(args: argparse.Namespace, bodies: Bodies) -> dict[str, Any]:
     the peak."""
     rounds = []
     with children(_engine("prefill", args), _engine("decode", args)) as (p, d):
-        with children(_server("proxy", [p], [d])) as (proxy,):
+        settings = {"max_buffered_bytes": args.memory_budget} if args.memory_budget else {}
+        with children(_server("proxy", [p], [d], **settings)) as (proxy,):
             base = proxy.memory_mb()[0]
             for i in range(3):
                 r = _measure(
@@ -545,7 +546,22 @@ def bench_memory(args: argparse.Namespace, bodies: Bodies) -> dict[str, Any]:
                 )
                 rss, hwm = proxy.memory_mb()
                 rounds.append({**r.summary(), "rss_mb": round(rss), "peak_rss_mb": round(hwm)})
-    return {"idle_rss_mb": round(base), "rounds": rounds}
+            # Then idle: how soon the memory of the burst is given back (polled each second,
+            # for up to --idle-wait seconds, ending once it is within 64 MB of the idle RSS).
+            began = time.monotonic()
+            idle = {"rss_mb": round(proxy.memory_mb()[0]), "after_s": 0.0}
+            while time.monotonic() - began < args.idle_wait:
+                time.sleep(1.0)
+                rss = proxy.memory_mb()[0]
+                idle = {"rss_mb": round(rss), "after_s": round(time.monotonic() - began, 1)}
+                if rss < base + 64:
+                    break
+    return {
+        "idle_rss_mb": round(base),
+        "max_buffered_bytes": args.memory_budget or "default",
+        "rounds": rounds,
+        "after_idle": idle,
+    }
 
 
 FAULTS: dict[str, tuple[list[str | None], list[str | None], dict[str, Any]]] = {
@@ -678,12 +694,17 @@ def _print_load(title: str, r: dict[str, Any]) -> None:
 
 
 def _print_memory(r: dict[str, Any], concurrency: int) -> None:
-    print(f"\nmemory at {concurrency} in flight (idle RSS {r['idle_rss_mb']} MB)")
+    budget = r["max_buffered_bytes"]
+    budget = f"{budget / 2**20:g} MiB" if isinstance(budget, int) else budget
+    print(f"\nmemory at {concurrency} in flight, --max-buffered-bytes {budget} "
+          f"(idle RSS {r['idle_rss_mb']} MB)")
     for s in r["rounds"]:
         print(
             f"  {s['name']}: RSS {s['rss_mb']} MB, peak {s['peak_rss_mb']} MB, "
             f"{s['requests_per_s']} req/s, {s['statuses']}"
         )
+    idle = r["after_idle"]
+    print(f"  idle: RSS {idle['rss_mb']} MB after {idle['after_s']} s")
 
 
 def _print_faults(r: dict[str, Any]) -> None:
