@@ -2,7 +2,7 @@
 //! that cannot hold routing pass through untouched (no copy); only an event that carries it is
 //! merged with the prefill routing.
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use memchr::memmem;
 
 use super::parts::shared_slices;
@@ -26,13 +26,17 @@ pub struct StreamMerger {
     prefill: Bytes,
     opts: MergeOptions,
     max_line: usize,
-    partial: BytesMut,
+    partial: Vec<Bytes>, // the line being received, in the pieces it came in
+    partial_len: usize,
     /// Some event carried routing (and was merged).
     pub merged: bool,
     /// Bytes of merged events.
     pub merged_bytes: usize,
     done: bool,
 }
+
+/// Lines at least this long skip the marker scan: the merge's walk finds routing anyway.
+const LONG_LINE: usize = 64 * 1024;
 
 /// What may hold routing: the key, or any `\u` escape (the key may be spelled with one).
 fn may_route(text: &[u8]) -> bool {
@@ -52,7 +56,8 @@ impl StreamMerger {
             prefill,
             opts,
             max_line,
-            partial: BytesMut::new(),
+            partial: Vec::new(),
+            partial_len: 0,
             merged: false,
             merged_bytes: 0,
             done: false,
@@ -61,7 +66,7 @@ impl StreamMerger {
 
     /// Bytes of an incomplete line held back until its end arrives.
     pub fn buffered(&self) -> usize {
-        self.partial.len()
+        self.partial_len
     }
 
     /// Push onto `out` the pieces to send for the lines this chunk completes.
@@ -69,11 +74,11 @@ impl StreamMerger {
         let mut pos = 0;
         if !self.partial.is_empty() {
             let Some(nl) = memchr::memchr(b'\n', &chunk) else {
-                return self.hold(&chunk);
+                return self.hold(chunk);
             };
             pos = nl + 1;
-            self.hold(&chunk[..pos])?;
-            let line = self.partial.split().freeze();
+            self.hold(chunk.slice(..pos))?;
+            let line = self.take_line();
             self.line(line, out)?;
         }
         let cut = memchr::memrchr(b'\n', &chunk).map_or(0, |i| i + 1);
@@ -82,7 +87,7 @@ impl StreamMerger {
             pos = cut;
         }
         if pos < chunk.len() {
-            self.hold(&chunk[pos..])?;
+            self.hold(chunk.slice(pos..))?;
         }
         Ok(())
     }
@@ -91,7 +96,7 @@ impl StreamMerger {
     /// ended with `data: [DONE]`, and carried routing if the prefill body did.
     pub fn finish(&mut self, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
         if !self.partial.is_empty() {
-            let line = self.partial.split().freeze();
+            let line = self.take_line();
             self.line(line, out)?;
         }
         if !self.done {
@@ -107,12 +112,28 @@ impl StreamMerger {
         Ok(())
     }
 
-    fn hold(&mut self, piece: &[u8]) -> Result<(), StreamError> {
-        if self.partial.len() + piece.len() > self.max_line {
+    /// Keep a piece of an unfinished line (no copy).
+    fn hold(&mut self, piece: Bytes) -> Result<(), StreamError> {
+        if self.partial_len + piece.len() > self.max_line {
             return Err(StreamError::LineTooLong(self.max_line));
         }
-        self.partial.extend_from_slice(piece);
+        self.partial_len += piece.len();
+        self.partial.push(piece);
         Ok(())
+    }
+
+    /// The held line, now complete, joined once (a line that came in one piece is not copied).
+    fn take_line(&mut self) -> Bytes {
+        let pieces = std::mem::take(&mut self.partial);
+        let len = std::mem::take(&mut self.partial_len);
+        if pieces.len() == 1 {
+            return pieces.into_iter().next().unwrap_or_default();
+        }
+        let mut line = Vec::with_capacity(len);
+        for p in &pieces {
+            line.extend_from_slice(p);
+        }
+        Bytes::from(line)
     }
 
     /// Whole lines: passed on as one piece unless one may hold routing or the stream's end.
@@ -144,13 +165,23 @@ impl StreamMerger {
             out.push(line);
             return Ok(());
         };
-        if !may_route(rest) {
+        // A short event is looked at closer only if it may hold routing; a long one (the
+        // routing event is the long one) goes straight to the merge, whose walk decides.
+        if rest.len() < LONG_LINE && !may_route(rest) {
             out.push(line);
             return Ok(());
         }
         let payload = line.slice_ref(rest.trim_ascii_start());
-        let spliced =
-            merge_response_pieces(&self.prefill, &payload, self.opts).map_err(StreamError::Merge)?;
+        let spliced = match merge_response_pieces(&self.prefill, &payload, self.opts) {
+            Ok(s) => s,
+            // A long event that is not JSON, and holds no routing marker, passes as it came
+            // (as a short one does without being parsed).
+            Err(_) if !may_route(rest) => {
+                out.push(line);
+                return Ok(());
+            }
+            Err(e) => return Err(StreamError::Merge(e)),
+        };
         let parts = shared_slices(&spliced, &[&self.prefill, &payload]).map_err(StreamError::Merge)?;
         if spliced.merged_values() > 0 {
             self.merged = true;
@@ -203,6 +234,15 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
                 assert_eq!(got, whole, "split at {a}, {b}");
             }
         }
+    }
+
+    #[test]
+    fn long_events_without_routing_pass_as_they_came() {
+        let text = format!("data: {}\n\n", "x".repeat(100_000));
+        let json = format!("data: {{\"t\":\"{}\"}}\n\n", "x".repeat(100_000));
+        let stream = format!("{text}{json}{}", std::str::from_utf8(STREAM).unwrap());
+        let merged = run(&[stream.as_bytes()], 1 << 20).unwrap();
+        assert!(merged.starts_with(format!("{text}{json}").as_bytes()));
     }
 
     #[test]
