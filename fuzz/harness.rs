@@ -480,12 +480,10 @@ pub fn proxy(data: &[u8]) {
         assert_eq!(d["kv_transfer_params"]["k"], 1);
     }
     const PREFILL: &[u8] = br#"{"choices":[{"index":0,"routed_experts":{"data":"CgsUFR4f","shape":[3,1,2],"start":0,"dtype":"uint8"}}]}"#;
+    let prefill = bytes::Bytes::from_static(PREFILL);
+    let found = response::find_routing(&prefill).expect("a valid prefill body");
     let run = |chunks: &[&[u8]]| -> Result<Vec<u8>, String> {
-        let mut m = StreamMerger::new(
-            bytes::Bytes::from_static(PREFILL),
-            MergeOptions::new(LIMIT),
-            4096,
-        );
+        let mut m = StreamMerger::new(&prefill, &found, MergeOptions::new(LIMIT), 4096);
         let mut out = Vec::new();
         let mut fed = || -> Result<(), StreamError> {
             for c in chunks {

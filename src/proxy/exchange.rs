@@ -14,7 +14,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::{Frame, Incoming};
 use hyper::header::{HeaderValue, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use super::budget::{Budget, Share};
 use super::config::Config;
@@ -546,44 +546,20 @@ impl Call {
         // A decode server first: with none to take the request, it is refused before a prefill
         // server computes a KV cache that no decode would ever fetch.
         let lease = proxy.lease(Side::Decode).await?;
-        let mut guard = LeaseGuard {
-            proxy: &proxy,
+        let mut lease = LeaseGuard {
+            proxy: Arc::clone(&proxy),
             lease: Some(lease),
         };
         let prefill_json = body.prefill_request(self.chat);
         let (prefill_body, prefill_share) = self.prefill(ex, prefill_json).await?;
-        let start = body.start;
-        let read = blocking_if(prefill_body.len() >= BLOCKING_BYTES, || {
-            prefill_rows(&prefill_body, start, proxy.merge_max_bytes)
-        })
-        .map_err(|e| Fault::new("prefill", 502, format!("malformed prefill body: {e}")))?;
-        let (read, rows) = read;
-        if let Some(s) = start {
-            if rows.contains(&0) {
-                return Err(Fault::bad_field(
-                    "routed_experts_prompt_start",
-                    format!(
-                        "routed_experts_prompt_start={s} is not below the prompt's length \
-                         (prefill returned no rows)"
-                    ),
-                ));
-            }
-        }
-        let decode_json = body.decode_request(read.kv_transfer_params);
-        drop(body);
-        let lease = guard.lease.take().expect("leased above");
-        ex.decode = proxy.decode.upstreams[lease.index].url.clone();
-        let opts = MergeOptions {
-            hints: Hints {
-                start,
-                ..Hints::default()
-            },
-            ..MergeOptions::new(proxy.merge_max_bytes)
-        };
         if ex.stream {
-            let held = (prefill_body.clone(), prefill_share);
-            return self.stream(ex, lease, decode_json, held, opts, slot).await;
+            let prefill = (prefill_body, prefill_share);
+            return self.stream(ex, body, lease, prefill, slot).await;
         }
+        let read = self.read_prefill(&prefill_body, body.start)?;
+        let decode_json = body.decode_request(read.kv_transfer_params);
+        let lease = lease.take();
+        ex.decode = proxy.decode.upstreams[lease.index].url.clone();
         let (decode_body, decode_share) = self
             .fetch(ex, Side::Decode, lease, decode_json.into())
             .await?;
@@ -593,7 +569,7 @@ impl Call {
         let parts = blocking_if(decode_body.len() >= BLOCKING_BYTES, || {
             let opts = MergeOptions {
                 require_routing: true,
-                ..opts
+                ..self.merge_options(body.start)
             };
             let spliced =
                 merge_response_found(&prefill_body, &read.routing, &decode_body, opts)?;
@@ -611,6 +587,36 @@ impl Call {
             .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
         ex.tag(&mut r);
         Ok(r)
+    }
+
+    fn merge_options(&self, start: Option<u64>) -> MergeOptions {
+        MergeOptions {
+            hints: Hints {
+                start,
+                ..Hints::default()
+            },
+            ..MergeOptions::new(self.proxy.merge_max_bytes)
+        }
+    }
+
+    /// The prefill body read once (`kv_transfer_params` and its routing, which the merge
+    /// reuses), and the client's prompt start checked against the rows prefill returned.
+    fn read_prefill<'b>(&self, body: &'b [u8], start: Option<u64>) -> Result<PrefillBody<'b>, Fault> {
+        let max_bytes = self.proxy.merge_max_bytes;
+        let (read, rows) = blocking_if(body.len() >= BLOCKING_BYTES, || {
+            prefill_rows(body, start, max_bytes)
+        })
+        .map_err(|e| Fault::new("prefill", 502, format!("malformed prefill body: {e}")))?;
+        if let Some(s) = start.filter(|_| rows.contains(&0)) {
+            return Err(Fault::bad_field(
+                "routed_experts_prompt_start",
+                format!(
+                    "routed_experts_prompt_start={s} is not below the prompt's length \
+                     (prefill returned no rows)"
+                ),
+            ));
+        }
+        Ok(read)
     }
 
     /// The prefill call; a server that could not be connected to is replaced by the next.
@@ -700,24 +706,113 @@ impl Call {
         Ok((body, share))
     }
 
-    /// The decode call as a stream: headers go to the client once decode answers with one;
-    /// from then on its events are relayed by a task of their own, merged where they carry
-    /// routing, and any failure is reported in-band as a last error event.
+    /// A stream request from the prefill reply on. The rest runs as a task of its own that
+    /// owns the prefill body and what was read from it (so the routing event merges without
+    /// walking that body again): it calls decode and hands back the response head once decode
+    /// answers with a stream, then relays the events, merged where they carry routing, with
+    /// any failure reported in-band as a last error event. Until the head is back, this
+    /// request still owns its record, and dropping it (the client left) stops the task.
     async fn stream(
         self,
         ex: &mut Exchange,
-        lease: Lease,
-        data: Vec<u8>,
-        (prefill_body, prefill_share): (Bytes, Share),
-        opts: MergeOptions,
+        body: ClientBody,
+        lease: LeaseGuard,
+        prefill: (Bytes, Share),
         slot: Slot,
     ) -> Result<Response<Body>, Fault> {
+        let (head_tx, head_rx) = oneshot::channel();
+        let task = tokio::spawn(self.stream_task(body, lease, prefill, slot, head_tx));
+        let abort = AbortOnDrop(Some(task.abort_handle()));
+        let head = head_rx.await.map_err(|_| {
+            Fault::new("proxy", 500, "the stream ended before its response head")
+        })?;
+        let (decode_url, decode_seconds, mut response, record_tx) = head?;
+        std::mem::forget(abort); // the task owns the stream from here on
+        ex.decode = decode_url;
+        ex.seconds[1] = decode_seconds;
+        ex.status(200, "none");
+        ex.tag(&mut response);
+        // The record goes to the task, which logs it when the stream ends.
+        let proxy = Arc::clone(&ex.proxy);
+        let mut record = Exchange::new(proxy, ex.request_id.clone(), ex.endpoint);
+        std::mem::swap(&mut record, ex);
+        ex.handed_off = true;
+        let _ = record_tx.send(record);
+        Ok(response)
+    }
+
+    async fn stream_task(
+        self,
+        body: ClientBody,
+        mut lease: LeaseGuard,
+        (prefill_body, prefill_share): (Bytes, Share),
+        slot: Slot,
+        head_tx: oneshot::Sender<Result<Head, Fault>>,
+    ) {
         let proxy = Arc::clone(&self.proxy);
+        let read = match self.read_prefill(&prefill_body, body.start) {
+            Ok(read) => read,
+            Err(fault) => {
+                let _ = head_tx.send(Err(fault));
+                return;
+            }
+        };
+        let decode_json = body.decode_request(read.kv_transfer_params);
+        let opts = self.merge_options(body.start);
+        drop(body);
+        let lease = lease.take();
+        let url = proxy.decode.upstreams[lease.index].url.clone();
+        let began = Instant::now();
+        let decode = match self.open_stream(lease, decode_json).await {
+            Ok(d) => d,
+            Err(fault) => {
+                let _ = head_tx.send(Err(fault));
+                return;
+            }
+        };
+        let (lease, upstream) = decode;
+        let (tx, rx) = mpsc::channel(STREAM_QUEUE);
+        let mut response = Response::new(BodyExt::boxed(ChannelBody(rx)));
+        response
+            .headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+        let (record_tx, record_rx) = oneshot::channel();
+        let head = (url.clone(), began.elapsed().as_secs_f64(), response, record_tx);
+        if head_tx.send(Ok(head)).is_err() {
+            proxy.release(Side::Decode, lease, Outcome::Unknown);
+            return;
+        }
+        let Ok(record) = record_rx.await else {
+            proxy.release(Side::Decode, lease, Outcome::Unknown);
+            return;
+        };
+        let max_line = proxy.config.max_upstream_bytes;
+        let relay = Relay {
+            share: proxy.budget.share(),
+            proxy,
+            url,
+            record,
+            lease: Some(lease),
+            merger: StreamMerger::new(&prefill_body, &read.routing, opts, max_line),
+            tx,
+            deadline: self.deadline,
+            began,
+            _held: (slot, prefill_share),
+        };
+        relay.run(upstream.into_body()).await;
+    }
+
+    /// The decode call of a stream, up to a response head that is a stream.
+    async fn open_stream(
+        &self,
+        lease: Lease,
+        data: Vec<u8>,
+    ) -> Result<(Lease, Response<Incoming>), Fault> {
+        let proxy = &self.proxy;
         let u = &proxy.decode.upstreams[lease.index];
         let url = u.url.clone();
-        let began = Instant::now();
         let mut guard = ReleaseGuard {
-            proxy: &proxy,
+            proxy,
             side: Side::Decode,
             lease: Some(lease),
             outcome: Outcome::Unknown,
@@ -763,45 +858,32 @@ impl Call {
             ));
         }
         let lease = guard.lease.take().expect("leased above");
-        drop(guard);
-        // Headers go out now: from here on, failures are reported in-band.
-        ex.status(200, "none");
-        let (tx, rx) = mpsc::channel(STREAM_QUEUE);
-        let mut response = Response::new(BodyExt::boxed(ChannelBody(rx)));
-        response
-            .headers_mut()
-            .insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-        ex.tag(&mut response);
-        // The relay owns the request's record from here on (it logs when the stream ends).
-        let mut record = Exchange::new(Arc::clone(&proxy), ex.request_id.clone(), self.endpoint);
-        std::mem::swap(&mut record, ex);
-        ex.handed_off = true;
-        let merger = StreamMerger::new(prefill_body, opts, proxy.config.max_upstream_bytes);
-        let proxy_budget_share = proxy.budget.share();
-        let relay = Relay {
-            proxy,
-            url,
-            record,
-            lease: Some(lease),
-            merger,
-            tx,
-            deadline: self.deadline,
-            began,
-            share: proxy_budget_share,
-            _held: (slot, prefill_share),
-        };
-        tokio::spawn(relay.run(r.into_body()));
-        Ok(response)
+        Ok((lease, r))
+    }
+}
+
+/// What a stream task hands back once decode answered: the decode server, the seconds to its
+/// head, the response for the client, and where to send the request's record.
+type Head = (String, f64, Response<Body>, oneshot::Sender<Exchange>);
+
+/// Aborts a task when dropped (the request it serves was dropped: its client left).
+struct AbortOnDrop(Option<tokio::task::AbortHandle>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(h) = self.0.take() {
+            h.abort();
+        }
     }
 }
 
 /// A decode stream being relayed to its client.
-struct Relay {
+struct Relay<'a> {
     proxy: Arc<Proxy>,
     url: String,
     record: Exchange,
     lease: Option<Lease>,
-    merger: StreamMerger,
+    merger: StreamMerger<'a>,
     tx: mpsc::Sender<Bytes>,
     deadline: tokio::time::Instant,
     began: Instant,
@@ -816,7 +898,7 @@ enum Step {
     ClientGone,
 }
 
-impl Relay {
+impl Relay<'_> {
     fn wait_deadline(&self) -> tokio::time::Instant {
         (tokio::time::Instant::now() + self.proxy.config.read_timeout).min(self.deadline)
     }
@@ -930,12 +1012,19 @@ impl hyper::body::Body for ChannelBody {
 }
 
 /// Gives a lease back when a request ends before its upstream call starts.
-struct LeaseGuard<'a> {
-    proxy: &'a Proxy,
+struct LeaseGuard {
+    proxy: Arc<Proxy>,
     lease: Option<Lease>,
 }
 
-impl Drop for LeaseGuard<'_> {
+impl LeaseGuard {
+    /// The lease, for the call that now gives it back itself.
+    fn take(&mut self) -> Lease {
+        self.lease.take().expect("a lease is taken once")
+    }
+}
+
+impl Drop for LeaseGuard {
     fn drop(&mut self) {
         if let Some(lease) = self.lease.take() {
             self.proxy.release(Side::Decode, lease, Outcome::Unknown);

@@ -6,7 +6,7 @@ use bytes::Bytes;
 use memchr::memmem;
 
 use super::parts::shared_slices;
-use crate::response::{merge_response_pieces, MergeOptions};
+use crate::response::{merge_response_found, Found, MergeOptions};
 
 /// Why a stream cannot be relayed to its end.
 #[derive(Debug)]
@@ -22,8 +22,9 @@ pub enum StreamError {
 /// Merges the routing of server-sent events from a decode server with the prefill routing.
 /// Feed it the stream's chunks as they arrive ([`feed`](Self::feed)), then call
 /// [`finish`](Self::finish); what they emit is the stream to send on.
-pub struct StreamMerger {
-    prefill: Bytes,
+pub struct StreamMerger<'a> {
+    prefill: &'a Bytes,
+    prefill_routing: &'a [Found<'a>],
     opts: MergeOptions,
     max_line: usize,
     partial: Vec<Bytes>, // the line being received, in the pieces it came in
@@ -48,12 +49,20 @@ fn is_done(line: &[u8]) -> bool {
         .is_some_and(|rest| rest.trim_ascii() == b"[DONE]")
 }
 
-impl StreamMerger {
-    /// A merger for one stream; `opts` as for `merge_response` (its hints carry the prompt
-    /// start); a line longer than `max_line` bytes is an error.
-    pub fn new(prefill: Bytes, opts: MergeOptions, max_line: usize) -> Self {
+impl<'a> StreamMerger<'a> {
+    /// A merger for one stream, given the prefill body and its routing (as
+    /// [`read_prefill`](crate::read_prefill) or [`find_routing`](crate::find_routing) found
+    /// it, so the body is not walked again); `opts` as for `merge_response` (its hints carry
+    /// the prompt start); a line longer than `max_line` bytes is an error.
+    pub fn new(
+        prefill: &'a Bytes,
+        prefill_routing: &'a [Found<'a>],
+        opts: MergeOptions,
+        max_line: usize,
+    ) -> Self {
         StreamMerger {
             prefill,
+            prefill_routing,
             opts,
             max_line,
             partial: Vec::new(),
@@ -107,7 +116,8 @@ impl StreamMerger {
                 require_routing: true,
                 ..self.opts
             };
-            merge_response_pieces(&self.prefill, b"{}", opts).map_err(StreamError::Merge)?;
+            merge_response_found(self.prefill, self.prefill_routing, b"{}", opts)
+                .map_err(StreamError::Merge)?;
         }
         Ok(())
     }
@@ -172,7 +182,8 @@ impl StreamMerger {
             return Ok(());
         }
         let payload = line.slice_ref(rest.trim_ascii_start());
-        let spliced = match merge_response_pieces(&self.prefill, &payload, self.opts) {
+        let merged = merge_response_found(self.prefill, self.prefill_routing, &payload, self.opts);
+        let spliced = match merged {
             Ok(s) => s,
             // A long event that is not JSON, and holds no routing marker, passes as it came
             // (as a short one does without being parsed).
@@ -182,7 +193,7 @@ impl StreamMerger {
             }
             Err(e) => return Err(StreamError::Merge(e)),
         };
-        let parts = shared_slices(&spliced, &[&self.prefill, &payload]).map_err(StreamError::Merge)?;
+        let parts = shared_slices(&spliced, &[self.prefill, &payload]).map_err(StreamError::Merge)?;
         if spliced.merged_values() > 0 {
             self.merged = true;
             self.merged_bytes += spliced.len();
@@ -204,11 +215,10 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
 : a comment\n\ndata: [DONE]\n\n";
 
     fn run(chunks: &[&[u8]], max_line: usize) -> Result<Vec<u8>, StreamError> {
-        let mut m = StreamMerger::new(
-            Bytes::from_static(PREFILL),
-            MergeOptions::new(DEFAULT_MAX_BYTES),
-            max_line,
-        );
+        let prefill = Bytes::from_static(PREFILL);
+        let found = crate::find_routing(&prefill).unwrap();
+        let opts = MergeOptions::new(DEFAULT_MAX_BYTES);
+        let mut m = StreamMerger::new(&prefill, &found, opts, max_line);
         let mut out = Vec::new();
         for c in chunks {
             m.feed(Bytes::copy_from_slice(c), &mut out)?;
@@ -253,11 +263,10 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
             run(&[STREAM], 100),
             Err(StreamError::LineTooLong(100))
         ));
-        let mut m = StreamMerger::new(
-            Bytes::from_static(PREFILL),
-            MergeOptions::new(DEFAULT_MAX_BYTES),
-            1 << 20,
-        );
+        let prefill = Bytes::from_static(PREFILL);
+        let found = crate::find_routing(&prefill).unwrap();
+        let opts = MergeOptions::new(DEFAULT_MAX_BYTES);
+        let mut m = StreamMerger::new(&prefill, &found, opts, 1 << 20);
         let mut out = Vec::new();
         m.feed(
             Bytes::from_static(b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n"),
