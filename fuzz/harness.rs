@@ -144,7 +144,11 @@ pub fn merge_response(data: &[u8]) {
         .as_ref()
         .map_err(|e| e.clone())
         .and_then(|p| p.checked_slices().map(|s| s.concat()));
-    assert_eq!(unassembled.is_ok(), spliced.is_ok(), "checked_slices disagrees with to_vec");
+    assert_eq!(
+        unassembled.is_ok(),
+        spliced.is_ok(),
+        "checked_slices disagrees with to_vec"
+    );
     if let (Ok(u), Ok(a)) = (&unassembled, &spliced) {
         assert_eq!(u, a, "checked_slices and to_vec differ");
         let found = response::find_routing(prefill).expect("prefill parsed in the merge");
@@ -498,8 +502,14 @@ pub fn proxy(data: &[u8]) {
         }
     };
     let whole = run(&[stream]);
-    let cut = stream.first().map_or(0, |&b| b as usize % (stream.len() + 1));
+    let cut = stream
+        .first()
+        .map_or(0, |&b| b as usize % (stream.len() + 1));
     let (a, b) = stream.split_at(cut);
     let (b, c) = b.split_at(b.len() / 2);
-    assert_eq!(run(&[a, b, c]), whole, "a stream merged in pieces differs from the whole");
+    assert_eq!(
+        run(&[a, b, c]),
+        whole,
+        "a stream merged in pieces differs from the whole"
+    );
 }

@@ -762,7 +762,10 @@ mod tests {
         let found = find_routing(p).unwrap();
         let pieces = merge_response_found(p, &found, d, OPTS).unwrap();
         assert_eq!(pieces.merged_values(), 1);
-        assert_eq!(pieces.checked_slices().unwrap().concat(), body(merged).as_bytes());
+        assert_eq!(
+            pieces.checked_slices().unwrap().concat(),
+            body(merged).as_bytes()
+        );
         let none = merge_response_pieces(p, br#"{"choices":[]}"#, OPTS).unwrap();
         assert_eq!(none.merged_values(), 0);
         // Bad base64 in the spliced text is refused by the unassembled path too.

@@ -409,7 +409,8 @@ def test_bench_proxy_runs_every_part_small(tmp_path: Any) -> None:
         [
             "bench-proxy",
             "--tokens", "64", "--layers", "2", "--top-k", "2",
-            "--requests", "20", "--concurrency", "4", "--memory-concurrency", "4", "--idle-wait", "2",
+            "--requests", "20", "--concurrency", "4", "--memory-concurrency", "4",
+            "--idle-wait", "2",
             "--json", str(out),
         ]
     )  # fmt: skip

@@ -571,8 +571,7 @@ impl Call {
                 require_routing: true,
                 ..self.merge_options(body.start)
             };
-            let spliced =
-                merge_response_found(&prefill_body, &read.routing, &decode_body, opts)?;
+            let spliced = merge_response_found(&prefill_body, &read.routing, &decode_body, opts)?;
             shared_slices(&spliced, &[&prefill_body, &decode_body])
         })
         .map_err(merge_fault)?;
@@ -601,7 +600,11 @@ impl Call {
 
     /// The prefill body read once (`kv_transfer_params` and its routing, which the merge
     /// reuses), and the client's prompt start checked against the rows prefill returned.
-    fn read_prefill<'b>(&self, body: &'b [u8], start: Option<u64>) -> Result<PrefillBody<'b>, Fault> {
+    fn read_prefill<'b>(
+        &self,
+        body: &'b [u8],
+        start: Option<u64>,
+    ) -> Result<PrefillBody<'b>, Fault> {
         let max_bytes = self.proxy.merge_max_bytes;
         let (read, rows) = blocking_if(body.len() >= BLOCKING_BYTES, || {
             prefill_rows(body, start, max_bytes)
@@ -676,7 +679,13 @@ impl Call {
             let limit = proxy.config.max_upstream_bytes;
             let body = proxy
                 .upstreams
-                .read_body(r, limit, &mut share, self.ceiling(side), self.wait_deadline())
+                .read_body(
+                    r,
+                    limit,
+                    &mut share,
+                    self.ceiling(side),
+                    self.wait_deadline(),
+                )
                 .await?;
             Ok((status, json, body, share))
         }
@@ -723,9 +732,9 @@ impl Call {
         let (head_tx, head_rx) = oneshot::channel();
         let task = tokio::spawn(self.stream_task(body, lease, prefill, slot, head_tx));
         let abort = AbortOnDrop(Some(task.abort_handle()));
-        let head = head_rx.await.map_err(|_| {
-            Fault::new("proxy", 500, "the stream ended before its response head")
-        })?;
+        let head = head_rx
+            .await
+            .map_err(|_| Fault::new("proxy", 500, "the stream ended before its response head"))?;
         let (decode_url, decode_seconds, mut response, record_tx) = head?;
         std::mem::forget(abort); // the task owns the stream from here on
         ex.decode = decode_url;
@@ -777,7 +786,12 @@ impl Call {
             .headers_mut()
             .insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
         let (record_tx, record_rx) = oneshot::channel();
-        let head = (url.clone(), began.elapsed().as_secs_f64(), response, record_tx);
+        let head = (
+            url.clone(),
+            began.elapsed().as_secs_f64(),
+            response,
+            record_tx,
+        );
         if head_tx.send(Ok(head)).is_err() {
             proxy.release(Side::Decode, lease, Outcome::Unknown);
             return;
@@ -887,7 +901,7 @@ struct Relay<'a> {
     tx: mpsc::Sender<Bytes>,
     deadline: tokio::time::Instant,
     began: Instant,
-    share: Share,         // the stream's bytes held: a line being received, pieces queued
+    share: Share, // the stream's bytes held: a line being received, pieces queued
     _held: (Slot, Share), // the completion slot, and the prefill body's budget
 }
 

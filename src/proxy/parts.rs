@@ -70,4 +70,3 @@ impl hyper::body::Body for PartsBody {
         hyper::body::SizeHint::with_exact(self.remaining)
     }
 }
-

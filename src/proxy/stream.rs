@@ -193,7 +193,8 @@ impl<'a> StreamMerger<'a> {
             }
             Err(e) => return Err(StreamError::Merge(e)),
         };
-        let parts = shared_slices(&spliced, &[self.prefill, &payload]).map_err(StreamError::Merge)?;
+        let parts =
+            shared_slices(&spliced, &[self.prefill, &payload]).map_err(StreamError::Merge)?;
         if spliced.merged_values() > 0 {
             self.merged = true;
             self.merged_bytes += spliced.len();
