@@ -18,12 +18,18 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from engines import Engine, Server
+from engines import DATA_PLANE, Engine, Server
 from test_proxy import COMPLETION, expected
 from test_proxy_resilience import closed_port_url, post, stack, wait_for
 
 import routed_experts as rx
 from routed_experts.proxy import ProxyConfig, ProxyServer
+
+
+# The server's own limits: the Rust data plane's (a mounted ASGI app has its host server's).
+pytestmark = pytest.mark.skipif(
+    DATA_PLANE != "rust", reason="limits of the Rust data plane's server"
+)
 
 
 def address(url: str) -> tuple[str, int]:
@@ -192,6 +198,25 @@ def test_a_client_that_stops_reading_is_dropped_at_the_write_timeout() -> None:
             healthy(url)
         finally:
             s.close()
+
+
+def test_upstream_replies_count_against_the_body_budget() -> None:
+    body = json.dumps(COMPLETION).encode()
+
+    def send(url: str) -> httpx.Response:
+        return httpx.post(url + "/v1/completions", content=body, timeout=30,
+                          headers={"content-type": "application/json"})
+
+    # Room for the client body, not for the prefill reply as well: refused, not grown past.
+    with stack([Engine()], [Engine()], max_buffered_bytes=len(body)) as url:
+        r = send(url)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert "bytes of bodies" in r.json()["error"]["message"]
+    with stack([Engine()], [Engine()], max_buffered_bytes=64 * 1024) as url:
+        for _ in range(3):
+            assert send(url).status_code == 200
+        health = httpx.get(url + "/health", timeout=10).json()
+        assert health["buffered_bytes"] == 0  # every reply's bytes given back
 
 
 def test_operator_endpoints_move_to_the_admin_port() -> None:
