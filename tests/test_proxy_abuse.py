@@ -25,7 +25,6 @@ from test_proxy_resilience import closed_port_url, post, stack, wait_for
 import routed_experts as rx
 from routed_experts.proxy import ProxyConfig, ProxyServer
 
-
 # The server's own limits: the Rust data plane's (a mounted ASGI app has its host server's).
 pytestmark = pytest.mark.skipif(
     DATA_PLANE != "rust", reason="limits of the Rust data plane's server"

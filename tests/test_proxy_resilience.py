@@ -351,25 +351,16 @@ def test_config_refuses_limits_that_serve_nothing(field: str, value: Any, messag
 
 
 def test_cli_defaults_are_the_config_defaults() -> None:
+    import dataclasses
+
+    from routed_experts.cli import PROXY_SETTINGS
+
     args = build_parser().parse_args(["proxy", "--prefill", "http://p", "--decode", "http://d"])
     defaults = ProxyConfig()
-    for name in (
-        "read_timeout",
-        "connect_timeout",
-        "max_in_flight",
-        "max_request_bytes",
-        "body_timeout",
-        "max_buffered_bytes",
-        "max_upstream_bytes",
-        "eject_after",
-        "eject_seconds",
-        "header_timeout",
-        "max_header_bytes",
-        "max_connections",
-        "request_timeout",
-        "write_timeout",
-        "shutdown_timeout",
-    ):
+    # Every setting but the API key (which may come from the environment) is a flag.
+    fields = {f.name for f in dataclasses.fields(ProxyConfig)} - {"upstream_api_key"}
+    assert set(PROXY_SETTINGS) == fields
+    for name in PROXY_SETTINGS:
         assert getattr(args, name) == getattr(defaults, name), name
 
 

@@ -644,6 +644,51 @@ impl Call {
         }
     }
 
+    /// POST `data` to the leased upstream: its response head, and the guard that gives the
+    /// lease back with the outcome the caller records in it (Failed already if no head came).
+    async fn post(
+        &self,
+        side: Side,
+        lease: Lease,
+        data: Bytes,
+    ) -> (ReleaseGuard<'_>, Result<Response<Incoming>, Fault>) {
+        let proxy = &self.proxy;
+        let u = &proxy.pool(side).upstreams[lease.index];
+        let mut guard = ReleaseGuard {
+            proxy,
+            side,
+            lease: Some(lease),
+            outcome: Outcome::Unknown,
+        };
+        let uri = u.target.uri(self.endpoint);
+        let head = proxy
+            .upstreams
+            .call(Method::POST, uri, &self.headers, data, None)
+            .await
+            .map_err(|e| {
+                guard.outcome = Outcome::Failed;
+                proxy.call_fault(side, &u.url, e)
+            });
+        (guard, head)
+    }
+
+    /// An upstream's whole reply body, within the size limit and the body budget.
+    async fn read_reply(
+        &self,
+        side: Side,
+        r: Response<Incoming>,
+    ) -> Result<(Bytes, Share), CallError> {
+        let proxy = &self.proxy;
+        let mut share = proxy.budget.share();
+        let limit = proxy.config.max_upstream_bytes;
+        let (ceiling, deadline) = (self.ceiling(side), self.wait_deadline());
+        let body = proxy
+            .upstreams
+            .read_body(r, limit, &mut share, ceiling, deadline)
+            .await?;
+        Ok((body, share))
+    }
+
     /// POST to an upstream and read its JSON reply, recording the upstream's health.
     async fn fetch(
         &self,
@@ -653,59 +698,37 @@ impl Call {
         data: Bytes,
     ) -> Result<(Bytes, Share), Fault> {
         let proxy = &self.proxy;
-        let u = &proxy.pool(side).upstreams[lease.index];
+        let url = &proxy.pool(side).upstreams[lease.index].url;
         let began = Instant::now();
-        let mut guard = ReleaseGuard {
-            proxy,
-            side,
-            lease: Some(lease),
-            outcome: Outcome::Unknown,
+        let (mut guard, head) = self.post(side, lease, data).await;
+        let reply = match head {
+            Ok(r) => {
+                let status = r.status().as_u16();
+                let json = is_mime(r.headers().get(CONTENT_TYPE), "application/json");
+                self.read_reply(side, r)
+                    .await
+                    .map(|(body, share)| (status, json, body, share))
+                    .map_err(|e| {
+                        guard.outcome = Outcome::Failed;
+                        proxy.call_fault(side, url, e)
+                    })
+            }
+            Err(fault) => Err(fault),
         };
-        let s = side.name();
-        let result = async {
-            let r = proxy
-                .upstreams
-                .call(
-                    Method::POST,
-                    u.target.uri(self.endpoint),
-                    &self.headers,
-                    data,
-                    None,
-                )
-                .await?;
-            let status = r.status().as_u16();
-            let json = is_mime(r.headers().get(CONTENT_TYPE), "application/json");
-            let mut share = proxy.budget.share();
-            let limit = proxy.config.max_upstream_bytes;
-            let body = proxy
-                .upstreams
-                .read_body(
-                    r,
-                    limit,
-                    &mut share,
-                    self.ceiling(side),
-                    self.wait_deadline(),
-                )
-                .await?;
-            Ok((status, json, body, share))
-        }
-        .await;
         let i = if side == Side::Prefill { 0 } else { 1 };
         ex.seconds[i] += began.elapsed().as_secs_f64();
-        let (status, json, body, share) = result.map_err(|e: CallError| {
-            guard.outcome = Outcome::Failed;
-            proxy.call_fault(side, &u.url, e)
-        })?;
+        let (status, json, body, share) = reply?;
         guard.outcome = if status >= 500 {
             Outcome::Failed
         } else {
             Outcome::Ok
         };
         if status >= 400 {
-            return Err(status_fault(side, &u.url, status, &body));
+            return Err(status_fault(side, url, status, &body));
         }
+        let s = side.name();
         if !json {
-            log::warn!(target: "routed_experts::proxy", "{s} server {} did not answer with JSON", u.url);
+            log::warn!(target: "routed_experts::proxy", "{s} server {url} did not answer with JSON");
             return Err(Fault::new(
                 s,
                 502,
@@ -822,29 +845,9 @@ impl Call {
         lease: Lease,
         data: Vec<u8>,
     ) -> Result<(Lease, Response<Incoming>), Fault> {
-        let proxy = &self.proxy;
-        let u = &proxy.decode.upstreams[lease.index];
-        let url = u.url.clone();
-        let mut guard = ReleaseGuard {
-            proxy,
-            side: Side::Decode,
-            lease: Some(lease),
-            outcome: Outcome::Unknown,
-        };
-        let r = proxy
-            .upstreams
-            .call(
-                Method::POST,
-                u.target.uri(self.endpoint),
-                &self.headers,
-                data.into(),
-                None,
-            )
-            .await
-            .map_err(|e| {
-                guard.outcome = Outcome::Failed;
-                proxy.call_fault(Side::Decode, &url, e)
-            })?;
+        let url = &self.proxy.decode.upstreams[lease.index].url;
+        let (mut guard, head) = self.post(Side::Decode, lease, data.into()).await;
+        let r = head?;
         let status = r.status().as_u16();
         if status >= 400 {
             guard.outcome = if status >= 500 {
@@ -852,15 +855,9 @@ impl Call {
             } else {
                 Outcome::Ok
             };
-            let mut share = proxy.budget.share();
-            let limit = proxy.config.max_upstream_bytes;
-            let (ceiling, deadline) = (self.ceiling(Side::Decode), self.wait_deadline());
-            let body = proxy
-                .upstreams
-                .read_body(r, limit, &mut share, ceiling, deadline)
-                .await
-                .unwrap_or_default();
-            return Err(status_fault(Side::Decode, &url, status, &body));
+            let body = self.read_reply(Side::Decode, r).await.map(|(b, _)| b);
+            let body = body.unwrap_or_default();
+            return Err(status_fault(Side::Decode, url, status, &body));
         }
         if !is_mime(r.headers().get(CONTENT_TYPE), "text/event-stream") {
             guard.outcome = Outcome::Ok;

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .config import ProxyConfig
-from .server import ProxyServer, serve
+from .server import ProxyServer, configure_logging, serve
 
 if TYPE_CHECKING:  # the Python data plane: imported on first use (it needs the proxy extra)
     from .app import PDProxy, keep_freed_memory
@@ -110,9 +110,7 @@ def serve_asgi(
 
     from .app import keep_freed_memory
 
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(log_level)
     keep_freed_memory()
     logging.getLogger("routed_experts.proxy").info(
         "routed-experts proxy (Python data plane) on http://%s:%d; prefill %s; decode %s",

@@ -76,6 +76,13 @@ class ProxyServer:
             self._thread.join(timeout=30)
 
 
+def configure_logging(level: str) -> None:
+    """What `routed-experts proxy` logs: `level` and up, one line per record on stderr."""
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
 def serve(
     prefill: Sequence[str],
     decode: Sequence[str],
@@ -87,9 +94,7 @@ def serve(
 ) -> None:
     """Serve the proxy until SIGTERM or SIGINT (drained within `config.shutdown_timeout`; a
     second signal stops at once). One log line per request, on logger `routed_experts.proxy`."""
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(log_level)
     server = ProxyServer(prefill, decode, config, host, port, admin_port)
     admin = f"; admin on port {server.admin_port}" if admin_port is not None else ""
     log.info(
