@@ -148,13 +148,12 @@ mod _core {
 
     #[pymodule_export]
     use crate::python::functions::{
-        _read_prefill, _routing_count, decode, detect_format, encode, from_response, merge,
-        merge_response, pack,
+        _read_prefill, decode, detect_format, encode, from_response, merge, merge_response, pack,
     };
     #[pymodule_export]
     use crate::python::payload::{_from_raw, RoutedExperts};
     #[pymodule_export]
-    use crate::python::proxy::_ProxyServer;
+    use crate::python::proxy::{_ProxyServer, StreamMerger};
     #[pymodule_export]
     use crate::python::quality::{agreement, expert_load, Agreement, ExpertLoad};
     #[pymodule_export]

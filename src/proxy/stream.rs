@@ -6,7 +6,7 @@ use bytes::Bytes;
 use memchr::memmem;
 
 use super::parts::shared_slices;
-use crate::response::{merge_response_found, Found, MergeOptions};
+use crate::response::{merge_response_found, merge_response_pieces, Found, MergeOptions, Spliced};
 
 /// Why a stream cannot be relayed to its end.
 #[derive(Debug)]
@@ -23,8 +23,7 @@ pub enum StreamError {
 /// Feed it the stream's chunks as they arrive ([`feed`](Self::feed)), then call
 /// [`finish`](Self::finish); what they emit is the stream to send on.
 pub struct StreamMerger<'a> {
-    prefill: &'a Bytes,
-    prefill_routing: &'a [Found<'a>],
+    prefill: Prefill<'a>,
     opts: MergeOptions,
     max_line: usize,
     partial: Vec<Bytes>, // the line being received, in the pieces it came in
@@ -34,6 +33,29 @@ pub struct StreamMerger<'a> {
     /// Bytes of merged events.
     pub merged_bytes: usize,
     done: bool,
+}
+
+/// The prefill body a merger merges with: borrowed with its routing already found (the
+/// proxy's case: the body is walked once), or owned (its routing found at each merge).
+enum Prefill<'a> {
+    Found(&'a Bytes, &'a [Found<'a>]),
+    Owned(Bytes),
+}
+
+impl Prefill<'_> {
+    fn body(&self) -> &Bytes {
+        match self {
+            Prefill::Found(b, _) => b,
+            Prefill::Owned(b) => b,
+        }
+    }
+
+    fn merge<'s>(&'s self, decode: &'s [u8], opts: MergeOptions) -> crate::Result<Spliced<'s>> {
+        match self {
+            Prefill::Found(body, found) => merge_response_found(body, found, decode, opts),
+            Prefill::Owned(body) => merge_response_pieces(body, decode, opts),
+        }
+    }
 }
 
 /// Lines at least this long skip the marker scan: the merge's walk finds routing anyway.
@@ -49,6 +71,14 @@ fn is_done(line: &[u8]) -> bool {
         .is_some_and(|rest| rest.trim_ascii() == b"[DONE]")
 }
 
+impl StreamMerger<'static> {
+    /// A merger that owns the prefill body (its routing is found at each merge: a stream has
+    /// one routing event).
+    pub fn owned(prefill: Bytes, opts: MergeOptions, max_line: usize) -> Self {
+        Self::with(Prefill::Owned(prefill), opts, max_line)
+    }
+}
+
 impl<'a> StreamMerger<'a> {
     /// A merger for one stream, given the prefill body and its routing (as
     /// [`read_prefill`](crate::read_prefill) or [`find_routing`](crate::find_routing) found
@@ -60,9 +90,12 @@ impl<'a> StreamMerger<'a> {
         opts: MergeOptions,
         max_line: usize,
     ) -> Self {
+        Self::with(Prefill::Found(prefill, prefill_routing), opts, max_line)
+    }
+
+    fn with(prefill: Prefill<'a>, opts: MergeOptions, max_line: usize) -> Self {
         StreamMerger {
             prefill,
-            prefill_routing,
             opts,
             max_line,
             partial: Vec::new(),
@@ -71,6 +104,11 @@ impl<'a> StreamMerger<'a> {
             merged_bytes: 0,
             done: false,
         }
+    }
+
+    /// Whether the stream's `data: [DONE]` was seen.
+    pub fn done(&self) -> bool {
+        self.done
     }
 
     /// Bytes of an incomplete line held back until its end arrives.
@@ -116,7 +154,8 @@ impl<'a> StreamMerger<'a> {
                 require_routing: true,
                 ..self.opts
             };
-            merge_response_found(self.prefill, self.prefill_routing, b"{}", opts)
+            self.prefill
+                .merge(b"{}", opts)
                 .map_err(StreamError::Merge)?;
         }
         Ok(())
@@ -182,8 +221,7 @@ impl<'a> StreamMerger<'a> {
             return Ok(());
         }
         let payload = line.slice_ref(rest.trim_ascii_start());
-        let merged = merge_response_found(self.prefill, self.prefill_routing, &payload, self.opts);
-        let spliced = match merged {
+        let spliced = match self.prefill.merge(&payload, self.opts) {
             Ok(s) => s,
             // A long event that is not JSON, and holds no routing marker, passes as it came
             // (as a short one does without being parsed).
@@ -193,8 +231,8 @@ impl<'a> StreamMerger<'a> {
             }
             Err(e) => return Err(StreamError::Merge(e)),
         };
-        let parts =
-            shared_slices(&spliced, &[self.prefill, &payload]).map_err(StreamError::Merge)?;
+        let parts = shared_slices(&spliced, &[self.prefill.body(), &payload])
+            .map_err(StreamError::Merge)?;
         if spliced.merged_values() > 0 {
             self.merged = true;
             self.merged_bytes += spliced.len();

@@ -241,14 +241,6 @@ fn check_list_objects(p: &Payload, limit: usize) -> PyResult<()> {
     }
 }
 
-/// How many routing values a response body carries (found as `from_response` finds them, none
-/// decoded). For the proxy's stream merger, which must know whether an event carried routing.
-#[pyfunction]
-pub fn _routing_count(py: Python<'_>, body: &Bound<'_, PyAny>) -> PyResult<usize> {
-    let text = convert::body_arg(body)?;
-    Ok(py.detach(|| response::find_routing(&text).map(|found| found.len()))?)
-}
-
 /// The format `decode` would detect for a value: "compact", "vllm_npy", "sglang", "nemo", "lists".
 #[pyfunction]
 pub fn detect_format(value: &Bound<'_, PyAny>) -> PyResult<&'static str> {

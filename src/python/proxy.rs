@@ -144,3 +144,119 @@ impl _ProxyServer {
             .stop(if now { Stop::Now } else { Stop::Graceful });
     }
 }
+
+/// Merges the routing of server-sent events from a decode server with the prefill routing:
+/// the proxy's stream merge (the Rust one), for a router of your own.
+///
+/// Feed it the decode stream's bytes as they arrive (`feed`), then call `finish`: what they
+/// return is the stream to send on, with every event that carries `routed_experts` merged and
+/// every other byte as it came. `start` is the requested prompt start (for formats that carry
+/// none). Raises MergeError when routing cannot be merged, when the stream ended without
+/// `data: [DONE]`, or when no event carried routing while the prefill body did; a line (one
+/// event) longer than `max_line_bytes` (default: `get_max_bytes()`) is a PayloadError.
+#[pyclass(module = "routed_experts._core", frozen)]
+pub struct StreamMerger {
+    inner: Mutex<crate::proxy::StreamMerger<'static>>,
+}
+
+impl StreamMerger {
+    fn run(
+        &self,
+        py: Python<'_>,
+        step: impl FnOnce(
+                &mut crate::proxy::StreamMerger<'static>,
+                &mut Vec<bytes::Bytes>,
+            ) -> Result<(), crate::proxy::StreamError>
+            + Send,
+    ) -> PyResult<Vec<Py<pyo3::types::PyBytes>>> {
+        use crate::proxy::StreamError;
+        let out = py.detach(|| {
+            let mut m = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            let mut out = Vec::new();
+            step(&mut m, &mut out).map(|()| out)
+        });
+        let out = out.map_err(|e| -> PyErr {
+            match e {
+                StreamError::NoDone => {
+                    crate::Error::merge("the decode stream ended without data: [DONE]").into()
+                }
+                StreamError::LineTooLong(n) => crate::Error::payload(format!(
+                    "decode stream: a line of more than {n} bytes (the limit on one event)"
+                ))
+                .into(),
+                StreamError::Merge(e) => e.into(),
+            }
+        })?;
+        Ok(out
+            .iter()
+            .map(|b| pyo3::types::PyBytes::new(py, b).unbind())
+            .collect())
+    }
+
+    fn read<T>(&self, f: impl FnOnce(&crate::proxy::StreamMerger<'static>) -> T) -> T {
+        f(&self.inner.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+#[pymethods]
+impl StreamMerger {
+    #[new]
+    #[pyo3(signature = (prefill_body, start = None, max_line_bytes = None))]
+    fn new(
+        prefill_body: &Bound<'_, PyAny>,
+        start: Option<u64>,
+        max_line_bytes: Option<usize>,
+    ) -> PyResult<Self> {
+        let prefill = bytes::Bytes::copy_from_slice(&super::convert::body_arg(prefill_body)?);
+        let opts = crate::MergeOptions {
+            hints: crate::Hints {
+                start,
+                ..crate::Hints::default()
+            },
+            ..crate::MergeOptions::new(crate::limits::max_bytes())
+        };
+        let max_line = max_line_bytes.unwrap_or_else(crate::limits::max_bytes);
+        Ok(StreamMerger {
+            inner: Mutex::new(crate::proxy::StreamMerger::owned(prefill, opts, max_line)),
+        })
+    }
+
+    /// The pieces to send on for the lines this chunk completes (routing merged).
+    fn feed(
+        &self,
+        py: Python<'_>,
+        chunk: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<Py<pyo3::types::PyBytes>>> {
+        let chunk = bytes::Bytes::copy_from_slice(&super::convert::body_arg(chunk)?);
+        self.run(py, |m, out| m.feed(chunk, out))
+    }
+
+    /// The rest of the stream (a last line without a newline); then the checks above.
+    fn finish(&self, py: Python<'_>) -> PyResult<Vec<Py<pyo3::types::PyBytes>>> {
+        self.run(py, |m, out| m.finish(out))
+    }
+
+    /// Some event carried routing (and was merged).
+    #[getter]
+    fn merged(&self) -> bool {
+        self.read(|m| m.merged)
+    }
+
+    /// The stream's `data: [DONE]` was seen.
+    #[getter]
+    fn done(&self) -> bool {
+        self.read(|m| m.done())
+    }
+
+    /// Bytes of the merged events.
+    #[getter]
+    fn merged_bytes(&self) -> usize {
+        self.read(|m| m.merged_bytes)
+    }
+
+    /// Bytes of an incomplete line held back until its end arrives.
+    #[getter]
+    fn buffered(&self) -> usize {
+        self.read(|m| m.buffered())
+    }
+}

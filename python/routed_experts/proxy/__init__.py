@@ -8,8 +8,8 @@ Two data planes speak the same protocol and pass the same tests:
   header timeout and size, connection cap, request and write timeouts, drained shutdown.
 - `create_app(...)`: the proxy as a Python ASGI app, to mount in your own app (needs the `proxy`
   extra: aiohttp, orjson, prometheus-client, uvicorn). Mounted, it has the limits of the
-  server that hosts it. The pieces (`prefill_request`, `decode_request`, `StreamMerger`) are
-  there for your own router.
+  server that hosts it. The pieces (`prefill_request`, `decode_request`) are there for your own
+  router, and `StreamMerger` (the Rust data plane's stream merge, no extra needed).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import importlib
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from routed_experts._core import StreamMerger
 
 from .config import ProxyConfig
 from .server import ProxyServer, configure_logging, serve
@@ -34,7 +36,6 @@ if TYPE_CHECKING:  # the Python data plane: imported on first use (it needs the 
         parse_client_body,
         prefill_request,
     )
-    from .stream import StreamMerger
 
 __all__ = [
     "ENDPOINTS",
@@ -66,7 +67,6 @@ _LAZY = {
     "error_body": "protocol",
     "parse_client_body": "protocol",
     "prefill_request": "protocol",
-    "StreamMerger": "stream",
 }
 
 

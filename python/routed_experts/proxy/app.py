@@ -22,7 +22,7 @@ import aiohttp
 import orjson
 
 import routed_experts as rx
-from routed_experts._core import _read_prefill
+from routed_experts._core import StreamMerger, _read_prefill
 
 from .config import ProxyConfig
 from .metrics import Metrics
@@ -38,7 +38,6 @@ from .protocol import (
     parse_client_body,
     prefill_request,
 )
-from .stream import StreamMerger
 from .upstreams import FAILED, OK, UNKNOWN, Lease, Pool, Upstream
 
 log = logging.getLogger("routed_experts.proxy")
