@@ -198,23 +198,22 @@ class Engine:
         return Starlette(routes=routes)
 
 
-# Which data plane serves a proxy app handed to `Server`: "rust" (what `routed-experts proxy`
-# runs; the default) or "python" (the ASGI app under uvicorn). Every proxy test runs against it.
+# How a proxy app handed to `Server` is served: "rust" (the server itself, as `routed-experts
+# proxy` runs it; the default) or "asgi" (the ASGI app under uvicorn, relaying to it).
 DATA_PLANE = os.environ.get("RX_PROXY_DATA_PLANE", "rust")
 
 
 class Server:
     """An ASGI app served by uvicorn on a loopback port in a background thread. The socket is
     bound here and handed to uvicorn, so no other process can take the port in between. A
-    proxy app (`create_app`) is served by the data plane DATA_PLANE names, with its settings."""
+    proxy app (`create_app`) is served as DATA_PLANE says, with its settings."""
 
     def __init__(self, app: Any) -> None:
         from routed_experts.proxy import PDProxy, ProxyServer
 
         self.rust: ProxyServer | None = None
         if isinstance(app, PDProxy) and DATA_PLANE == "rust":
-            urls = [[u.url for u in pool.upstreams] for pool in (app.prefill, app.decode)]
-            self.rust = ProxyServer(urls[0], urls[1], app.config)
+            self.rust = ProxyServer(app.prefill_urls, app.decode_urls, app.config)
             self.port = self.rust.port
             return
         self.socket = socket.socket()

@@ -25,9 +25,9 @@ from test_proxy_resilience import closed_port_url, post, stack, wait_for
 import routed_experts as rx
 from routed_experts.proxy import ProxyConfig, ProxyServer
 
-# The server's own limits: the Rust data plane's (a mounted ASGI app has its host server's).
+# The server's own limits: the Rust server's (an ASGI app has those of the server hosting it).
 pytestmark = pytest.mark.skipif(
-    DATA_PLANE != "rust", reason="limits of the Rust data plane's server"
+    DATA_PLANE != "rust", reason="limits of the Rust server itself"
 )
 
 
@@ -297,11 +297,11 @@ def test_a_second_signal_stops_at_once() -> None:
             assert proc.returncode == 0 and "stopping at once" in err, err
 
 
-def test_the_cli_refuses_what_the_rust_data_plane_cannot_serve() -> None:
+def test_the_cli_refuses_https_upstreams() -> None:
     r = subprocess.run(
         [sys.executable, "-m", "routed_experts.cli", "proxy", "--prefill", "https://h:1",
          "--decode", "http://h:2"],
         capture_output=True, text=True, timeout=60,
     )
     assert r.returncode == 2
-    assert "https upstreams are served only by the Python data plane" in r.stderr
+    assert "argument --prefill: 'https://h:1': https upstreams are not supported" in r.stderr

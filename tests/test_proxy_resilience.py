@@ -461,7 +461,7 @@ def test_the_proxy_command_serves_and_logs_one_line_per_request() -> None:
 @pytest.mark.parametrize(
     ("flag", "url", "message"),
     [
-        ("--prefill", "localhost:18100", "expected a URL starting with http:// or https://"),
+        ("--prefill", "localhost:18100", "expected a URL starting with http://"),
         ("--decode", "http://localhost:99999", "expected a port from 1 to 65535"),
         ("--decode", "http://:8000", "expected a host"),
         ("--prefill", "ftp://h:1", "expected a URL starting with http://"),

@@ -232,24 +232,11 @@ def _needs_extras(command: str, extras: str, e: ImportError) -> int:
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
-    from routed_experts.proxy.config import ProxyConfig
+    from routed_experts.proxy import ProxyConfig, serve
 
     settings = {name: getattr(args, name) for name in PROXY_SETTINGS}
     key = args.upstream_api_key or os.environ.get(UPSTREAM_KEY_ENV)
     config = ProxyConfig(**settings, upstream_api_key=key)
-    if args.data_plane == "python":
-        try:
-            import aiohttp  # noqa: F401  (the Python data plane's dependencies)
-            import orjson  # noqa: F401
-            import uvicorn  # noqa: F401
-
-            from routed_experts.proxy import serve_asgi
-        except ImportError as e:
-            return _needs_extras("proxy --data-plane python", "proxy", e)
-        serve_asgi(args.prefill, args.decode, args.host, args.port, config, args.log_level)
-        return 0
-    from routed_experts.proxy import serve
-
     try:
         serve(
             args.prefill, args.decode, args.host, args.port, config, args.log_level,
@@ -267,7 +254,7 @@ def cmd_bench_proxy(args: argparse.Namespace) -> int:
 
         from routed_experts.proxy.bench import run_bench
     except ImportError as e:
-        return _needs_extras("bench-proxy", "proxy,bench", e)
+        return _needs_extras("bench-proxy", "bench", e)
     return run_bench(args)
 
 
@@ -288,10 +275,8 @@ def _count(minimum: int) -> Any:
 
 def _url(text: str) -> str:
     """An argparse type: an upstream server's URL, checked before the proxy starts."""
-    try:
-        from routed_experts.proxy.upstreams import check_url
-    except ImportError:  # no proxy extra: cmd_proxy says so
-        return text
+    from routed_experts.proxy.config import check_url
+
     try:
         return check_url(text)
     except ValueError as e:
@@ -441,14 +426,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin-port",
         type=_count(1),
         help="serve /health and /metrics on this port only (default: on --port)",
-    )
-    proxy.add_argument(
-        "--data-plane",
-        choices=["rust", "python"],
-        default="rust",
-        help="rust: the server inside the extension (no extra needed; every limit below); "
-        "python: the ASGI app under uvicorn (the proxy extra; https upstreams; no connection "
-        "limits, request or write timeouts of its own)",
     )
     proxy.add_argument(
         "--upstream-api-key",

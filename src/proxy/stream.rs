@@ -200,8 +200,9 @@ impl<'a> StreamMerger<'a> {
         Ok(())
     }
 
-    /// One line: merged if it is a `data:` event that carries routing, else as it came.
-    fn line(&mut self, line: Bytes, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
+    /// One whole line (it need not end with a newline): merged if it is a `data:` event that
+    /// carries routing, else as it came.
+    pub fn line(&mut self, line: Bytes, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
         if line.len() > self.max_line {
             return Err(StreamError::LineTooLong(self.max_line));
         }

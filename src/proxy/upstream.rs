@@ -31,8 +31,8 @@ impl Target {
             Some("http") => {}
             Some("https") => {
                 return Err(format!(
-                    "{url:?}: https upstreams are served only by the Python data plane \
-                     (--data-plane python); this one speaks plain HTTP to the servers"
+                    "{url:?}: https upstreams are not supported (the proxy speaks plain HTTP \
+                     to the servers, as vLLM serves it)"
                 ))
             }
             _ => return Err(format!("expected a URL starting with http://, got {url:?}")),

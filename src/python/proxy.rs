@@ -231,6 +231,17 @@ impl StreamMerger {
         self.run(py, |m, out| m.feed(chunk, out))
     }
 
+    /// One whole line of the stream, as pieces: merged if it is a `data:` event that carries
+    /// routing, else as it came.
+    fn line(
+        &self,
+        py: Python<'_>,
+        line: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<Py<pyo3::types::PyBytes>>> {
+        let line = bytes::Bytes::copy_from_slice(&super::convert::body_arg(line)?);
+        self.run(py, |m, out| m.line(line, out))
+    }
+
     /// The rest of the stream (a last line without a newline); then the checks above.
     fn finish(&self, py: Python<'_>) -> PyResult<Vec<Py<pyo3::types::PyBytes>>> {
         self.run(py, |m, out| m.finish(out))

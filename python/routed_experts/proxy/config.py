@@ -3,6 +3,7 @@ so the Rust data plane runs from a bare install."""
 
 from __future__ import annotations
 
+import urllib.parse
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -66,3 +67,26 @@ class ProxyConfig:
     def settings(self) -> dict[str, Any]:
         """The fields as a dict (what the Rust data plane is given)."""
         return asdict(self)
+
+
+def check_url(url: str) -> str:
+    """`url` if it can be an upstream's base URL (`http://HOST[:PORT][/PREFIX]`, to which the
+    endpoint path is appended), else ValueError saying what is wrong with it. Checked when the
+    command line is read; the data plane checks again when it binds."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "https":
+        raise ValueError(
+            f"{url!r}: https upstreams are not supported (the proxy speaks plain HTTP to the "
+            "servers, as vLLM serves it)"
+        )
+    if parts.scheme != "http":
+        raise ValueError(f"expected a URL starting with http://, got {url!r}")
+    try:
+        parts.port  # noqa: B018 (parsing the port is the check)
+    except ValueError:
+        raise ValueError(f"expected a port from 1 to 65535 in {url!r}") from None
+    if not parts.hostname:
+        raise ValueError(f"expected a host in {url!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"expected no query or fragment in {url!r} (endpoints are appended)")
+    return url
