@@ -59,6 +59,8 @@ run: build-dev
 test: build-dev $(VENV)/.test-deps
 	cargo test --quiet --features proxy
 	$(PY) -m pytest -q
+	# The proxy's tests again, through the ASGI app (create_app) that relays to the server.
+	RX_PROXY_DATA_PLANE=asgi $(PY) -m pytest -q tests/test_proxy.py tests/test_proxy_resilience.py
 
 # The wheel users install (abi3, manylinux2014, C++ runtime linked in by zig) and the sdist.
 wheel: $(VENV)/.wheel-deps
