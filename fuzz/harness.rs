@@ -151,11 +151,14 @@ pub fn merge_response(data: &[u8]) {
     );
     if let (Ok(u), Ok(a)) = (&unassembled, &spliced) {
         assert_eq!(u, a, "checked_slices and to_vec differ");
-        let found = response::find_routing(prefill).expect("prefill parsed in the merge");
-        let again = response::merge_response_found(prefill, &found, decode, opts)
-            .and_then(|p| p.to_vec())
-            .expect("the same merge with the routing given");
-        assert_eq!(&again, a, "merge_response_found differs");
+        // (A decode body without routing merges without reading the prefill body at all, so
+        // that one need not parse.)
+        if let Ok(found) = response::find_routing(prefill) {
+            let again = response::merge_response_found(prefill, &found, decode, opts)
+                .and_then(|p| p.to_vec())
+                .expect("the same merge with the routing given");
+            assert_eq!(&again, a, "merge_response_found differs");
+        }
     }
     match (&spliced, &general) {
         (Ok(a), Ok(b)) => {
