@@ -74,6 +74,21 @@ struct Gate {
     started: Instant,
 }
 
+/// The admin port's own connection cap: scrapers and health checks, not clients, so a flood of
+/// the main port never takes `/health` with it, nor the other way round.
+const ADMIN_CONNECTIONS: usize = 64;
+
+impl Gate {
+    fn new(max: usize) -> Arc<Self> {
+        Arc::new(Gate {
+            open: AtomicUsize::new(0),
+            max,
+            last_logged: AtomicU64::new(u64::MAX),
+            started: Instant::now(),
+        })
+    }
+}
+
 impl Server {
     /// Check `config` and bind `addr` (and `admin`, which then alone serves `/health` and
     /// `/metrics`). Port 0 picks a free port ([`local_addr`](Self::local_addr) says which).
@@ -135,12 +150,7 @@ impl Server {
         raise_file_limit();
         let listener = TcpListener::from_std(listener)?;
         let admin = admin.map(TcpListener::from_std).transpose()?;
-        let gate = Arc::new(Gate {
-            open: AtomicUsize::new(0),
-            max: proxy.config.max_connections,
-            last_logged: AtomicU64::new(u64::MAX),
-            started: Instant::now(),
-        });
+        let gate = Gate::new(proxy.config.max_connections);
         let graceful = GracefulShutdown::new();
         if signals {
             tokio::spawn(forward_signals(Stopper(Arc::clone(&stop))));
@@ -162,16 +172,10 @@ impl Server {
         );
         let accept_admin = async {
             if let Some(admin) = admin {
-                let gate = Arc::new(Gate {
-                    open: AtomicUsize::new(0),
-                    max: 64,
-                    last_logged: AtomicU64::new(u64::MAX),
-                    started: Instant::now(),
-                });
                 accept_loop(
                     admin,
                     Arc::clone(&proxy),
-                    gate,
+                    Gate::new(ADMIN_CONNECTIONS),
                     &graceful,
                     Routes::Admin,
                     stop.subscribe(),
