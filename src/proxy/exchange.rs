@@ -167,15 +167,24 @@ impl Proxy {
         match tokio::time::timeout_at(deadline, call.run(&mut ex, body, slot)).await {
             Ok(Ok(response)) => response,
             Ok(Err(fault)) => ex.fail(fault),
-            Err(_) => {
-                let t = self.config.request_timeout.as_secs_f64();
-                ex.fail(Fault::new(
-                    "proxy",
-                    504,
-                    format!("the request did not finish within {t} s (--request-timeout)"),
-                ))
-            }
+            Err(_) => ex.fail(self.request_timeout_fault()),
         }
+    }
+
+    /// A request (or stream) still under way at `--request-timeout`.
+    fn request_timeout_fault(&self) -> Fault {
+        let t = self.config.request_timeout.as_secs_f64();
+        Fault::new(
+            "proxy",
+            504,
+            format!("the request did not finish within {t} s (--request-timeout)"),
+        )
+    }
+
+    /// How long an upstream reply may wait for room in the body budget: as long as an
+    /// upstream may stay silent, within the request's own `deadline`.
+    fn wait_deadline(&self, deadline: tokio::time::Instant) -> tokio::time::Instant {
+        (tokio::time::Instant::now() + self.config.read_timeout).min(deadline)
     }
 
     /// The client's whole body, or the fault to answer with (`None`: the client left).
@@ -320,8 +329,7 @@ impl Proxy {
                 Err(e) => Err(e),
             };
             let outcome = match &result {
-                Ok((s, _)) if s.is_server_error() => Outcome::Failed,
-                Ok(_) => Outcome::Ok,
+                Ok((s, _)) => Outcome::of_status(s.as_u16()),
                 Err(_) => Outcome::Failed,
             };
             let url = u.url.clone();
@@ -332,9 +340,7 @@ impl Proxy {
             Ok((status, body)) => json_response(status.as_u16(), body),
             Err(fault) => fault_response(&fault),
         };
-        if let Ok(v) = HeaderValue::from_str(&id) {
-            response.headers_mut().insert("x-request-id", v);
-        }
+        tag(&mut response, &id);
         response
     }
 
@@ -467,10 +473,8 @@ impl Exchange {
 
     /// The error response for `fault`, recorded.
     fn fail(&mut self, fault: Fault) -> Response<Body> {
-        if fault.status != 499 {
-            log::warn!(target: "routed_experts::proxy",
-                "{} {} {}: {}", self.request_id, self.endpoint, fault.side, fault.message);
-        }
+        log::warn!(target: "routed_experts::proxy",
+            "{} {} {}: {}", self.request_id, self.endpoint, fault.side, fault.message);
         self.status(fault.status, fault.side);
         let mut r = fault_response(&fault);
         self.bytes_out = fault.body().len();
@@ -479,9 +483,7 @@ impl Exchange {
     }
 
     fn tag(&self, r: &mut Response<Body>) {
-        if let Ok(v) = HeaderValue::from_str(&self.request_id) {
-            r.headers_mut().insert("x-request-id", v);
-        }
+        tag(r, &self.request_id);
     }
 }
 
@@ -528,12 +530,6 @@ impl Call {
             Side::Prefill => self.proxy.budget.prefill_ceiling(),
             Side::Decode => self.proxy.budget.limit(),
         }
-    }
-
-    /// How long a reply may wait for room in the budget: as long as an upstream may stay
-    /// silent, within the request's own deadline.
-    fn wait_deadline(&self) -> tokio::time::Instant {
-        (tokio::time::Instant::now() + self.proxy.config.read_timeout).min(self.deadline)
     }
 
     async fn run(
@@ -681,7 +677,7 @@ impl Call {
         let proxy = &self.proxy;
         let mut share = proxy.budget.share();
         let limit = proxy.config.max_upstream_bytes;
-        let (ceiling, deadline) = (self.ceiling(side), self.wait_deadline());
+        let (ceiling, deadline) = (self.ceiling(side), proxy.wait_deadline(self.deadline));
         let body = proxy
             .upstreams
             .read_body(r, limit, &mut share, ceiling, deadline)
@@ -718,11 +714,7 @@ impl Call {
         let i = if side == Side::Prefill { 0 } else { 1 };
         ex.seconds[i] += began.elapsed().as_secs_f64();
         let (status, json, body, share) = reply?;
-        guard.outcome = if status >= 500 {
-            Outcome::Failed
-        } else {
-            Outcome::Ok
-        };
+        guard.outcome = Outcome::of_status(status);
         if status >= 400 {
             return Err(status_fault(side, url, status, &body));
         }
@@ -754,12 +746,12 @@ impl Call {
     ) -> Result<Response<Body>, Fault> {
         let (head_tx, head_rx) = oneshot::channel();
         let task = tokio::spawn(self.stream_task(body, lease, prefill, slot, head_tx));
-        let abort = AbortOnDrop(Some(task.abort_handle()));
+        let mut abort = AbortOnDrop(Some(task.abort_handle()));
         let head = head_rx
             .await
             .map_err(|_| Fault::new("proxy", 500, "the stream ended before its response head"))?;
         let (decode_url, decode_seconds, mut response, record_tx) = head?;
-        std::mem::forget(abort); // the task owns the stream from here on
+        abort.0 = None; // the task owns the stream from here on (its handle dropped, not aborted)
         ex.decode = decode_url;
         ex.seconds[1] = decode_seconds;
         ex.status(200, "none");
@@ -850,11 +842,7 @@ impl Call {
         let r = head?;
         let status = r.status().as_u16();
         if status >= 400 {
-            guard.outcome = if status >= 500 {
-                Outcome::Failed
-            } else {
-                Outcome::Ok
-            };
+            guard.outcome = Outcome::of_status(status);
             let body = self.read_reply(Side::Decode, r).await.map(|(b, _)| b);
             let body = body.unwrap_or_default();
             return Err(status_fault(Side::Decode, url, status, &body));
@@ -910,10 +898,6 @@ enum Step {
 }
 
 impl Relay<'_> {
-    fn wait_deadline(&self) -> tokio::time::Instant {
-        (tokio::time::Instant::now() + self.proxy.config.read_timeout).min(self.deadline)
-    }
-
     async fn run(mut self, mut body: Incoming) {
         let proxy = Arc::clone(&self.proxy);
         let (outcome, tail) = loop {
@@ -928,7 +912,7 @@ impl Relay<'_> {
             let mut out = Vec::new();
             let fed = match step {
                 Step::Chunk(Some(chunk)) => {
-                    let (limit, wait) = (proxy.budget.limit(), self.wait_deadline());
+                    let (limit, wait) = (proxy.budget.limit(), proxy.wait_deadline(self.deadline));
                     if !self.share.grow_wait(chunk.len(), limit, wait).await {
                         let fault = proxy.call_fault(Side::Decode, &self.url, CallError::Budget);
                         break (Outcome::Ok, Some(fault));
@@ -949,15 +933,7 @@ impl Relay<'_> {
                         Some(proxy.call_fault(Side::Decode, &self.url, e)),
                     );
                 }
-                Step::Expired => {
-                    let t = self.proxy.config.request_timeout.as_secs_f64();
-                    let f = Fault::new(
-                        "proxy",
-                        504,
-                        format!("the request did not finish within {t} s (--request-timeout)"),
-                    );
-                    break (Outcome::Ok, Some(f));
-                }
+                Step::Expired => break (Outcome::Ok, Some(proxy.request_timeout_fault())),
                 Step::ClientGone => {
                     self.record.finished = false; // recorded as 499
                     break (Outcome::Unknown, None);
@@ -1155,6 +1131,13 @@ fn upstream_headers(id: &str, auth: Option<HeaderValue>) -> Vec<(&'static str, H
         h.push(("authorization", a));
     }
     h
+}
+
+/// `X-Request-Id: id` on a response (ids are printable ASCII, so it always fits a header).
+fn tag(r: &mut Response<Body>, id: &str) {
+    if let Ok(v) = HeaderValue::from_str(id) {
+        r.headers_mut().insert("x-request-id", v);
+    }
 }
 
 /// The client's `X-Request-Id` when acceptable, else a new random one.

@@ -40,6 +40,18 @@ pub enum Outcome {
     Unknown,
 }
 
+impl Outcome {
+    /// What an answer's status says of the server: a 5xx is its failure; anything else (a 4xx
+    /// is about the request) means it works.
+    pub fn of_status(status: u16) -> Self {
+        if status >= 500 {
+            Outcome::Failed
+        } else {
+            Outcome::Ok
+        }
+    }
+}
+
 struct Health {
     failures: u32,
     ejected_until: Option<Instant>,
