@@ -377,3 +377,48 @@ def test_client_messages_do_not_name_upstream_addresses(stack: dict[str, Any]) -
     r = httpx.post(stack["url"] + "/v1/completions", json=COMPLETION, timeout=30)
     assert r.status_code == 502
     assert "127.0.0.1" not in r.text and "http://" not in r.text
+
+
+def test_the_asgi_app_answers_its_own_failures_in_the_error_shape() -> None:
+    """The ASGI app relays to its server: a client that leaves mid-body gets nothing and raises
+    nothing, and a relay that cannot reach the server answers a JSON 502, never a plain 500."""
+    import asyncio
+
+    from routed_experts.proxy import create_app
+
+    app = create_app(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "raw_path": b"/v1/completions", "root_path": "", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")]}
+
+    async def run(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        sent: list[dict[str, Any]] = []
+        pending = iter(messages)
+
+        async def receive() -> dict[str, Any]:
+            message = next(pending, None)
+            if message is None:
+                await asyncio.sleep(3600)
+            assert message is not None
+            return message
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await asyncio.wait_for(app(scope, receive, send), 30)
+        return sent
+
+    async def main() -> None:
+        part = {"type": "http.request", "body": b'{"model"', "more_body": True}
+        left = await run([part, {"type": "http.disconnect"}])
+        assert left == []
+        server = app._base_url()
+        await app.aclose()
+        app._base_url = lambda: server  # type: ignore[method-assign]  # a server now gone
+        sent = await run([{"type": "http.request", "body": b"{}", "more_body": False}])
+        assert sent[0]["status"] == 502
+        err = json.loads(sent[1]["body"])["error"]
+        assert err["side"] == "proxy" and "could not be reached" in err["message"]
+        await app.aclose()
+
+    asyncio.run(main())

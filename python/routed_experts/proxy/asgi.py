@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
@@ -103,12 +104,12 @@ class PDProxy:
             for k, v in scope["headers"]
             if k.lower() not in _HOP_BY_HOP
         ]
-        body_done = asyncio.Event()
+        body_done, gone = asyncio.Event(), asyncio.Event()
         method = scope["method"]
-        body = None if method in ("GET", "HEAD") else _body(receive, body_done)
+        body = None if method in ("GET", "HEAD") else _body(receive, body_done, gone)
         if body is None:
             body_done.set()
-        relay = asyncio.ensure_future(self._relay(method, url, headers, body, send))
+        relay = asyncio.ensure_future(self._relay(method, url, headers, body, gone, send))
         watch = asyncio.ensure_future(_disconnected(receive, body_done))
         try:
             await asyncio.wait({relay, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -127,32 +128,56 @@ class PDProxy:
         url: str,
         headers: list[tuple[str, str]],
         body: AsyncIterator[bytes] | None,
+        gone: asyncio.Event,
         send: Send,
     ) -> None:
         # The path goes as the client wrote it (`encoded`: no `..` resolved on the way), so the
         # data plane's exact routes judge what the client sent.
         target = yarl.URL(url, encoded=True)
-        async with self._client().request(method, target, headers=headers, data=body) as r:
-            # Its length, and `connection: close` when the data plane ends the connection (after
-            # a 408, 413 or 503 the client's unread rest must not be read as a request).
-            keep = {b"content-length", b"connection"}
-            out = [
-                (k.lower(), v)
-                for k, v in r.raw_headers
-                if k.lower() not in _HOP_BY_HOP or k.lower() in keep
-            ]
-            await send({"type": "http.response.start", "status": r.status, "headers": out})
-            async for chunk in r.content.iter_any():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        started = False
+        try:
+            async with self._client().request(method, target, headers=headers, data=body) as r:
+                # Its length, and `connection: close` when the data plane ends the connection
+                # (after a 408, 413 or 503 the client's unread rest must not be read as a
+                # request).
+                keep = {b"content-length", b"connection"}
+                out = [
+                    (k.lower(), v)
+                    for k, v in r.raw_headers
+                    if k.lower() not in _HOP_BY_HOP or k.lower() in keep
+                ]
+                await send({"type": "http.response.start", "status": r.status, "headers": out})
+                started = True
+                async for chunk in r.content.iter_any():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except aiohttp.ClientError as e:
+            if started or gone.is_set():
+                # Broken off mid-response (the client sees the connection end), or the client
+                # left while its body was relayed: nobody to answer.
+                return
+            # Never a plain-text 500: the relay's own failure, in the proxy's error shape.
+            message = f"the proxy's server could not be reached: {type(e).__name__}"
+            error = {"message": message, "type": "upstream_error", "param": None,
+                     "side": "proxy", "code": 502}
+            content = json.dumps({"error": error}).encode()
+            headers_out = [(b"content-type", b"application/json"),
+                           (b"content-length", str(len(content)).encode())]
+            await send({"type": "http.response.start", "status": 502, "headers": headers_out})
+            await send({"type": "http.response.body", "body": content})
+            return
         await send({"type": "http.response.body", "body": b""})
 
 
-async def _body(receive: Receive, done: asyncio.Event) -> AsyncIterator[bytes]:
-    """The client's body as it arrives (the data plane applies its size and time limits)."""
+async def _body(
+    receive: Receive, done: asyncio.Event, gone: asyncio.Event
+) -> AsyncIterator[bytes]:
+    """The client's body as it arrives (the data plane applies its size and time limits); a
+    client that leaves ends the relay's request with an error, and sets `gone`."""
     try:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
+                gone.set()
                 raise ConnectionResetError("the client left")
             chunk = message.get("body", b"")
             if chunk:
