@@ -68,6 +68,17 @@ pub fn formats(data: &[u8]) {
         if f == Format::Sglang && s.layers * s.top_k == 0 {
             continue; // flat values of empty rows say nothing about the number of rows
         }
+        if f == Format::Sglang && text.starts_with(formats::NPY_B64_PREFIX) {
+            // Flat values whose first bytes spell the .npy magic (a first int32 of 1297436307,
+            // never an expert id) are read as vLLM's .npy, as format.md §3.2 says: refused,
+            // never decoded as something else.
+            let read = formats::decode_text(&text, &back_hints, usize::MAX);
+            assert!(
+                matches!(read, Err(_) | Ok((Format::VllmNpy, _))),
+                "flat values that look like .npy decoded as {read:?}"
+            );
+            continue;
+        }
         // Lists carry no dtype: without one, values past int32 are refused by design.
         let back_hints = Hints {
             dtype: (f == Format::Lists).then_some(p.dtype()),

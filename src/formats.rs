@@ -80,8 +80,8 @@ pub struct Hints {
 }
 
 const NEMO_PREFIX: &[u8] = b"nrlre1:";
-/// base64 of the `.npy` magic `\x93NUMPY`.
-const NPY_B64_PREFIX: &[u8] = b"k05VTVBZ";
+/// How a base64 `.npy` file begins (the magic `\x93NUMPY`): what `detect` reads as vLLM's format.
+pub const NPY_B64_PREFIX: &[u8] = b"k05VTVBZ";
 
 /// The format of a text value: JSON text, or the content of a JSON string.
 pub fn detect(text: &[u8]) -> Format {
