@@ -21,8 +21,16 @@ pub struct Scanner<'a> {
     what: &'static str,
     /// Where the scanner is: one segment per enclosing object member or array item.
     path: Vec<Seg>,
-    /// A key that must not appear in any object `value` skips (see `watch`).
-    watched: Option<&'static [u8]>,
+    /// Keys that must not appear in any object `value` skips (see `watch`).
+    watched: Option<Watch>,
+}
+
+/// Keys a caller reads only at places it walks itself: `matches` picks them out, `what` names
+/// them in the error (e.g. "routing-like").
+#[derive(Clone, Copy)]
+pub struct Watch {
+    pub matches: fn(&[u8]) -> bool,
+    pub what: &'static str,
 }
 
 /// One step of a path: an object member (its key's raw content) or an array item.
@@ -52,11 +60,26 @@ impl<'a> Scanner<'a> {
         }
     }
 
-    /// Make `key` an error wherever `value` skips an object holding it: for keys whose every
-    /// legitimate place the caller walks itself, so that one anywhere else is never ignored.
-    pub fn watch(mut self, key: &'static [u8]) -> Self {
-        self.watched = Some(key);
+    /// Make the keys `watch` matches an error wherever `value` (or `skip_member`) skips them:
+    /// for keys whose every legitimate place the caller walks itself, so that one anywhere else
+    /// is never ignored.
+    pub fn watch(mut self, watch: Watch) -> Self {
+        self.watched = Some(watch);
         self
+    }
+
+    /// Whether `key` is watched.
+    pub fn is_watched(&self, key: &[u8]) -> bool {
+        self.watched.is_some_and(|w| (w.matches)(key))
+    }
+
+    /// Skip the value of the member `key` that the caller does not read: a watched key is an
+    /// error naming its path.
+    pub fn skip_member(&mut self, key: &[u8]) -> Result<()> {
+        if self.is_watched(key) {
+            return Err(self.unexpected_watched(key));
+        }
+        self.value().map(drop)
     }
 
     /// The current path, e.g. `$.choices[0].logprobs`.
@@ -238,12 +261,7 @@ impl<'a> Scanner<'a> {
             b'"' => {
                 self.string()?;
             }
-            b'{' => self.object(|s, key| {
-                if s.watched == Some(key) {
-                    return Err(s.unexpected_watched());
-                }
-                s.value().map(drop)
-            })?,
+            b'{' => self.object(|s, key| s.skip_member(key))?,
             b'[' => self.array(|s, _| s.value().map(drop))?,
             b't' => self.literal(b"true")?,
             b'f' => self.literal(b"false")?,
@@ -254,13 +272,14 @@ impl<'a> Scanner<'a> {
         Ok(start..self.pos)
     }
 
-    /// The watched key at a place the caller does not read it from.
-    pub fn unexpected_watched(&self) -> Error {
+    /// A watched key (the member being read) at a place the caller does not read it from.
+    pub fn unexpected_watched(&self, key: &[u8]) -> Error {
+        let what = self.watched.map_or("watched", |w| w.what);
         Error::payload(format!(
-            "{}: a `{}` key at {}, a place where it is not read (never ignored: routing that is \
-             not found must not pass as none)",
+            "{}: a {what} key `{}` at {}, a place where it is not read (never ignored: routing \
+             that is not found must not pass as none)",
             self.what,
-            String::from_utf8_lossy(self.watched.unwrap_or(b"?")),
+            String::from_utf8_lossy(key),
             self.path()
         ))
     }

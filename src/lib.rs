@@ -89,7 +89,11 @@
 /// Agreement between two routings of the same positions (rollout against recompute).
 pub mod agreement;
 mod b64;
+/// Where routing sits in a response body, and the token counts the body states.
+pub mod body;
 mod buffer;
+/// Which positions a routing value covers, checked against its body's token counts (format.md §3.3).
+pub mod coverage;
 /// The integer dtypes a payload may carry, their ranges and promotion.
 pub mod dtype;
 mod error;
@@ -115,6 +119,8 @@ pub mod proxy;
 pub mod response;
 /// The compact sidecar (format.md §3.1).
 pub mod sidecar;
+/// vLLM 0.21's split routing: prompt rows at the top of the body, generated rows per choice.
+pub mod split;
 mod strscan;
 /// Multi-turn stitching and the trainer handoff (format.md §5).
 pub mod trajectory;
@@ -122,6 +128,10 @@ pub mod trajectory;
 pub mod validate;
 
 pub use agreement::{agreement, Agreement};
+pub use body::{
+    find_routing, is_routing_key, read_body, read_prefill, BodyRouting, Counts, Found, PrefillBody,
+    LOCATIONS,
+};
 pub use buffer::AlignedBytes;
 pub(crate) use dtype::with_element;
 pub use dtype::{DType, Element};
@@ -131,10 +141,7 @@ pub use formats::{Format, Hints};
 pub use limits::DEFAULT_MAX_BYTES;
 pub use merge::merge;
 pub use payload::{DTypeChoice, Header, Payload, Shape, MAX_DECLARED_BYTES};
-pub use response::{
-    find_routing, from_response, merge_response, read_prefill, routing_rows, Found, MergeOptions,
-    PrefillBody, LOCATIONS,
-};
+pub use response::{from_response, merge_response, routing_rows, MergeOptions};
 pub use sidecar::{decode as decode_sidecar, encode as encode_sidecar};
 pub use trajectory::{Overlap, Pad, Trajectory};
 

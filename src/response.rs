@@ -3,122 +3,33 @@
 
 use std::borrow::Cow;
 use std::mem::MaybeUninit;
-use std::ops::Range;
 
 use crate::b64;
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::formats::{self, Format, Hints};
-use crate::jsonscan::Scanner;
 use crate::merge;
 use crate::payload::Payload;
-use crate::sidecar::{self, SidecarFields, SidecarText};
+use crate::sidecar::{self, SidecarText};
 
-/// One routing value found in a body: the choice it belongs to and where its bytes are.
-#[derive(Debug, Clone)]
-pub struct Found<'a> {
-    /// The choice's index (its `index` key, else its position).
-    pub index: u64,
-    /// Where the value's bytes are in the body.
-    pub span: Range<usize>,
-    /// The value's raw JSON text (an object, a string or a list).
-    pub text: &'a [u8],
-    /// `meta_info.routed_experts_dtype` (SGLang), when the body names one.
-    pub dtype: Option<DType>,
-    /// Where it was found, e.g. `$.choices[0].routed_experts`.
-    pub path: String,
-    /// A compact sidecar's fields, read while the body was walked (`None` for other formats).
-    pub fields: Option<SidecarFields<'a>>,
-}
+use crate::body::{read_body, BodyRouting, Found};
+use crate::{coverage, split};
 
-/// Where routing sits in response bodies (format.md §3.2), and who puts it there: the one table the
-/// walker below follows, docs/format.md and the README repeat, and error messages quote.
-pub const LOCATIONS: &[(&str, &str)] = &[
-    ("choices[i].routed_experts", "vLLM, prime-rl"),
-    ("choices[i].message.routed_experts", "NeMo-RL"),
-    (
-        "sglext.routed_experts",
-        "SGLang chat/completions 0.5.9-0.5.23 (choice 0)",
-    ),
-    (
-        "meta_info.routed_experts",
-        "SGLang /generate (choice 0, or the position in a batch list)",
-    ),
-    ("nvext.routed_experts", "NVIDIA Dynamo (choice 0)"),
-];
-
-const ROUTING_KEY: &[u8] = b"routed_experts";
-const KV_TRANSFER_PARAMS: &[u8] = b"kv_transfer_params";
-
-/// Every routing value in `body`, in body order, with the index of its choice, found at the
-/// places `LOCATIONS` lists; the top-level holders serve choice 0, or their position in a
-/// top-level array of SGLang batch results. A choice with no `index` key takes its position in
-/// `choices`; `null` routing is no routing.
-///
-/// Strict where it matters (format.md §8): a `routed_experts` key anywhere else, or a routing key,
-/// `choices` or `index` twice in one object, is a `PayloadError`; keys are compared unescaped.
-/// One pass, no DOM: everything else is skipped (strings at memchr speed).
-pub fn find_routing(body: &[u8]) -> Result<Vec<Found<'_>>> {
-    Ok(walk(body, false)?.found)
-}
-
-/// What one walk of a body collects: its routing values, and where top-level
-/// `kv_transfer_params` sits (vLLM's disaggregated-serving handshake), if it is there.
-struct Walk<'a> {
-    found: Vec<Found<'a>>,
-    kv_transfer_params: Option<Range<usize>>,
-}
-
-/// Walk a body; `want_kv` also reads (and polices) top-level `kv_transfer_params`.
-fn walk(body: &[u8], want_kv: bool) -> Result<Walk<'_>> {
-    let mut s = Scanner::new(body, "response body").watch(ROUTING_KEY);
-    let mut w = Walk {
-        found: Vec::new(),
-        kv_transfer_params: None,
+/// Decode one routing value, whatever its format, and check its rows against the token counts
+/// its body states (format.md §3.3).
+pub fn decode_found(f: &Found, hints: &Hints, max_bytes: usize) -> Result<(Format, Payload)> {
+    let hints = Hints {
+        dtype: hints.dtype.or(f.dtype),
+        ..*hints
     };
-    if s.peek() == Some(b'[') {
-        s.array(|s, i| top_object(s, i as u64, &mut w.found, None))?;
-    } else {
-        let kv = want_kv.then_some(&mut w.kv_transfer_params);
-        top_object(&mut s, 0, &mut w.found, kv)?;
-    }
-    s.end()?;
-    let found = &w.found;
-    for (i, f) in found.iter().enumerate() {
-        if let Some(g) = found[..i].iter().find(|g| g.index == f.index) {
-            return Err(Error::payload(format!(
-                "response body: two routing values for choice {}, at {} and at {}",
-                f.index, g.path, f.path
-            )));
-        }
-    }
-    Ok(w)
-}
-
-/// What a prefill/decode proxy reads from a prefill body before it calls decode, in one walk
-/// of the body (the same walk as [`find_routing`], none of the routing decoded).
-#[derive(Debug)]
-pub struct PrefillBody<'a> {
-    /// The raw JSON text of top-level `kv_transfer_params` (what the decode request must carry
-    /// for vLLM's KV connector), or `None` when the key is absent or `null`.
-    pub kv_transfer_params: Option<&'a [u8]>,
-    /// The routing values, as [`find_routing`] finds them.
-    pub routing: Vec<Found<'a>>,
-}
-
-/// Read a prefill body as a proxy needs it: `kv_transfer_params` and the routing values, strict
-/// as [`find_routing`] is (a `kv_transfer_params` key given twice is a `PayloadError` too: the
-/// two halves of a request must never be joined by a guess).
-pub fn read_prefill(body: &[u8]) -> Result<PrefillBody<'_>> {
-    let w = walk(body, true)?;
-    let kv_transfer_params = w
-        .kv_transfer_params
-        .map(|r| &body[r])
-        .filter(|t| *t != b"null");
-    Ok(PrefillBody {
-        kv_transfer_params,
-        routing: w.found,
-    })
+    let (format, p) = match &f.fields {
+        Some(fields) => (
+            Format::Compact,
+            formats::decode_compact_fields(fields.clone(), &hints, max_bytes)?,
+        ),
+        None => formats::decode_json_value(f.text, &hints, max_bytes)?,
+    };
+    coverage::check(format, &p.header(), &f.counts, hints.start.is_some())?;
+    Ok((format, p))
 }
 
 /// How many rows (token positions) a routing value holds. A compact sidecar's shape is read and
@@ -134,191 +45,25 @@ pub fn routing_rows(f: &Found, hints: &Hints, max_bytes: usize) -> Result<usize>
     }
 }
 
-/// The keys of one object that may each appear once (their index in a caller's list).
-struct Once<const N: usize> {
-    keys: [&'static [u8]; N],
-    seen: [bool; N],
-}
-
-impl<const N: usize> Once<N> {
-    fn new(keys: [&'static [u8]; N]) -> Self {
-        Once {
-            keys,
-            seen: [false; N],
-        }
-    }
-
-    /// Mark `key` seen; a second time is an error.
-    fn see(&mut self, s: &Scanner, key: &[u8]) -> Result<()> {
-        if let Some(i) = self.keys.iter().position(|k| *k == key) {
-            if std::mem::replace(&mut self.seen[i], true) {
-                return Err(s.duplicate(key));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// One top-level object: its routing holders, and (when `kv` is given) the span of its
-/// `kv_transfer_params`.
-fn top_object<'a>(
-    s: &mut Scanner<'a>,
-    position: u64,
-    found: &mut Vec<Found<'a>>,
-    mut kv: Option<&mut Option<Range<usize>>>,
-) -> Result<()> {
-    if s.peek() != Some(b'{') {
-        return Err(s.error("a JSON object"));
-    }
-    let mut once = Once::new([b"choices", b"meta_info", b"nvext", b"sglext"]);
-    s.object(|s, key| {
-        once.see(s, key)?;
-        if let (KV_TRANSFER_PARAMS, Some(slot)) = (key, kv.as_deref_mut()) {
-            if slot.is_some() {
-                return Err(s.duplicate(key));
-            }
-            *slot = Some(s.value()?);
-            return Ok(());
-        }
-        match key {
-            b"choices" => match s.peek() {
-                Some(b'[') => s.array(|s, i| choice(s, i as u64, found)),
-                Some(b'n') => s.value().map(drop),
-                _ => Err(s.error("a list of choices").context("`choices`")),
-            },
-            b"meta_info" | b"nvext" | b"sglext" => holder(s, position, found),
-            ROUTING_KEY => Err(s.unexpected_watched()),
-            _ => s.value().map(drop),
-        }
-    })
-}
-
-fn choice<'a>(s: &mut Scanner<'a>, position: u64, found: &mut Vec<Found<'a>>) -> Result<()> {
-    if s.peek() != Some(b'{') {
-        return Err(s
-            .error("a choice object")
-            .context(format!("`choices[{position}]`")));
-    }
-    let (mut index, first) = (None, found.len());
-    let mut once = Once::new([b"index", ROUTING_KEY, b"message"]);
-    s.object(|s, key| {
-        once.see(s, key)?;
-        match key {
-            b"index" => {
-                let r = s.value()?;
-                let n = serde_json::from_slice::<u64>(&s.buf()[r.clone()]).map_err(|_| {
-                    Error::field(
-                        "index",
-                        "a non-negative integer",
-                        String::from_utf8_lossy(&s.buf()[r]),
-                    )
-                    .context("response body")
-                })?;
-                index = Some(n);
-                Ok(())
-            }
-            ROUTING_KEY => routing_value(s, position, None, found),
-            b"message" => holder(s, position, found),
-            _ => s.value().map(drop),
-        }
-    })?;
-    // The index key may come after the routing: fix up what this choice added.
-    for f in &mut found[first..] {
-        f.index = index.unwrap_or(position);
-    }
-    Ok(())
-}
-
-/// An object whose `routed_experts` key holds routing (`message`, `sglext`, `meta_info`,
-/// `nvext`); anything else in it is skipped, under the watch for misplaced routing.
-fn holder<'a>(s: &mut Scanner<'a>, index: u64, found: &mut Vec<Found<'a>>) -> Result<()> {
-    match s.peek() {
-        Some(b'{') => {}
-        // A holder that is not an object cannot hold routing: skip it as any other value.
-        _ => return s.value().map(drop),
-    }
-    let (mut dtype, first) = (None, found.len());
-    let mut once = Once::new([ROUTING_KEY, b"routed_experts_dtype"]);
-    s.object(|s, key| {
-        once.see(s, key)?;
-        match key {
-            ROUTING_KEY => routing_value(s, index, None, found),
-            b"routed_experts_dtype" if s.peek() == Some(b'"') => {
-                let st = s.string()?;
-                let name = s.string_value(&st)?;
-                dtype = Some(
-                    DType::parse(&String::from_utf8_lossy(&name))
-                        .map_err(|e| e.context("routed_experts_dtype"))?,
-                );
-                Ok(())
-            }
-            _ => s.value().map(drop),
-        }
-    })?;
-    for f in &mut found[first..] {
-        f.dtype = f.dtype.or(dtype);
-    }
-    Ok(())
-}
-
-fn routing_value<'a>(
-    s: &mut Scanner<'a>,
-    index: u64,
-    dtype: Option<DType>,
-    found: &mut Vec<Found<'a>>,
-) -> Result<()> {
-    // A compact sidecar is read here, in the walk's one pass over its (large) data string.
-    let (span, fields) = if s.peek() == Some(b'{') {
-        let start = s.pos();
-        let fields = sidecar::read_fields(s)?;
-        (start..s.pos(), Some(fields))
-    } else {
-        (s.value()?, None)
-    };
-    let text = &s.buf()[span.clone()];
-    if text != b"null" {
-        found.push(Found {
-            index,
-            span,
-            text,
-            dtype,
-            path: s.path(),
-            fields,
-        });
-    }
-    Ok(())
-}
-
-/// Decode one routing value, whatever its format.
-pub fn decode_found(f: &Found, hints: &Hints, max_bytes: usize) -> Result<(Format, Payload)> {
-    let hints = Hints {
-        dtype: hints.dtype.or(f.dtype),
-        ..*hints
-    };
-    match &f.fields {
-        Some(fields) => Ok((
-            Format::Compact,
-            formats::decode_compact_fields(fields.clone(), &hints, max_bytes)?,
-        )),
-        None => formats::decode_json_value(f.text, &hints, max_bytes),
-    }
-}
-
-/// The routing of the choice whose index is `choice`, or `None` when it carries none.
+/// The routing of the choice whose index is `choice`, or `None` when it carries none. For
+/// vLLM 0.21's split shape, the whole sequence: the prompt rows, then the choice's own.
 pub fn from_response(
     body: &[u8],
     choice: u64,
     hints: &Hints,
     max_bytes: usize,
 ) -> Result<Option<Payload>> {
-    let found = find_routing(body)?;
+    let found = read_body(body)?;
+    let in_choice = |e: Error| e.context(format!("choice {choice}"));
+    if let Some(prompt) = &found.prompt {
+        return split::sequence(&found, prompt, choice, hints, max_bytes).map_err(in_choice);
+    }
     found
-        .iter()
-        .find(|f| f.index == choice)
+        .value(choice)
         .map(|f| {
             decode_found(f, hints, max_bytes)
                 .map(|(_, p)| p)
-                .map_err(|e| e.context(format!("choice {choice}")))
+                .map_err(in_choice)
         })
         .transpose()
 }
@@ -508,10 +253,11 @@ pub fn merge_response_pieces<'a>(
 }
 
 /// `merge_response_pieces` with the prefill body's routing already found (by
-/// [`read_prefill`] or [`find_routing`] on `prefill_body`), so a proxy walks that body once.
+/// [`read_prefill`](crate::read_prefill) or [`read_body`] on `prefill_body`), so a proxy walks
+/// that body once.
 pub fn merge_response_found<'a>(
     prefill_body: &'a [u8],
-    prefill_routing: &[Found<'a>],
+    prefill_routing: &BodyRouting<'a>,
     decode_body: &'a [u8],
     opts: MergeOptions,
 ) -> Result<Spliced<'a>> {
@@ -520,25 +266,30 @@ pub fn merge_response_found<'a>(
 
 fn merge_pieces<'a>(
     prefill_body: &'a [u8],
-    prefill_routing: Option<&[Found<'a>]>,
+    prefill_routing: Option<&BodyRouting<'a>>,
     decode_body: &'a [u8],
     opts: MergeOptions,
 ) -> Result<Spliced<'a>> {
     // The prefill body is walked only when its routing is needed and was not given.
-    let prefill_found = || -> Result<Cow<'_, [Found<'a>]>> {
+    let prefill_found = || -> Result<Cow<'_, BodyRouting<'a>>> {
         match prefill_routing {
             Some(found) => Ok(Cow::Borrowed(found)),
-            None => Ok(Cow::Owned(find_routing(prefill_body)?)),
+            None => Ok(Cow::Owned(read_body(prefill_body)?)),
         }
     };
-    let decode = find_routing(decode_body)?;
+    let decode = read_body(decode_body)?;
     if decode.is_empty() {
         if opts.require_routing {
-            if let Some(p) = prefill_found()?.first() {
+            let prefill = prefill_found()?;
+            if !prefill.is_empty() {
                 return Err(Error::merge(format!(
                     "missing routing on the decode side: the prefill body carries routing \
-                     (choice {}) but the decode body has none",
-                    p.index
+                     (at {}) but the decode body has none",
+                    prefill
+                        .prompt
+                        .as_ref()
+                        .or(prefill.values.first())
+                        .map_or("?", |f| &f.path)
                 )));
             }
         }
@@ -548,17 +299,32 @@ fn merge_pieces<'a>(
         });
     }
     let prefill = prefill_found()?;
-    let mut pieces = Vec::with_capacity(decode.len() * 6 + 1);
+    if let Some(at) = prefill.weights.as_ref().or(decode.weights.as_ref()) {
+        return Err(split::weights_error(at));
+    }
+    if prefill.prompt.is_some() || decode.prompt.is_some() {
+        let plan = split::merge_plan(
+            &prefill,
+            &decode,
+            &opts.hints,
+            opts.decode_start,
+            opts.max_bytes,
+        )?;
+        let pieces = vec![
+            Piece::Copy(Cow::Borrowed(&decode_body[..plan.at.start])),
+            Piece::Copy(Cow::Borrowed(&prefill_body[plan.with])),
+            Piece::Copy(Cow::Borrowed(&decode_body[plan.at.end..])),
+        ];
+        return Ok(Spliced { pieces, merged: 1 });
+    }
+    let prefill = &prefill.values;
+    let mut pieces = Vec::with_capacity(decode.values.len() * 6 + 1);
     let mut at = 0;
-    for d in &decode {
+    for d in &decode.values {
         let p = prefill
             .iter()
             .find(|p| p.index == d.index)
-            .or(if prefill.len() == 1 {
-                prefill.first()
-            } else {
-                None
-            })
+            .or_else(|| one_choice(prefill))
             .ok_or_else(|| {
                 Error::merge(format!(
                     "missing routing on the prefill side: decode choice {} carries routed_experts \
@@ -576,8 +342,18 @@ fn merge_pieces<'a>(
     pieces.push(Piece::Copy(Cow::Borrowed(&decode_body[at..])));
     Ok(Spliced {
         pieces,
-        merged: decode.len(),
+        merged: decode.values.len(),
     })
+}
+
+/// The routing of a body with routing for one choice only (perhaps at two places): it serves
+/// every decode choice.
+fn one_choice<'f, 'a>(found: &'f [Found<'a>]) -> Option<&'f Found<'a>> {
+    let first = found.first()?;
+    found
+        .iter()
+        .all(|f| f.index == first.index)
+        .then_some(first)
 }
 
 /// Merge two routing values into the pieces of the JSON text that replaces the decode value.
@@ -585,12 +361,12 @@ fn merge_found<'a>(p: &Found<'a>, d: &Found<'a>, opts: &MergeOptions) -> Result<
     // Compact values carry their own start: the start hints are for formats that carry none.
     // Two compact values merge on their text (keep_format changes nothing: compact stays compact).
     let is_compact = |f: &Found| f.fields.is_some();
-    if let (Some(pf), Some(df)) = (&p.fields, &d.fields) {
+    if p.fields.is_some() && d.fields.is_some() {
         if opts.hints.num_layers.is_none()
             && opts.hints.top_k.is_none()
             && opts.hints.dtype.is_none()
         {
-            return merge_sidecars(pf.clone(), df.clone(), opts);
+            return merge_sidecars(p, d, opts);
         }
     }
     let side_hints = |f: &Found, start: Option<u64>| Hints {
@@ -616,12 +392,19 @@ fn merge_found<'a>(p: &Found<'a>, d: &Found<'a>, opts: &MergeOptions) -> Result<
 
 /// Merge two compact sidecars' fields into (the pieces of) the canonical sidecar text.
 fn merge_sidecars<'a>(
-    prefill: SidecarFields<'a>,
-    decode: SidecarFields<'a>,
+    prefill: &Found<'a>,
+    decode: &Found<'a>,
     opts: &MergeOptions,
 ) -> Result<Vec<Piece<'a>>> {
-    let p = sidecar::validate(prefill, opts.max_bytes).map_err(|e| e.context("prefill"))?;
-    let d = sidecar::validate(decode, opts.max_bytes).map_err(|e| e.context("decode"))?;
+    let side = |f: &Found<'a>, name: &str| -> Result<SidecarText<'a>> {
+        let fields = f.fields.clone().unwrap_or_default();
+        let text = sidecar::validate(fields, opts.max_bytes).map_err(|e| e.context(name))?;
+        coverage::check(Format::Compact, &text.header, &f.counts, true)
+            .map_err(|e| e.context(name))?;
+        Ok(text)
+    };
+    let p = side(prefill, "prefill")?;
+    let d = side(decode, "decode")?;
     let plan = merge::plan(&p.header, &d.header)?;
     if opts.splice && can_splice(&p, &d) {
         return splice_text(p, d, &plan);
@@ -721,6 +504,7 @@ fn checked_copy<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::body::{find_routing, read_prefill};
     use crate::limits::DEFAULT_MAX_BYTES;
 
     const OPTS: MergeOptions = MergeOptions {
@@ -759,7 +543,7 @@ mod tests {
         }
         // Unassembled, and with the prefill routing found first: the same bytes.
         let (p, d) = (prefill.as_bytes(), decode.as_bytes());
-        let found = find_routing(p).unwrap();
+        let found = crate::body::read_body(p).unwrap();
         let pieces = merge_response_found(p, &found, d, OPTS).unwrap();
         assert_eq!(pieces.merged_values(), 1);
         assert_eq!(
@@ -795,7 +579,8 @@ mod tests {
             p.kv_transfer_params.unwrap(),
             br#"{"remote_block_ids":[3,5],"remote_host":"h"}"#
         );
-        let rows = routing_rows(&p.routing[0], &Hints::default(), DEFAULT_MAX_BYTES).unwrap();
+        let rows =
+            routing_rows(&p.routing.values[0], &Hints::default(), DEFAULT_MAX_BYTES).unwrap();
         assert_eq!(rows, 3);
         let none = read_prefill(br#"{"kv_transfer_params":null,"choices":[]}"#).unwrap();
         assert!(none.kv_transfer_params.is_none() && none.routing.is_empty());
@@ -807,7 +592,7 @@ mod tests {
         // A shape that does not match its data is refused without decoding.
         let bad = br#"{"choices":[{"routed_experts":{"data":"CgsU","shape":[3,1,2]}}]}"#;
         let p = read_prefill(bad).unwrap();
-        assert!(routing_rows(&p.routing[0], &Hints::default(), DEFAULT_MAX_BYTES).is_err());
+        assert!(routing_rows(&p.routing.values[0], &Hints::default(), DEFAULT_MAX_BYTES).is_err());
     }
 
     #[test]

@@ -25,9 +25,8 @@ use super::pool::{Lease, Outcome, Pool, Side};
 use super::request::{acceptable_request_id, ClientBody};
 use super::stream::{StreamError, StreamMerger};
 use super::upstream::{CallError, Upstreams};
-use crate::response::{
-    merge_response_found, read_prefill, routing_rows, MergeOptions, PrefillBody,
-};
+use crate::body::{read_prefill, PrefillBody};
+use crate::response::{merge_response_found, routing_rows, MergeOptions};
 use crate::{Error, Hints};
 
 /// The body of every response the proxy sends.
@@ -1051,6 +1050,7 @@ fn prefill_rows(
         None => Vec::new(),
         Some(_) => read
             .routing
+            .values
             .iter()
             .map(|f| {
                 routing_rows(f, &hints, max_bytes)

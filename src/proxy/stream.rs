@@ -6,7 +6,8 @@ use bytes::Bytes;
 use memchr::memmem;
 
 use super::parts::shared_slices;
-use crate::response::{merge_response_found, merge_response_pieces, Found, MergeOptions, Spliced};
+use crate::body::BodyRouting;
+use crate::response::{merge_response_found, merge_response_pieces, MergeOptions, Spliced};
 
 /// Why a stream cannot be relayed to its end.
 #[derive(Debug)]
@@ -38,7 +39,7 @@ pub struct StreamMerger<'a> {
 /// The prefill body a merger merges with: borrowed with its routing already found (the
 /// proxy's case: the body is walked once), or owned (its routing found at each merge).
 enum Prefill<'a> {
-    Found(&'a Bytes, &'a [Found<'a>]),
+    Found(&'a Bytes, &'a BodyRouting<'a>),
     Owned(Bytes),
 }
 
@@ -81,12 +82,12 @@ impl StreamMerger<'static> {
 
 impl<'a> StreamMerger<'a> {
     /// A merger for one stream, given the prefill body and its routing (as
-    /// [`read_prefill`](crate::read_prefill) or [`find_routing`](crate::find_routing) found
+    /// [`read_prefill`](crate::read_prefill) or [`read_body`](crate::read_body) found
     /// it, so the body is not walked again); `opts` as for `merge_response` (its hints carry
     /// the prompt start); a line longer than `max_line` bytes is an error.
     pub fn new(
         prefill: &'a Bytes,
-        prefill_routing: &'a [Found<'a>],
+        prefill_routing: &'a BodyRouting<'a>,
         opts: MergeOptions,
         max_line: usize,
     ) -> Self {
@@ -256,7 +257,7 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
 
     fn run(chunks: &[&[u8]], max_line: usize) -> Result<Vec<u8>, StreamError> {
         let prefill = Bytes::from_static(PREFILL);
-        let found = crate::find_routing(&prefill).unwrap();
+        let found = crate::read_body(&prefill).unwrap();
         let opts = MergeOptions::new(DEFAULT_MAX_BYTES);
         let mut m = StreamMerger::new(&prefill, &found, opts, max_line);
         let mut out = Vec::new();
@@ -304,7 +305,7 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
             Err(StreamError::LineTooLong(100))
         ));
         let prefill = Bytes::from_static(PREFILL);
-        let found = crate::find_routing(&prefill).unwrap();
+        let found = crate::read_body(&prefill).unwrap();
         let opts = MergeOptions::new(DEFAULT_MAX_BYTES);
         let mut m = StreamMerger::new(&prefill, &found, opts, 1 << 20);
         let mut out = Vec::new();

@@ -302,9 +302,10 @@ pub fn _read_prefill<'py>(
     let hints = hints(start, None, None, None)?;
     let limit = limits::max_bytes();
     let (kv, rows) = py.detach(|| -> crate::Result<_> {
-        let read = response::read_prefill(&text)?;
+        let read = crate::body::read_prefill(&text)?;
         let rows = if count_rows {
             read.routing
+                .values
                 .iter()
                 .map(|f| {
                     response::routing_rows(f, &hints, limit)

@@ -1,0 +1,654 @@
+//! Where routing sits in a response body, and what else the body says about it: one walk finds
+//! each routing value (format.md §3.2), vLLM 0.21's separate prompt rows, the token counts the
+//! rows are checked against (§3.3), and any routing-like key at a place no producer uses.
+
+use std::ops::Range;
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::jsonscan::{Scanner, Watch};
+use crate::sidecar::{self, SidecarFields};
+
+/// One routing value found in a body: the choice it belongs to and where its bytes are.
+#[derive(Debug, Clone)]
+pub struct Found<'a> {
+    /// The choice's index (its `index` key, else its position).
+    pub index: u64,
+    /// Where the value's bytes are in the body.
+    pub span: Range<usize>,
+    /// The value's raw JSON text (an object, a string or a list).
+    pub text: &'a [u8],
+    /// `meta_info.routed_experts_dtype` (SGLang), when the body names one.
+    pub dtype: Option<DType>,
+    /// Where it was found, e.g. `$.choices[0].routed_experts`.
+    pub path: String,
+    /// A compact sidecar's fields, read while the body was walked (`None` for other formats).
+    pub fields: Option<SidecarFields<'a>>,
+    /// The token counts the body gives for this value's sequence (format.md §3.3).
+    pub counts: Counts,
+}
+
+/// Token counts a body states for one choice's sequence: the prompt's length and the number of
+/// tokens generated. Either may be unknown; a count is only taken from a place that counts this
+/// choice alone (a `usage` shared by several choices gives no generated count).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// Prompt tokens, and where the count was read.
+    pub prompt: Option<(u64, &'static str)>,
+    /// Generated tokens, and where the count was read.
+    pub generated: Option<(u64, &'static str)>,
+}
+
+impl Counts {
+    /// Fill what `self` lacks from `other`.
+    fn or(self, other: Counts) -> Counts {
+        Counts {
+            prompt: self.prompt.or(other.prompt),
+            generated: self.generated.or(other.generated),
+        }
+    }
+}
+
+/// Where routing sits in response bodies (format.md §3.2), and who puts it there: the one table the
+/// walker below follows, docs/format.md and the README repeat, and error messages quote.
+pub const LOCATIONS: &[(&str, &str)] = &[
+    (
+        "choices[i].routed_experts",
+        "vLLM 0.22+ (.npy), vLLM 0.21 (generated rows), prime-rl",
+    ),
+    (
+        "prompt_routed_experts (top level)",
+        "vLLM 0.21 (prompt rows of every choice)",
+    ),
+    ("choices[i].message.routed_experts", "NeMo-RL"),
+    (
+        "choices[i].meta_info.routed_experts",
+        "SGLang chat 0.5.13+ with return_meta_info",
+    ),
+    (
+        "sglext.routed_experts",
+        "SGLang chat/completions 0.5.9+ (choice 0)",
+    ),
+    (
+        "meta_info.routed_experts",
+        "SGLang /generate, lmdeploy (choice 0, or the position in a batch list)",
+    ),
+    ("nvext.routed_experts", "NVIDIA Dynamo (choice 0)"),
+];
+
+pub(crate) const ROUTING_KEY: &[u8] = b"routed_experts";
+const PROMPT_ROUTING_KEY: &[u8] = b"prompt_routed_experts";
+const DTYPE_KEY: &[u8] = b"routed_experts_dtype";
+const KV_TRANSFER_PARAMS: &[u8] = b"kv_transfer_params";
+
+/// Whether a key names routing: it contains `routed` then `expert` with nothing but `_`, `-` or
+/// nothing between, in any case (`routed_experts`, `routedExperts`, `completion_routed_experts`,
+/// `routed_expert_weights`, ...). The walker reads such keys only where [`LOCATIONS`] puts them;
+/// anywhere else, a key of this kind is an error naming its path, so a producer that renames or
+/// moves its routing is refused, never read as a body without routing (format.md §3.2).
+pub fn is_routing_key(key: &[u8]) -> bool {
+    const ROUTED: &[u8] = b"routed";
+    const EXPERT: &[u8] = b"expert";
+    let lower_eq = |text: &[u8], word: &[u8]| {
+        text.len() >= word.len()
+            && text
+                .iter()
+                .zip(word)
+                .all(|(c, w)| c.to_ascii_lowercase() == *w)
+    };
+    (0..key.len()).any(|i| {
+        if !lower_eq(&key[i..], ROUTED) {
+            return false;
+        }
+        let mut j = i + ROUTED.len();
+        while let Some(b'_' | b'-') = key.get(j) {
+            j += 1;
+        }
+        lower_eq(&key[j..], EXPERT)
+    })
+}
+
+const ROUTING_WATCH: Watch = Watch {
+    matches: is_routing_key,
+    what: "routing",
+};
+
+/// What one walk of a body finds.
+#[derive(Debug, Default, Clone)]
+pub struct BodyRouting<'a> {
+    /// The routing values of the choices, in body order (the top-level holders serve choice 0,
+    /// or their position in a top-level array of SGLang batch results).
+    pub values: Vec<Found<'a>>,
+    /// vLLM 0.21's top-level `prompt_routed_experts`: the prompt rows every choice shares, when
+    /// present and not `null`. The choices' values then hold only their generated rows.
+    pub prompt: Option<Found<'a>>,
+    /// Every choice the body has, with or without routing: (index, token counts).
+    pub choices: Vec<(u64, Counts)>,
+    /// Where a `routed_expert_weights` key sits, if the body has one: readers may skip the
+    /// weights, a merge may not (it would pass decode's weights on unmerged).
+    pub weights: Option<String>,
+    /// Where top-level `kv_transfer_params` sits (vLLM's disaggregated-serving handshake).
+    pub(crate) kv_transfer_params: Option<Range<usize>>,
+}
+
+impl<'a> BodyRouting<'a> {
+    /// The routing value of the choice whose index is `choice`.
+    pub fn value(&self, choice: u64) -> Option<&Found<'a>> {
+        self.values.iter().find(|f| f.index == choice)
+    }
+
+    /// The token counts of the choice whose index is `choice` (default when it is absent).
+    pub fn counts(&self, choice: u64) -> Counts {
+        self.choices
+            .iter()
+            .find(|(i, _)| *i == choice)
+            .map(|(_, c)| *c)
+            .unwrap_or_default()
+    }
+
+    /// Whether the body carries any routing at all.
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty() && self.prompt.is_none()
+    }
+}
+
+/// Every routing value in `body`, in body order, with the index of its choice, found at the
+/// places `LOCATIONS` lists; the top-level holders serve choice 0, or their position in a
+/// top-level array of SGLang batch results. A choice with no `index` key takes its position in
+/// `choices`; `null` routing is no routing. (vLLM 0.21's prompt rows are not among them:
+/// [`read_body`] returns those too.)
+///
+/// Strict where it matters (format.md §8): a routing-like key ([`is_routing_key`]) anywhere
+/// else, or a routing key, `choices` or `index` twice in one object, is a `PayloadError`; keys
+/// are compared unescaped. One pass, no DOM: everything else is skipped (strings at memchr
+/// speed).
+pub fn find_routing(body: &[u8]) -> Result<Vec<Found<'_>>> {
+    Ok(read_body(body)?.values)
+}
+
+/// Everything [`find_routing`] finds, and vLLM 0.21's prompt rows, each choice's token counts
+/// and any routing weights, in the same one walk.
+pub fn read_body(body: &[u8]) -> Result<BodyRouting<'_>> {
+    walk(body, false)
+}
+
+/// Walk a body; `want_kv` also reads (and polices) top-level `kv_transfer_params`.
+fn walk(body: &[u8], want_kv: bool) -> Result<BodyRouting<'_>> {
+    let mut s = Scanner::new(body, "response body").watch(ROUTING_WATCH);
+    let mut w = BodyRouting::default();
+    if s.peek() == Some(b'[') {
+        s.array(|s, i| top_object(s, i as u64, &mut w, false, true))?;
+    } else {
+        top_object(&mut s, 0, &mut w, want_kv, false)?;
+    }
+    s.end()?;
+    settle_duplicates(&mut w.values)?;
+    if let Some(p) = &w.prompt {
+        if let Some(f) = w.values.iter().find(|f| !f.text.starts_with(b"[")) {
+            return Err(Error::payload(format!(
+                "response body: top-level prompt_routed_experts (vLLM 0.21's split rows) beside \
+                 routing that is not nested lists at {} (no vLLM release writes both shapes; the \
+                 two cannot be joined by position)",
+                f.path
+            ))
+            .context(&p.path));
+        }
+    }
+    Ok(w)
+}
+
+/// Two values for one choice are an error, except the same text at two places (SGLang 0.5.13 to
+/// 0.5.18 write choice 0's routing both in `sglext` and in `choices[0].meta_info` when asked for
+/// meta info): both are kept, so a merge rewrites both, and readers take the first.
+fn settle_duplicates(found: &mut [Found]) -> Result<()> {
+    for (i, f) in found.iter().enumerate() {
+        if let Some(g) = found[..i].iter().find(|g| g.index == f.index) {
+            if g.text != f.text {
+                return Err(Error::payload(format!(
+                    "response body: two different routing values for choice {}, at {} and at {}",
+                    f.index, g.path, f.path
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What a prefill/decode proxy reads from a prefill body before it calls decode, in one walk
+/// of the body (the same walk as [`read_body`], none of the routing decoded).
+#[derive(Debug)]
+pub struct PrefillBody<'a> {
+    /// The raw JSON text of top-level `kv_transfer_params` (what the decode request must carry
+    /// for vLLM's KV connector), or `None` when the key is absent or `null`.
+    pub kv_transfer_params: Option<&'a [u8]>,
+    /// The routing, as [`read_body`] finds it.
+    pub routing: BodyRouting<'a>,
+}
+
+/// Read a prefill body as a proxy needs it: `kv_transfer_params` and the routing, strict as
+/// [`read_body`] is (a `kv_transfer_params` key given twice is a `PayloadError` too: the two
+/// halves of a request must never be joined by a guess).
+pub fn read_prefill(body: &[u8]) -> Result<PrefillBody<'_>> {
+    let w = walk(body, true)?;
+    let kv_transfer_params = w
+        .kv_transfer_params
+        .clone()
+        .map(|r| &body[r])
+        .filter(|t| *t != b"null");
+    Ok(PrefillBody {
+        kv_transfer_params,
+        routing: w,
+    })
+}
+
+/// The keys of one object that may each appear once (their index in a caller's list).
+struct Once<const N: usize> {
+    keys: [&'static [u8]; N],
+    seen: [bool; N],
+}
+
+impl<const N: usize> Once<N> {
+    fn new(keys: [&'static [u8]; N]) -> Self {
+        Once {
+            keys,
+            seen: [false; N],
+        }
+    }
+
+    /// Mark `key` seen; a second time is an error.
+    fn see(&mut self, s: &Scanner, key: &[u8]) -> Result<()> {
+        if let Some(i) = self.keys.iter().position(|k| *k == key) {
+            if std::mem::replace(&mut self.seen[i], true) {
+                return Err(s.duplicate(key));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The token counts one object states directly (`usage`, `meta_info`, a choice).
+#[derive(Default)]
+struct Stated {
+    counts: Counts,
+    /// `usage.completion_tokens`: the sum over every choice, so only one choice's count when
+    /// the body has one choice.
+    usage_generated: Option<u64>,
+}
+
+/// One top-level object: its choices, its routing holders, its counts, and (when `want_kv`)
+/// the span of its `kv_transfer_params`.
+fn top_object<'a>(
+    s: &mut Scanner<'a>,
+    position: u64,
+    w: &mut BodyRouting<'a>,
+    want_kv: bool,
+    in_list: bool,
+) -> Result<()> {
+    if s.peek() != Some(b'{') {
+        return Err(s.error("a JSON object"));
+    }
+    let first_value = w.values.len();
+    let first_choice = w.choices.len();
+    let mut stated = Stated::default();
+    let mut once = Once::new([
+        b"choices",
+        b"meta_info",
+        b"nvext",
+        b"sglext",
+        b"usage",
+        b"prompt_token_ids",
+        PROMPT_ROUTING_KEY,
+    ]);
+    s.object(|s, key| {
+        once.see(s, key)?;
+        match key {
+            KV_TRANSFER_PARAMS if want_kv => {
+                if w.kv_transfer_params.is_some() {
+                    return Err(s.duplicate(key));
+                }
+                w.kv_transfer_params = Some(s.value()?);
+                Ok(())
+            }
+            b"choices" => match s.peek() {
+                Some(b'[') => s.array(|s, i| choice(s, i as u64, w)),
+                Some(b'n') => s.value().map(drop),
+                _ => Err(s.error("a list of choices").context("`choices`")),
+            },
+            b"meta_info" => holder(s, position, &mut w.values, Some(&mut stated.counts)),
+            b"nvext" | b"sglext" => holder(s, position, &mut w.values, None),
+            b"usage" => usage(s, &mut stated),
+            b"prompt_token_ids" => {
+                if let Some(n) = list_len(s)? {
+                    stated.counts.prompt = Some((n, "prompt_token_ids"));
+                }
+                Ok(())
+            }
+            // vLLM 0.21 puts it at the top of a body (never in an SGLang batch list).
+            PROMPT_ROUTING_KEY if !in_list => {
+                let mut one = Vec::new();
+                routing_value(s, 0, &mut one)?;
+                w.prompt = one.pop();
+                Ok(())
+            }
+            _ => s.skip_member(key),
+        }
+    })?;
+    // Counts stated at the top serve every choice that states none of its own; usage's
+    // generated count only when it counts one choice.
+    let one_choice = w.choices.len() - first_choice <= 1;
+    let top = Counts {
+        generated: stated.counts.generated.or(stated
+            .usage_generated
+            .filter(|_| one_choice)
+            .map(|n| (n, "usage.completion_tokens"))),
+        ..stated.counts
+    };
+    for (_, c) in &mut w.choices[first_choice..] {
+        *c = c.or(top);
+    }
+    if w.choices.len() == first_choice {
+        // No choices list: the top-level holders are the choice (SGLang, Dynamo).
+        w.choices.push((position, top));
+    }
+    for f in &mut w.values[first_value..] {
+        let own = w.choices[first_choice..]
+            .iter()
+            .find(|(i, _)| *i == f.index)
+            .map(|(_, c)| *c)
+            .unwrap_or(top);
+        f.counts = f.counts.or(own).or(top);
+    }
+    Ok(())
+}
+
+/// `usage`: `prompt_tokens` and `completion_tokens` (other members skipped, under the watch).
+fn usage(s: &mut Scanner, stated: &mut Stated) -> Result<()> {
+    if s.peek() != Some(b'{') {
+        return s.value().map(drop);
+    }
+    s.object(|s, key| match key {
+        b"prompt_tokens" => {
+            if let Some(n) = count(s, "usage.prompt_tokens")? {
+                stated.counts.prompt = stated.counts.prompt.or(Some((n, "usage.prompt_tokens")));
+            }
+            Ok(())
+        }
+        b"completion_tokens" => {
+            stated.usage_generated = count(s, "usage.completion_tokens")?;
+            Ok(())
+        }
+        _ => s.skip_member(key),
+    })
+}
+
+/// A token count: a non-negative integer, or `null` (no count).
+fn count(s: &mut Scanner, field: &str) -> Result<Option<u64>> {
+    let r = s.value()?;
+    let text = &s.buf()[r];
+    if text == b"null" {
+        return Ok(None);
+    }
+    std::str::from_utf8(text)
+        .ok()
+        .and_then(|t| t.parse::<u64>().ok())
+        .map(Some)
+        .ok_or_else(|| {
+            Error::field(
+                field,
+                "a non-negative integer",
+                String::from_utf8_lossy(text),
+            )
+            .context("response body")
+        })
+}
+
+/// The length of a list of token ids (`null` or anything not a list: no count).
+fn list_len(s: &mut Scanner) -> Result<Option<u64>> {
+    if s.peek() != Some(b'[') {
+        return s.value().map(|_| None);
+    }
+    let mut n = 0u64;
+    s.array(|s, _| {
+        n += 1;
+        s.value().map(drop)
+    })?;
+    Ok(Some(n))
+}
+
+fn choice<'a>(s: &mut Scanner<'a>, position: u64, w: &mut BodyRouting<'a>) -> Result<()> {
+    if s.peek() != Some(b'{') {
+        return Err(s
+            .error("a choice object")
+            .context(format!("`choices[{position}]`")));
+    }
+    let (mut index, first) = (None, w.values.len());
+    let mut counts = Counts::default();
+    let mut once = Once::new([
+        b"index",
+        ROUTING_KEY,
+        b"message",
+        b"meta_info",
+        b"prompt_token_ids",
+        b"token_ids",
+    ]);
+    s.object(|s, key| {
+        once.see(s, key)?;
+        match key {
+            b"index" => {
+                let r = s.value()?;
+                let n = serde_json::from_slice::<u64>(&s.buf()[r.clone()]).map_err(|_| {
+                    Error::field(
+                        "index",
+                        "a non-negative integer",
+                        String::from_utf8_lossy(&s.buf()[r]),
+                    )
+                    .context("response body")
+                })?;
+                index = Some(n);
+                Ok(())
+            }
+            ROUTING_KEY => routing_value(s, position, &mut w.values),
+            b"message" => holder(s, position, &mut w.values, None),
+            // SGLang's chat with `return_meta_info` (0.5.13+): the result's meta info per choice.
+            b"meta_info" => holder(s, position, &mut w.values, Some(&mut counts)),
+            b"prompt_token_ids" => {
+                if let Some(n) = list_len(s)? {
+                    counts.prompt = Some((n, "prompt_token_ids"));
+                }
+                Ok(())
+            }
+            b"token_ids" => {
+                if let Some(n) = list_len(s)? {
+                    counts.generated = Some((n, "token_ids"));
+                }
+                Ok(())
+            }
+            b"routed_expert_weights" => {
+                w.weights.get_or_insert_with(|| s.path());
+                s.value().map(drop)
+            }
+            _ => s.skip_member(key),
+        }
+    })?;
+    // A choice's own `token_ids` count its generated tokens only beside its own prompt count:
+    // in a stream, `token_ids` is the event's delta, and the prompt is counted elsewhere.
+    if counts.prompt.is_none_or(|(_, at)| at != "prompt_token_ids") {
+        counts.generated = counts.generated.filter(|(_, at)| *at != "token_ids");
+    }
+    // The index key may come after the routing: fix up what this choice added.
+    let index = index.unwrap_or(position);
+    for f in &mut w.values[first..] {
+        f.index = index;
+        f.counts = counts;
+    }
+    w.choices.push((index, counts));
+    Ok(())
+}
+
+/// An object whose `routed_experts` key holds routing (`message`, `sglext`, `meta_info`,
+/// `nvext`); anything else in it is skipped, under the watch for misplaced routing. A
+/// `meta_info` also states token counts (`counts` given).
+fn holder<'a>(
+    s: &mut Scanner<'a>,
+    index: u64,
+    found: &mut Vec<Found<'a>>,
+    mut counts: Option<&mut Counts>,
+) -> Result<()> {
+    match s.peek() {
+        Some(b'{') => {}
+        // A holder that is not an object cannot hold routing: skip it as any other value.
+        _ => return s.value().map(drop),
+    }
+    let (mut dtype, first) = (None, found.len());
+    let mut once = Once::new([ROUTING_KEY, DTYPE_KEY]);
+    s.object(|s, key| {
+        once.see(s, key)?;
+        match key {
+            // SGLang 0.5.7 and 0.5.8 write `[]` in meta_info for a result without routing.
+            ROUTING_KEY if counts.is_some() && empty_list(s) => s.value().map(drop),
+            ROUTING_KEY => routing_value(s, index, found),
+            DTYPE_KEY if s.peek() == Some(b'"') => {
+                let st = s.string()?;
+                let name = s.string_value(&st)?;
+                dtype = Some(
+                    DType::parse(&String::from_utf8_lossy(&name))
+                        .map_err(|e| e.context("routed_experts_dtype"))?,
+                );
+                Ok(())
+            }
+            DTYPE_KEY => s.value().map(drop),
+            b"prompt_tokens" | b"completion_tokens" if counts.is_some() => {
+                let (field, generated) = match key {
+                    b"prompt_tokens" => ("meta_info.prompt_tokens", false),
+                    _ => ("meta_info.completion_tokens", true),
+                };
+                if let (Some(n), Some(c)) = (count(s, field)?, counts.as_deref_mut()) {
+                    let slot = if generated {
+                        &mut c.generated
+                    } else {
+                        &mut c.prompt
+                    };
+                    *slot = Some((n, field));
+                }
+                Ok(())
+            }
+            _ => s.skip_member(key),
+        }
+    })?;
+    for f in &mut found[first..] {
+        f.dtype = f.dtype.or(dtype);
+    }
+    Ok(())
+}
+
+/// Whether the value next is `[]` (white space allowed inside).
+fn empty_list(s: &mut Scanner) -> bool {
+    if s.peek() != Some(b'[') {
+        return false;
+    }
+    let rest = &s.buf()[s.pos() + 1..];
+    rest.iter().find(|c| !c.is_ascii_whitespace()) == Some(&b']')
+}
+
+fn routing_value<'a>(s: &mut Scanner<'a>, index: u64, found: &mut Vec<Found<'a>>) -> Result<()> {
+    // A compact sidecar is read here, in the walk's one pass over its (large) data string.
+    let (span, fields) = if s.peek() == Some(b'{') {
+        let start = s.pos();
+        let fields = sidecar::read_fields(s)?;
+        (start..s.pos(), Some(fields))
+    } else {
+        (s.value()?, None)
+    };
+    let text = &s.buf()[span.clone()];
+    if text != b"null" {
+        found.push(Found {
+            index,
+            span,
+            text,
+            dtype: None,
+            path: s.path(),
+            fields,
+            counts: Counts::default(),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routing_keys_are_recognised_in_any_spelling() {
+        for key in [
+            "routed_experts",
+            "prompt_routed_experts",
+            "completion_routed_experts",
+            "routed_expert_weights",
+            "routedExperts",
+            "Routed-Experts",
+            "x_ROUTED__EXPERT",
+            "routed_experts_str",
+        ] {
+            assert!(is_routing_key(key.as_bytes()), "{key}");
+        }
+        for key in [
+            "routed",
+            "experts",
+            "expert_routed",
+            "router_logits",
+            "route_experts",
+            "",
+        ] {
+            assert!(!is_routing_key(key.as_bytes()), "{key}");
+        }
+    }
+
+    #[test]
+    fn counts_come_from_the_place_that_counts_the_choice() {
+        let one = br#"{"choices":[{"index":0,"routed_experts":"x"}],"usage":{"prompt_tokens":7,"completion_tokens":5}}"#;
+        let c = read_body(one).unwrap().values[0].counts;
+        assert_eq!(c.prompt, Some((7, "usage.prompt_tokens")));
+        assert_eq!(c.generated, Some((5, "usage.completion_tokens")));
+        // Two choices share usage: no generated count from it, but their own token ids count.
+        let two = br#"{"choices":[{"index":0,"routed_experts":"x"},{"index":1,"routed_experts":"x","prompt_token_ids":[1,2],"token_ids":[3]}],"usage":{"prompt_tokens":2,"completion_tokens":4}}"#;
+        let b = read_body(two).unwrap();
+        assert_eq!(b.values[0].counts.generated, None);
+        assert_eq!(b.values[0].counts.prompt, Some((2, "usage.prompt_tokens")));
+        assert_eq!(b.values[1].counts.generated, Some((1, "token_ids")));
+        // A stream event's token ids are a delta: not a count without the choice's prompt ids.
+        let event =
+            br#"{"choices":[{"index":0,"token_ids":[12],"routed_experts":"x"}],"usage":null}"#;
+        assert_eq!(
+            read_body(event).unwrap().values[0].counts,
+            Counts::default()
+        );
+        let sglang = br#"{"text":"a","meta_info":{"prompt_tokens":3,"completion_tokens":2,"routed_experts":"x"}}"#;
+        let c = read_body(sglang).unwrap().values[0].counts;
+        assert_eq!(c.prompt, Some((3, "meta_info.prompt_tokens")));
+        assert_eq!(c.generated, Some((2, "meta_info.completion_tokens")));
+    }
+
+    #[test]
+    fn unknown_routing_keys_are_errors_naming_their_path() {
+        for (body, path) in [
+            (
+                r#"{"choices":[{"completion_routed_experts":[[[1]]]}]}"#,
+                "$.choices[0].completion_routed_experts",
+            ),
+            (r#"{"routed_experts":"x"}"#, "$.routed_experts"),
+            (r#"{"usage":{"routedExperts":1}}"#, "$.usage.routedExperts"),
+            (
+                r#"{"choices":[{"message":{"routed_expert_ids":[]}}]}"#,
+                "$.choices[0].message.routed_expert_ids",
+            ),
+            (
+                r#"{"meta_info":{"routed_experts_str":"x"}}"#,
+                "$.meta_info.routed_experts_str",
+            ),
+        ] {
+            let err = read_body(body.as_bytes()).unwrap_err().to_string();
+            assert!(err.contains(path), "{body}: {err}");
+        }
+    }
+}

@@ -1,0 +1,140 @@
+//! Which token positions a routing value covers, by the format that carried it, held against the
+//! token counts its body states (format.md §3.3): a value with more rows than its sequence has
+//! tokens, or a start that its counts contradict, is refused, never read as routing of other
+//! positions.
+
+use crate::body::Counts;
+use crate::error::{Error, Result};
+use crate::formats::Format;
+use crate::payload::Header;
+
+/// What a format's producers promise about the rows they send, for a sequence of `P` prompt
+/// and `G` generated tokens and a requested start `S`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rule {
+    /// Rows `[S, P + G - 1)`: every position but the last sampled token's (vLLM 0.22+'s `.npy`,
+    /// SGLang's flat values). The start is not in the value: the counts fix where it ends.
+    EndsBeforeLastToken,
+    /// Rows somewhere in `[0, P + G)` (formats written by routers and trainers, whose
+    /// producers this library does not all know: compact, NeMo-RL, nested lists).
+    WithinSequence,
+}
+
+impl Rule {
+    /// The rule of a format.
+    pub fn of(format: Format) -> Rule {
+        match format {
+            Format::VllmNpy | Format::Sglang => Rule::EndsBeforeLastToken,
+            Format::Compact | Format::Nemo | Format::Lists => Rule::WithinSequence,
+        }
+    }
+}
+
+/// Check a decoded value's header (start, rows) against the counts of its body, when the body
+/// states both the prompt's and the generated length. `start_given` says whether the start came
+/// from the caller (else it was taken as 0, and a value that ends early is a start the caller
+/// did not pass).
+pub fn check(format: Format, header: &Header, counts: &Counts, start_given: bool) -> Result<()> {
+    let (Some((prompt, prompt_at)), Some((generated, generated_at))) =
+        (counts.prompt, counts.generated)
+    else {
+        return Ok(());
+    };
+    let (start, rows, stop) = (header.start, header.shape.tokens, header.stop());
+    let tokens = prompt.saturating_add(generated);
+    let said = format!(
+        "the body counts {prompt} prompt tokens ({prompt_at}) and {generated} generated \
+         ({generated_at})"
+    );
+    let name = format.name();
+    match Rule::of(format) {
+        Rule::EndsBeforeLastToken => {
+            let end = tokens.saturating_sub(1);
+            if stop == end {
+                return Ok(());
+            }
+            let mut msg = format!(
+                "routing rows contradict the body's token counts: the {name} value holds {rows} \
+                 rows from position {start}, so they end at {stop}, but {said}, so they end at \
+                 {end} (every position but the last sampled token's)"
+            );
+            if stop < end && !start_given {
+                msg.push_str(&format!(
+                    "; if the request asked for routing from a later position (vLLM's \
+                     routed_experts_prompt_start, SGLang's routed_experts_start_len), pass that \
+                     start ({})",
+                    end - rows as u64
+                ));
+            } else if stop > end && start_given && end >= rows as u64 {
+                msg.push_str(&format!(
+                    "; the server sent rows from position {} (SGLang 0.5.8 to 0.5.11 ignore \
+                     routed_experts_start_len), not from the start given",
+                    end - rows as u64
+                ));
+            }
+            Err(Error::payload(msg))
+        }
+        Rule::WithinSequence if stop > tokens => Err(Error::payload(format!(
+            "routing rows contradict the body's token counts: the {name} value holds {rows} rows \
+             from position {start}, so they end at {stop}, but {said}: the sequence has {tokens} \
+             positions"
+        ))),
+        Rule::WithinSequence => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+    use crate::payload::Shape;
+
+    fn header(start: u64, rows: usize) -> Header {
+        Header::new(start, Shape::new(rows, 2, 2), DType::U8).unwrap()
+    }
+
+    fn counts(p: u64, g: u64) -> Counts {
+        Counts {
+            prompt: Some((p, "usage.prompt_tokens")),
+            generated: Some((g, "usage.completion_tokens")),
+        }
+    }
+
+    #[test]
+    fn npy_rows_end_before_the_last_token() {
+        let c = counts(7, 5);
+        assert!(check(Format::VllmNpy, &header(0, 11), &c, false).is_ok());
+        assert!(check(Format::VllmNpy, &header(6, 5), &c, true).is_ok());
+        let err = check(Format::VllmNpy, &header(0, 24), &c, false).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("24 rows") && msg.contains("7 prompt tokens"),
+            "{msg}"
+        );
+        // A delta read without its start: the message says which start fits.
+        let msg = check(Format::VllmNpy, &header(0, 5), &c, false)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("pass that start (6)"), "{msg}");
+        // SGLang that ignored the start asked for.
+        let msg = check(Format::Sglang, &header(4, 11), &c, true)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("from position 0"), "{msg}");
+        // Unknown counts: nothing to check.
+        let half = Counts {
+            generated: None,
+            ..c
+        };
+        assert!(check(Format::VllmNpy, &header(0, 24), &half, false).is_ok());
+    }
+
+    #[test]
+    fn other_formats_stay_within_the_sequence() {
+        let c = counts(7, 5);
+        assert!(check(Format::Compact, &header(0, 12), &c, false).is_ok());
+        assert!(check(Format::Compact, &header(3, 4), &c, false).is_ok());
+        assert!(check(Format::Compact, &header(0, 13), &c, false).is_err());
+        assert!(check(Format::Lists, &header(10, 3), &c, false).is_err());
+    }
+}
