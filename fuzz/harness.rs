@@ -5,6 +5,7 @@
 
 #![allow(dead_code)] // each fuzz target uses one function of this file
 
+use routed_experts::body;
 use routed_experts::formats::{self, Format, Hints};
 use routed_experts::merge;
 use routed_experts::npy;
@@ -100,8 +101,8 @@ pub fn response(data: &[u8]) {
     let Some((&flags, body)) = data.split_first() else {
         return;
     };
-    let read = response::read_prefill(body);
-    let Ok(found) = response::find_routing(body) else {
+    let read = body::read_prefill(body);
+    let Ok(found) = body::find_routing(body) else {
         assert!(
             read.is_err(),
             "read_prefill took a body find_routing refuses"
@@ -115,7 +116,7 @@ pub fn response(data: &[u8]) {
     // The proxy's reader: the same routing, and kv_transfer_params as a piece of the body
     // (it refuses only what find_routing takes but is ambiguous: the key twice).
     if let Ok(read) = read {
-        let spans: Vec<_> = read.routing.iter().map(|f| f.span.clone()).collect();
+        let spans: Vec<_> = read.routing.values.iter().map(|f| f.span.clone()).collect();
         assert_eq!(
             spans,
             found.iter().map(|f| f.span.clone()).collect::<Vec<_>>()
@@ -125,7 +126,7 @@ pub fn response(data: &[u8]) {
             assert!(!kv.is_empty() && kv != b"null");
             assert!(inside.contains(&kv.as_ptr()) && kv.as_ptr_range().end <= inside.end);
         }
-        for f in &read.routing {
+        for f in &read.routing.values {
             let _ = response::routing_rows(f, &hints(flags), LIMIT);
         }
     }
@@ -164,7 +165,7 @@ pub fn merge_response(data: &[u8]) {
         assert_eq!(u, a, "checked_slices and to_vec differ");
         // (A decode body without routing merges without reading the prefill body at all, so
         // that one need not parse.)
-        if let Ok(found) = response::find_routing(prefill) {
+        if let Ok(found) = body::read_body(prefill) {
             let again = response::merge_response_found(prefill, &found, decode, opts)
                 .and_then(|p| p.to_vec())
                 .expect("the same merge with the routing given");
@@ -175,8 +176,8 @@ pub fn merge_response(data: &[u8]) {
         (Ok(a), Ok(b)) => {
             assert_eq!(a, b, "splice and general merges differ");
             // The merged body still parses, with the routing where decode had it.
-            let merged = response::find_routing(a).expect("a merged body parses");
-            let before = response::find_routing(decode).expect("decode parsed before");
+            let merged = body::find_routing(a).expect("a merged body parses");
+            let before = body::find_routing(decode).expect("decode parsed before");
             assert_eq!(merged.len(), before.len());
         }
         (Err(_), Err(_)) => {}
@@ -499,7 +500,7 @@ pub fn proxy(data: &[u8]) {
     }
     const PREFILL: &[u8] = br#"{"choices":[{"index":0,"routed_experts":{"data":"CgsUFR4f","shape":[3,1,2],"start":0,"dtype":"uint8"}}]}"#;
     let prefill = bytes::Bytes::from_static(PREFILL);
-    let found = response::find_routing(&prefill).expect("a valid prefill body");
+    let found = body::read_body(&prefill).expect("a valid prefill body");
     let run = |chunks: &[&[u8]]| -> Result<Vec<u8>, String> {
         let mut m = StreamMerger::new(&prefill, &found, MergeOptions::new(LIMIT), 4096);
         let mut out = Vec::new();

@@ -6,6 +6,7 @@ use std::ops::Range;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::formats::Format;
 use crate::jsonscan::{Scanner, Watch};
 use crate::sidecar::{self, SidecarFields};
 
@@ -26,6 +27,54 @@ pub struct Found<'a> {
     pub fields: Option<SidecarFields<'a>>,
     /// The token counts the body gives for this value's sequence (format.md §3.3).
     pub counts: Counts,
+    /// The kind of place it was found at.
+    pub place: Place,
+}
+
+/// The kind of place a routing value was found at, which fixes the formats its producers write
+/// there (format.md §3.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    /// `choices[i].routed_experts`: vLLM's `.npy` (0.22+), nested lists (vLLM 0.21's generated
+    /// rows, lmdeploy's chat).
+    Choice,
+    /// Top-level `prompt_routed_experts`: nested lists (vLLM 0.21).
+    Prompt,
+    /// `choices[i].message.routed_experts`: NeMo-RL's `nrlre1` (nested lists before its PR #3292).
+    Message,
+    /// `sglext`, `meta_info` or `choices[i].meta_info`: SGLang's flat values, lmdeploy's nested
+    /// lists.
+    Sglang,
+    /// `nvext` or `nvext.engine_data`: Dynamo's compact sidecar, or the backend's own value
+    /// passed through (SGLang's flat values, vLLM's `.npy`).
+    Nvext,
+}
+
+impl Place {
+    /// Whether producers write `format` here. A compact sidecar is allowed everywhere: it places
+    /// itself, and it is what a merge writes back by default.
+    pub fn allows(self, format: Format) -> bool {
+        use Format::*;
+        format == Compact
+            || match self {
+                Place::Choice => matches!(format, VllmNpy | Lists),
+                Place::Prompt => format == Lists,
+                Place::Message => matches!(format, Nemo | Lists),
+                Place::Sglang => matches!(format, Sglang | Lists),
+                Place::Nvext => matches!(format, Sglang | VllmNpy),
+            }
+    }
+
+    /// The formats written here, for messages.
+    pub fn formats(self) -> &'static str {
+        match self {
+            Place::Choice => "vLLM's .npy, nested lists or a compact sidecar",
+            Place::Prompt => "nested lists",
+            Place::Message => "NeMo-RL's nrlre1 string, nested lists or a compact sidecar",
+            Place::Sglang => "SGLang's flat base64 values, nested lists or a compact sidecar",
+            Place::Nvext => "a compact sidecar, SGLang's flat values or vLLM's .npy",
+        }
+    }
 }
 
 /// Token counts a body states for one choice's sequence: the prompt's length and the number of
@@ -74,6 +123,10 @@ pub const LOCATIONS: &[(&str, &str)] = &[
         "SGLang /generate, lmdeploy (choice 0, or the position in a batch list)",
     ),
     ("nvext.routed_experts", "NVIDIA Dynamo (choice 0)"),
+    (
+        "nvext.engine_data.routed_experts",
+        "NVIDIA Dynamo, engine data asked for (choice 0)",
+    ),
 ];
 
 pub(crate) const ROUTING_KEY: &[u8] = b"routed_experts";
@@ -122,6 +175,9 @@ pub struct BodyRouting<'a> {
     /// vLLM 0.21's top-level `prompt_routed_experts`: the prompt rows every choice shares, when
     /// present and not `null`. The choices' values then hold only their generated rows.
     pub prompt: Option<Found<'a>>,
+    /// Whether the body has a top-level `prompt_routed_experts` key, even `null` (vLLM 0.21
+    /// writes it in every body): its choices' nested lists are then generated rows only.
+    pub prompt_key: bool,
     /// Every choice the body has, with or without routing: (index, token counts).
     pub choices: Vec<(u64, Counts)>,
     /// Where a `routed_expert_weights` key sits, if the body has one: readers may skip the
@@ -182,7 +238,20 @@ fn walk(body: &[u8], want_kv: bool) -> Result<BodyRouting<'_>> {
         top_object(&mut s, 0, &mut w, want_kv, false)?;
     }
     s.end()?;
-    settle_duplicates(&mut w.values)?;
+    settle_duplicates(&w.values)?;
+    if w.prompt_key && w.prompt.is_none() {
+        if let Some(f) = w
+            .values
+            .iter()
+            .find(|f| f.place == Place::Choice && f.text.starts_with(b"["))
+        {
+            return Err(Error::payload(format!(
+                "response body: {} holds nested lists and prompt_routed_experts is null: vLLM \
+                 0.21's generated rows without the prompt's, which cannot be placed",
+                f.path
+            )));
+        }
+    }
     if let Some(p) = &w.prompt {
         if let Some(f) = w.values.iter().find(|f| !f.text.starts_with(b"[")) {
             return Err(Error::payload(format!(
@@ -197,21 +266,46 @@ fn walk(body: &[u8], want_kv: bool) -> Result<BodyRouting<'_>> {
     Ok(w)
 }
 
-/// Two values for one choice are an error, except the same text at two places (SGLang 0.5.13 to
-/// 0.5.18 write choice 0's routing both in `sglext` and in `choices[0].meta_info` when asked for
-/// meta info): both are kept, so a merge rewrites both, and readers take the first.
-fn settle_duplicates(found: &mut [Found]) -> Result<()> {
+/// Two values for one choice are an error, except where a producer writes the same routing at
+/// two known places: SGLang 0.5.13 to 0.5.18 in `sglext` and in `choices[0].meta_info` (chat
+/// with `return_meta_info`), Dynamo in `nvext` and in `nvext.engine_data` (when both are asked
+/// for). Such a pair must be the same text; both are kept, so a merge rewrites both, and
+/// readers take the first.
+fn settle_duplicates(found: &[Found]) -> Result<()> {
     for (i, f) in found.iter().enumerate() {
         if let Some(g) = found[..i].iter().find(|g| g.index == f.index) {
-            if g.text != f.text {
+            let echo = echo_pair(&g.path, &f.path);
+            if !echo || g.text != f.text {
+                let same = if echo { " that differ" } else { "" };
                 return Err(Error::payload(format!(
-                    "response body: two different routing values for choice {}, at {} and at {}",
+                    "response body: two routing values{same} for choice {}, at {} and at {}",
                     f.index, g.path, f.path
                 )));
             }
         }
     }
     Ok(())
+}
+
+/// Whether two paths are a pair of places one producer writes the same routing to.
+fn echo_pair(a: &str, b: &str) -> bool {
+    let kind = |p: &str| {
+        if p == "$.sglext.routed_experts" {
+            Some(0)
+        } else if p.starts_with("$.choices[") && p.ends_with("].meta_info.routed_experts") {
+            Some(1)
+        } else if p == "$.nvext.routed_experts" {
+            Some(2)
+        } else if p == "$.nvext.engine_data.routed_experts" {
+            Some(3)
+        } else {
+            None
+        }
+    };
+    matches!(
+        (kind(a), kind(b)),
+        (Some(0), Some(1)) | (Some(1), Some(0)) | (Some(2), Some(3)) | (Some(3), Some(2))
+    )
 }
 
 /// What a prefill/decode proxy reads from a prefill body before it calls decode, in one walk
@@ -314,8 +408,15 @@ fn top_object<'a>(
                 Some(b'n') => s.value().map(drop),
                 _ => Err(s.error("a list of choices").context("`choices`")),
             },
-            b"meta_info" => holder(s, position, &mut w.values, Some(&mut stated.counts)),
-            b"nvext" | b"sglext" => holder(s, position, &mut w.values, None),
+            b"meta_info" => holder(
+                s,
+                position,
+                &mut w.values,
+                Holder::Sglang,
+                Some(&mut stated.counts),
+            ),
+            b"nvext" => holder(s, position, &mut w.values, Holder::Nvext, None),
+            b"sglext" => holder(s, position, &mut w.values, Holder::Sglang, None),
             b"usage" => usage(s, &mut stated),
             b"prompt_token_ids" => {
                 if let Some(n) = list_len(s)? {
@@ -326,7 +427,8 @@ fn top_object<'a>(
             // vLLM 0.21 puts it at the top of a body (never in an SGLang batch list).
             PROMPT_ROUTING_KEY if !in_list => {
                 let mut one = Vec::new();
-                routing_value(s, 0, &mut one)?;
+                routing_value(s, 0, Place::Prompt, &mut one)?;
+                w.prompt_key = true;
                 w.prompt = one.pop();
                 Ok(())
             }
@@ -447,10 +549,16 @@ fn choice<'a>(s: &mut Scanner<'a>, position: u64, w: &mut BodyRouting<'a>) -> Re
                 index = Some(n);
                 Ok(())
             }
-            ROUTING_KEY => routing_value(s, position, &mut w.values),
-            b"message" => holder(s, position, &mut w.values, None),
+            ROUTING_KEY => routing_value(s, position, Place::Choice, &mut w.values),
+            b"message" => holder(s, position, &mut w.values, Holder::Message, None),
             // SGLang's chat with `return_meta_info` (0.5.13+): the result's meta info per choice.
-            b"meta_info" => holder(s, position, &mut w.values, Some(&mut counts)),
+            b"meta_info" => holder(
+                s,
+                position,
+                &mut w.values,
+                Holder::Sglang,
+                Some(&mut counts),
+            ),
             b"prompt_token_ids" => {
                 if let Some(n) = list_len(s)? {
                     counts.prompt = Some((n, "prompt_token_ids"));
@@ -485,6 +593,29 @@ fn choice<'a>(s: &mut Scanner<'a>, position: u64, w: &mut BodyRouting<'a>) -> Re
     Ok(())
 }
 
+/// Which holder an object is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Holder {
+    /// A choice's `message`.
+    Message,
+    /// `sglext`, `meta_info`, a choice's `meta_info`.
+    Sglang,
+    /// `nvext`, which may hold a second one (`engine_data`).
+    Nvext,
+    /// `nvext.engine_data`.
+    EngineData,
+}
+
+impl Holder {
+    fn place(self) -> Place {
+        match self {
+            Holder::Message => Place::Message,
+            Holder::Sglang => Place::Sglang,
+            Holder::Nvext | Holder::EngineData => Place::Nvext,
+        }
+    }
+}
+
 /// An object whose `routed_experts` key holds routing (`message`, `sglext`, `meta_info`,
 /// `nvext`); anything else in it is skipped, under the watch for misplaced routing. A
 /// `meta_info` also states token counts (`counts` given).
@@ -492,6 +623,7 @@ fn holder<'a>(
     s: &mut Scanner<'a>,
     index: u64,
     found: &mut Vec<Found<'a>>,
+    kind: Holder,
     mut counts: Option<&mut Counts>,
 ) -> Result<()> {
     match s.peek() {
@@ -506,7 +638,11 @@ fn holder<'a>(
         match key {
             // SGLang 0.5.7 and 0.5.8 write `[]` in meta_info for a result without routing.
             ROUTING_KEY if counts.is_some() && empty_list(s) => s.value().map(drop),
-            ROUTING_KEY => routing_value(s, index, found),
+            ROUTING_KEY => routing_value(s, index, kind.place(), found),
+            // Dynamo hands the backend's engine data through whole when asked for it.
+            b"engine_data" if kind == Holder::Nvext => {
+                holder(s, index, found, Holder::EngineData, None)
+            }
             DTYPE_KEY if s.peek() == Some(b'"') => {
                 let st = s.string()?;
                 let name = s.string_value(&st)?;
@@ -550,7 +686,12 @@ fn empty_list(s: &mut Scanner) -> bool {
     rest.iter().find(|c| !c.is_ascii_whitespace()) == Some(&b']')
 }
 
-fn routing_value<'a>(s: &mut Scanner<'a>, index: u64, found: &mut Vec<Found<'a>>) -> Result<()> {
+fn routing_value<'a>(
+    s: &mut Scanner<'a>,
+    index: u64,
+    place: Place,
+    found: &mut Vec<Found<'a>>,
+) -> Result<()> {
     // A compact sidecar is read here, in the walk's one pass over its (large) data string.
     let (span, fields) = if s.peek() == Some(b'{') {
         let start = s.pos();
@@ -569,6 +710,7 @@ fn routing_value<'a>(s: &mut Scanner<'a>, index: u64, found: &mut Vec<Found<'a>>
             path: s.path(),
             fields,
             counts: Counts::default(),
+            place,
         });
     }
     Ok(())

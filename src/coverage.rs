@@ -6,7 +6,8 @@
 use crate::body::Counts;
 use crate::error::{Error, Result};
 use crate::formats::Format;
-use crate::payload::Header;
+use crate::merge;
+use crate::payload::{DTypeChoice, Header, Payload, Shape};
 
 /// What a format's producers promise about the rows they send, for a sequence of `P` prompt
 /// and `G` generated tokens and a requested start `S`.
@@ -15,9 +16,16 @@ pub enum Rule {
     /// Rows `[S, P + G - 1)`: every position but the last sampled token's (vLLM 0.22+'s `.npy`,
     /// SGLang's flat values). The start is not in the value: the counts fix where it ends.
     EndsBeforeLastToken,
-    /// Rows somewhere in `[0, P + G)` (formats written by routers and trainers, whose
-    /// producers this library does not all know: compact, NeMo-RL, nested lists).
-    WithinSequence,
+    /// Rows `[0, P + G)`, the last a filler (`0, 1, ..., top_k - 1` in every layer), not
+    /// routing: NeMo-RL's `nrlre1` strings.
+    WholeWithFiller,
+    /// Rows from 0, ending anywhere up to `P + G` (lmdeploy's nested lists drop the last row
+    /// after a stop string).
+    FromZero,
+    /// The value states its own start and shape (the compact sidecar): its positions are never
+    /// guessed, and the body around it may have been rewritten by a router that kept another
+    /// body's counts, so they are not held against it.
+    SelfPlaced,
 }
 
 impl Rule {
@@ -25,9 +33,36 @@ impl Rule {
     pub fn of(format: Format) -> Rule {
         match format {
             Format::VllmNpy | Format::Sglang => Rule::EndsBeforeLastToken,
-            Format::Compact | Format::Nemo | Format::Lists => Rule::WithinSequence,
+            Format::Nemo => Rule::WholeWithFiller,
+            Format::Lists => Rule::FromZero,
+            Format::Compact => Rule::SelfPlaced,
         }
     }
+}
+
+/// A NeMo-RL value without its filler last row, so that it covers what every other producer's
+/// does (`[0, P + G - 1)`) and a prefill half's filler never stands in for decode's real row.
+pub fn without_filler(format: Format, p: Payload) -> Result<Payload> {
+    match Rule::of(format) {
+        Rule::WholeWithFiller if p.num_tokens() > 0 => p.slice(p.start(), p.stop() - 1),
+        _ => Ok(p),
+    }
+}
+
+/// The filler row put back after `p`, for a merged value written in NeMo-RL's own shape.
+pub fn with_filler(format: Format, p: Payload) -> Result<Payload> {
+    if Rule::of(format) != Rule::WholeWithFiller {
+        return Ok(p);
+    }
+    let (layers, top_k) = (p.num_layers(), p.top_k());
+    let filler: Vec<i64> = (0..layers).flat_map(|_| 0..top_k as i64).collect();
+    let row = Payload::from_values(
+        &filler,
+        Shape::new(1, layers, top_k),
+        p.stop(),
+        DTypeChoice::Exact(p.dtype()),
+    )?;
+    merge::concat(p.start(), &[(&p, 0, p.num_tokens()), (&row, 0, 1)])
 }
 
 /// Check a decoded value's header (start, rows) against the counts of its body, when the body
@@ -47,17 +82,22 @@ pub fn check(format: Format, header: &Header, counts: &Counts, start_given: bool
          ({generated_at})"
     );
     let name = format.name();
+    let contradiction = |expected: String| {
+        Error::payload(format!(
+            "routing rows contradict the body's token counts: the {name} value holds {rows} rows \
+             from position {start}, so they end at {stop}, but {said}, so {expected}"
+        ))
+    };
     match Rule::of(format) {
         Rule::EndsBeforeLastToken => {
             let end = tokens.saturating_sub(1);
             if stop == end {
                 return Ok(());
             }
-            let mut msg = format!(
-                "routing rows contradict the body's token counts: the {name} value holds {rows} \
-                 rows from position {start}, so they end at {stop}, but {said}, so they end at \
-                 {end} (every position but the last sampled token's)"
-            );
+            let mut msg = contradiction(format!(
+                "they end at {end} (every position but the last sampled token's)"
+            ))
+            .to_string();
             if stop < end && !start_given {
                 msg.push_str(&format!(
                     "; if the request asked for routing from a later position (vLLM's \
@@ -74,12 +114,13 @@ pub fn check(format: Format, header: &Header, counts: &Counts, start_given: bool
             }
             Err(Error::payload(msg))
         }
-        Rule::WithinSequence if stop > tokens => Err(Error::payload(format!(
-            "routing rows contradict the body's token counts: the {name} value holds {rows} rows \
-             from position {start}, so they end at {stop}, but {said}: the sequence has {tokens} \
-             positions"
+        Rule::WholeWithFiller if (start, stop) != (0, tokens) => Err(contradiction(format!(
+            "NeMo-RL's rows are [0, {tokens}), the last a filler"
         ))),
-        Rule::WithinSequence => Ok(()),
+        Rule::FromZero if stop > tokens => Err(contradiction(format!(
+            "the sequence has {tokens} positions"
+        ))),
+        _ => Ok(()),
     }
 }
 
@@ -130,11 +171,32 @@ mod tests {
     }
 
     #[test]
-    fn other_formats_stay_within_the_sequence() {
+    fn other_formats_by_their_producers_rules() {
         let c = counts(7, 5);
-        assert!(check(Format::Compact, &header(0, 12), &c, false).is_ok());
-        assert!(check(Format::Compact, &header(3, 4), &c, false).is_ok());
-        assert!(check(Format::Compact, &header(0, 13), &c, false).is_err());
-        assert!(check(Format::Lists, &header(10, 3), &c, false).is_err());
+        // Compact values place themselves.
+        assert!(check(Format::Compact, &header(0, 40), &c, false).is_ok());
+        assert!(check(Format::Lists, &header(0, 11), &c, false).is_ok());
+        assert!(check(Format::Lists, &header(0, 13), &c, false).is_err());
+        assert!(check(Format::Nemo, &header(0, 12), &c, false).is_ok());
+        let msg = check(Format::Nemo, &header(0, 11), &c, false)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("[0, 12)"), "{msg}");
+    }
+
+    #[test]
+    fn nemo_filler_is_dropped_and_put_back() {
+        let values: Vec<i64> = vec![5, 7, 1, 4, 0, 1];
+        let p = Payload::from_values(
+            &values,
+            Shape::new(3, 1, 2),
+            0,
+            DTypeChoice::Exact(DType::I8),
+        )
+        .unwrap();
+        let trimmed = without_filler(Format::Nemo, p.clone()).unwrap();
+        assert_eq!(trimmed.values::<i8>(), &[5, 7, 1, 4]);
+        assert_eq!(with_filler(Format::Nemo, trimmed.clone()).unwrap(), p);
+        assert_eq!(without_filler(Format::Lists, p.clone()).unwrap(), p);
     }
 }

@@ -97,14 +97,18 @@ pub fn detect(text: &[u8]) -> Format {
 /// Decode a value of any format given as text, detecting which.
 pub fn decode_text(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<(Format, Payload)> {
     let format = detect(text);
-    let p = match format {
+    Ok((format, decode_as(format, text, hints, max_bytes)?))
+}
+
+/// Decode text known to be in `format` (as [`detect`] found it).
+pub fn decode_as(format: Format, text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Payload> {
+    match format {
         Format::Compact => decode_compact(text, hints, max_bytes),
         Format::Lists => decode_lists(text, hints, max_bytes),
         Format::Nemo => decode_nemo(text, hints, max_bytes),
         Format::VllmNpy => decode_vllm_npy(text, hints, max_bytes),
         Format::Sglang => decode_sglang(text, hints, max_bytes),
-    }?;
-    Ok((format, p))
+    }
 }
 
 /// Decode a raw JSON value from a body: an object, a list, or a string holding any format.

@@ -26,10 +26,26 @@ pub fn decode_found(f: &Found, hints: &Hints, max_bytes: usize) -> Result<(Forma
             Format::Compact,
             formats::decode_compact_fields(fields.clone(), &hints, max_bytes)?,
         ),
-        None => formats::decode_json_value(f.text, &hints, max_bytes)?,
+        None => {
+            let text = formats::json_string_content(f.text)?;
+            let format = formats::detect(&text);
+            if !f.place.allows(format) {
+                return Err(Error::payload(format!(
+                    "{}: a value read as {} where producers write {}: not read as routing of \
+                     this place (a format moved, or text that is not routing)",
+                    f.path,
+                    format.name(),
+                    f.place.formats()
+                )));
+            }
+            (
+                format,
+                formats::decode_as(format, &text, &hints, max_bytes)?,
+            )
+        }
     };
     coverage::check(format, &p.header(), &f.counts, hints.start.is_some())?;
-    Ok((format, p))
+    Ok((format, coverage::without_filler(format, p)?))
 }
 
 /// How many rows (token positions) a routing value holds. A compact sidecar's shape is read and
@@ -361,13 +377,13 @@ fn merge_found<'a>(p: &Found<'a>, d: &Found<'a>, opts: &MergeOptions) -> Result<
     // Compact values carry their own start: the start hints are for formats that carry none.
     // Two compact values merge on their text (keep_format changes nothing: compact stays compact).
     let is_compact = |f: &Found| f.fields.is_some();
-    if p.fields.is_some() && d.fields.is_some() {
-        if opts.hints.num_layers.is_none()
-            && opts.hints.top_k.is_none()
-            && opts.hints.dtype.is_none()
-        {
-            return merge_sidecars(p, d, opts);
-        }
+    if p.fields.is_some()
+        && d.fields.is_some()
+        && opts.hints.num_layers.is_none()
+        && opts.hints.top_k.is_none()
+        && opts.hints.dtype.is_none()
+    {
+        return merge_sidecars(p, d, opts);
     }
     let side_hints = |f: &Found, start: Option<u64>| Hints {
         start: if is_compact(f) { None } else { start },
@@ -380,10 +396,10 @@ fn merge_found<'a>(p: &Found<'a>, d: &Found<'a>, opts: &MergeOptions) -> Result<
     let (format, decode) =
         decode_found(d, &decode_hints, opts.max_bytes).map_err(|e| e.context("decode"))?;
     let merged = merge::merge(&prefill, &decode)?;
-    let format = if opts.keep_format {
-        format
+    let (format, merged) = if opts.keep_format {
+        (format, coverage::with_filler(format, merged)?)
     } else {
-        Format::Compact
+        (Format::Compact, merged)
     };
     Ok(vec![Piece::Copy(Cow::Owned(formats::encode_json(
         &merged, format,

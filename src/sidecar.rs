@@ -35,6 +35,8 @@ pub struct SidecarFields<'a> {
     pub dtype: Option<Value>,
     /// A key of `BODY_KEYS` the object has: it is a response body, not a sidecar.
     pub body_key: Option<&'static str>,
+    /// A key of another routing object the object has (`FOREIGN_KEYS`): it is not a sidecar.
+    pub foreign_key: Option<&'static str>,
 }
 
 /// Decode a sidecar from JSON text: every check format.md §3.1 lists happens before the allocation.
@@ -90,6 +92,9 @@ pub(crate) fn read_fields<'a>(s: &mut Scanner<'a>) -> Result<SidecarFields<'a>> 
                 if let Some(k) = BODY_KEYS.iter().find(|k| k.as_bytes() == key) {
                     fields.body_key = Some(k);
                 }
+                if let Some((k, _)) = FOREIGN_KEYS.iter().find(|(k, _)| k.as_bytes() == key) {
+                    fields.foreign_key = Some(k);
+                }
                 return s.value().map(drop); // unknown keys are ignored
             }
         };
@@ -122,6 +127,18 @@ pub fn json_type_name(first: u8) -> &'static str {
 /// Keys of a response body (format.md §3.2) that a routing value never has: a sidecar reader given a
 /// whole body says so, and what to call instead.
 pub const BODY_KEYS: [&str; 4] = ["choices", "sglext", "meta_info", "nvext"];
+
+/// Keys of routing objects other producers write where a sidecar goes, and what each is: refused
+/// with a message that names it, not as a sidecar missing its `data`.
+pub const FOREIGN_KEYS: [(&str, &str); 2] = [
+    ("routed_experts_str", OMNI_NPU),
+    ("routed_experts_shape", OMNI_NPU),
+];
+
+const OMNI_NPU: &str = "the omni-npu vLLM plugin's routing object (routed_experts_shape, \
+     routed_experts_dtype, routed_experts_str_len, routed_experts_str), whose base64 text is \
+     zlib-compressed or not by a server flag it does not state; not read: run that server with \
+     --routed-experts-serialization-mode base64 and convert it, or have it write a compact sidecar";
 
 fn body_given(key: &str) -> Error {
     Error::payload(format!(
@@ -170,6 +187,15 @@ pub fn validate(fields: SidecarFields<'_>, max_bytes: usize) -> Result<SidecarTe
     {
         return Err(body_given(key));
     }
+    if let (Some(key), None) = (fields.foreign_key, fields.data.as_ref()) {
+        let what = FOREIGN_KEYS
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map_or("", |(_, w)| w);
+        return Err(Error::payload(format!(
+            "sidecar: a `{key}` key and no `data`: this is {what}"
+        )));
+    }
     let shape = parse_shape(fields.shape.as_ref())?;
     let start = match &fields.start {
         None => 0,
@@ -189,10 +215,44 @@ pub fn validate(fields: SidecarFields<'_>, max_bytes: usize) -> Result<SidecarTe
         }
         None => return Err(Error::field("data", "a base64 string", "no `data` key")),
     };
-    check_length(&data, shape, dtype, max_bytes, "data")?;
+    limits::check_shape(shape, dtype, max_bytes)?;
+    check_length(&data, shape, dtype, max_bytes, "data").map_err(|e| {
+        match fields
+            .dtype
+            .is_none()
+            .then(|| base85_of(&data, shape))
+            .flatten()
+        {
+            Some(itemsize) => Error::payload(format!(
+                "`data`: {} characters of base85 (the length of {} values of {itemsize} bytes \
+                 in base85, and only base85's letters), not base64: the {{data, shape}} form \
+                 prime-rl wrote before its PR #2487 and Dynamo before its PR #10529; not read, \
+                 since no dtype is stated (its readers assumed int32)",
+                data.len(),
+                shape.elems().unwrap_or(0)
+            )),
+            None => e,
+        }
+    })?;
     Ok(SidecarText {
         header: Header::new(start, shape, dtype)?,
         data,
+    })
+}
+
+/// The item size whose base85 text (4 bytes in 5 characters) has the length of `text`, when
+/// every character of `text` is in Python's base85 alphabet and one of 1, 2, 4 or 8 fits.
+fn base85_of(text: &[u8], shape: Shape) -> Option<usize> {
+    let in_alphabet = |c: &u8| c.is_ascii_alphanumeric() || b"!#$%&()*+-;<=>?@^_`{|}~".contains(c);
+    if text.is_empty() || !text.iter().all(in_alphabet) {
+        return None;
+    }
+    let elems = shape.elems().ok()?;
+    [4usize, 1, 2, 8].into_iter().find(|&size| {
+        elems
+            .checked_mul(size)
+            .and_then(|n| n.checked_mul(5))
+            .is_some_and(|n| n.div_ceil(4) == text.len())
     })
 }
 

@@ -131,12 +131,19 @@ fn dict_fields<'a>(
             body_key = Some(key);
         }
     }
+    let mut foreign_key = None;
+    for (key, _) in crate::sidecar::FOREIGN_KEYS {
+        if d.contains(key)? {
+            foreign_key = Some(key);
+        }
+    }
     Ok(SidecarFields {
         data: data.map(data_field).transpose()?,
         shape: small("shape")?,
         start: small("start")?,
         dtype: small("dtype")?,
         body_key,
+        foreign_key,
     })
 }
 
