@@ -216,21 +216,62 @@ def _body(location: str, value: Any, index: int = 0, extra: Any = None) -> bytes
     return json.dumps(doc).encode()
 
 
-@pytest.mark.parametrize("location", ["choices", "message", "sglext", "meta_info", "nvext"])
-@pytest.mark.parametrize("fmt", ["compact", "vllm_npy", "nemo", "sglang"])
-def test_bodies_carry_routing_in_every_location_and_format(location: str, fmt: str) -> None:
+# The formats each place's producers write there (format.md §3.2); compact is our own output,
+# allowed everywhere. Any other pair is refused, naming the place and what is written there.
+WRITTEN_AT = {
+    "choices": {"compact", "vllm_npy", "lists"},
+    "message": {"compact", "nemo", "lists"},
+    "sglext": {"compact", "sglang", "lists"},
+    "meta_info": {"compact", "sglang", "lists"},
+    "nvext": {"compact", "sglang", "vllm_npy"},
+}
+
+
+def _as_written(p: rx.RoutedExperts, fmt: str) -> Any:
+    """A value as its producer writes it: NeMo-RL adds a filler last row (0..top_k-1)."""
+    if fmt == "nemo":
+        filler = np.tile(np.arange(p.top_k), (1, p.num_layers, 1))
+        p = rx.RoutedExperts.from_array(np.concatenate([p.array, filler]), dtype="int16")
+    return rx.encode(p, fmt)
+
+
+@pytest.mark.parametrize("location", sorted(WRITTEN_AT))
+@pytest.mark.parametrize("fmt", ["compact", "vllm_npy", "nemo", "sglang", "lists"])
+def test_bodies_carry_routing_where_each_format_is_written(location: str, fmt: str) -> None:
     truth = np.random.default_rng(1).integers(0, 128, size=(9, 3, 2))
     prefill = rx.RoutedExperts.from_array(truth[:5])
     decode = rx.RoutedExperts.from_array(truth, num_experts=128)
     hints = {"num_layers": 3, "top_k": 2} if fmt == "sglang" else {}
-    pb, db = _body(location, rx.encode(prefill, fmt)), _body(location, rx.encode(decode, fmt))
+    pb = _body(location, _as_written(prefill, fmt))
+    db = _body(location, _as_written(decode, fmt))
+    if fmt not in WRITTEN_AT[location]:
+        for call in (lambda: rx.from_response(db, **hints),
+                     lambda: rx.merge_response(pb, db, **hints)):
+            with pytest.raises(rx.PayloadError, match=f"read as {fmt} where producers write"):
+                call()
+        return
     got = rx.from_response(db, **hints)
-    assert got == decode
+    assert got is not None and np.array_equal(got.array, decode.array)
     merged = rx.merge_response(pb, db, **hints)
     assert rx.from_response(merged) == rx.RoutedExperts.from_array(truth)
     assert rx.detect_format(json.dumps(json.loads(merged))) == "compact"
     kept = rx.merge_response(pb, db, keep_format=True, **hints)
-    assert rx.from_response(kept, **hints) == rx.RoutedExperts.from_array(truth)
+    again = rx.from_response(kept, **hints)
+    assert again is not None and np.array_equal(again.array, truth)
+    # keep_format keeps the decode value's format (NeMo-RL's filler row included).
+    kept_value = _routing_at(json.loads(kept), location)
+    text = kept_value if isinstance(kept_value, str) else json.dumps(kept_value)
+    assert rx.detect_format(text) == fmt
+    if fmt == "nemo":
+        assert rx.decode(kept_value).num_tokens == truth.shape[0] + 1
+
+
+def _routing_at(doc: Any, location: str) -> Any:
+    if location == "choices":
+        return doc["choices"][0]["routed_experts"]
+    if location == "message":
+        return doc["choices"][0]["message"]["routed_experts"]
+    return doc[location]["routed_experts"]
 
 
 def test_sglang_meta_info_names_its_dtype_and_batches_are_lists() -> None:
