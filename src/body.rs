@@ -446,6 +446,13 @@ fn top_object<'a>(
         ..stated.counts
     };
     for (_, c) in &mut w.choices[first_choice..] {
+        // A choice's `token_ids` count its generated tokens only beside a list of prompt ids
+        // (vLLM writes both when asked for token ids): in a stream, `token_ids` is the event's
+        // delta, and the first event, the only one with prompt ids, holds every token so far.
+        let ids = |p: Option<(u64, &str)>| p.is_some_and(|(_, at)| at == "prompt_token_ids");
+        if !ids(c.prompt) && !ids(top.prompt) {
+            c.generated = c.generated.filter(|(_, at)| *at != "token_ids");
+        }
         *c = c.or(top);
     }
     if w.choices.len() == first_choice {
@@ -453,12 +460,10 @@ fn top_object<'a>(
         w.choices.push((position, top));
     }
     for f in &mut w.values[first_value..] {
-        let own = w.choices[first_choice..]
+        f.counts = w.choices[first_choice..]
             .iter()
             .find(|(i, _)| *i == f.index)
-            .map(|(_, c)| *c)
-            .unwrap_or(top);
-        f.counts = f.counts.or(own).or(top);
+            .map_or(top, |(_, c)| *c);
     }
     Ok(())
 }
@@ -578,16 +583,10 @@ fn choice<'a>(s: &mut Scanner<'a>, position: u64, w: &mut BodyRouting<'a>) -> Re
             _ => s.skip_member(key),
         }
     })?;
-    // A choice's own `token_ids` count its generated tokens only beside its own prompt count:
-    // in a stream, `token_ids` is the event's delta, and the prompt is counted elsewhere.
-    if counts.prompt.is_none_or(|(_, at)| at != "prompt_token_ids") {
-        counts.generated = counts.generated.filter(|(_, at)| *at != "token_ids");
-    }
     // The index key may come after the routing: fix up what this choice added.
     let index = index.unwrap_or(position);
     for f in &mut w.values[first..] {
         f.index = index;
-        f.counts = counts;
     }
     w.choices.push((index, counts));
     Ok(())
