@@ -481,19 +481,24 @@ fn check_expert_load(routings: &[(&Payload, &Vec<i64>)], num_experts: usize) {
 /// and a decode stream merged in any chunking gives the same bytes (or the same refusal).
 #[cfg(feature = "proxy")]
 pub fn proxy(data: &[u8]) {
-    use routed_experts::proxy::{ClientBody, StreamError, StreamMerger};
+    use routed_experts::proxy::{Api, ClientBody, StreamError, StreamMerger};
     let (client, stream) = match data.iter().position(|&b| b == 0xff) {
         Some(i) => (&data[..i], &data[i + 1..]),
         None => (data, &[][..]),
     };
-    if let Ok(body) = ClientBody::parse(client) {
-        for chat in [false, true] {
-            let p: serde_json::Map<String, serde_json::Value> =
-                serde_json::from_slice(&body.prefill_request(chat)).expect("prefill JSON");
-            assert_eq!(p["stream"], false);
-            assert_eq!(p["max_tokens"], 1);
-            assert!(p["kv_transfer_params"]["do_remote_decode"] == true);
-        }
+    for (_, api) in Api::PATHS {
+        let Ok(body) = ClientBody::parse(client, api) else {
+            continue;
+        };
+        let p: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(&body.prefill_request()).expect("prefill JSON");
+        assert_eq!(p["stream"], false);
+        let limits = match api {
+            Api::Generate => p["sampling_params"].clone(),
+            _ => serde_json::Value::Object(p.clone()),
+        };
+        assert_eq!(limits["max_tokens"], 1);
+        assert!(p["kv_transfer_params"]["do_remote_decode"] == true);
         let d: serde_json::Map<String, serde_json::Value> =
             serde_json::from_slice(&body.decode_request(Some(b"{\"k\":1}"))).expect("decode JSON");
         assert_eq!(d["kv_transfer_params"]["k"], 1);

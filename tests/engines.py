@@ -152,6 +152,50 @@ class Engine:
             }
         )
 
+    async def generate(self, request: Request) -> Response:
+        """vLLM's `/inference/v1/generate` (0.25+ shape): token ids in, the routing of each choice
+        as one value; streamed, it comes once, on the finishing event, then a usage-only event."""
+        body = await request.json()
+        self.requests.append(body)
+        self.headers.append(dict(request.headers))
+        tokens = list(body["token_ids"])
+        sampling = body.get("sampling_params") or {}
+        P, S = len(tokens), int(sampling.get("routed_experts_prompt_start", 0))
+        G = int(sampling.get("max_tokens") or 16)
+        kv = body.get("kv_transfer_params") or {}
+        doc: dict[str, Any] = {"request_id": "generate-tokens-1", "model": "moe", "created": 1}
+        if kv.get("do_remote_decode"):  # prefill: one token, rows [S, P)
+            choice = {"index": 0, "logprobs": None, "finish_reason": "length", "token_ids": [7],
+                      "routed_experts": self.routing(truth(tokens, 1)[S:P], S)}
+            usage = {"prompt_tokens": P, "total_tokens": P + 1, "completion_tokens": 1}
+            doc |= {"choices": [choice], "usage": usage, "prompt_logprobs": None,
+                    "kv_transfer_params": KV_PARAMS}
+            return JSONResponse(doc)
+        if kv != KV_PARAMS:
+            return JSONResponse({"error": "decode needs the prefill's kv_transfer_params"}, 400)
+        rows = truth(tokens, G)[S:].copy()
+        rows[: P - S] = 0  # decode never computed the prompt
+        routing = self.routing(rows, S)
+        usage = {"prompt_tokens": P, "total_tokens": P + G, "completion_tokens": G}
+        if body.get("stream"):
+            return StreamingResponse(self.generate_events(doc, routing, G, usage),
+                                     media_type="text/event-stream")
+        choice = {"index": 0, "logprobs": None, "finish_reason": "length",
+                  "token_ids": list(range(G)), "routed_experts": routing}
+        doc |= {"choices": [choice], "usage": usage, "prompt_logprobs": None,
+                "kv_transfer_params": None}
+        return JSONResponse(doc)
+
+    async def generate_events(self, doc: dict[str, Any], routing: Any, generated: int,
+                              usage: dict[str, int]):  # type: ignore[no-untyped-def]
+        for i in range(generated):
+            last = i == generated - 1
+            choice = {"index": 0, "logprobs": None, "finish_reason": "length" if last else None,
+                      "token_ids": [i], "routed_experts": routing if last else None}
+            yield f"data: {json.dumps(doc | {'choices': [choice], 'usage': None})}\n\n".encode()
+        yield f"data: {json.dumps(doc | {'choices': [], 'usage': usage})}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
     async def sse(self, routing: Any, generated: int, chat: bool):  # type: ignore[no-untyped-def]
         for i in range(generated):
             delta = {"delta": {"content": " tok"}} if chat else {"text": " tok"}
@@ -193,6 +237,7 @@ class Engine:
             Route(p, self.handle, methods=["POST"])
             for p in ("/v1/completions", "/v1/chat/completions")
         ]
+        routes.append(Route("/inference/v1/generate", self.generate, methods=["POST"]))
         routes.append(Route("/v1/models", self.models, methods=["GET"]))
         routes.append(Route("/health", self.health, methods=["GET"]))
         return Starlette(routes=routes)

@@ -94,6 +94,49 @@ def test_plain_requests_merge_to_the_truth(
         assert max_tokens(sent) == max_tokens(body)
 
 
+GENERATE = {"token_ids": list(range(3, 40)),
+            "sampling_params": {"max_tokens": 9, "temperature": 0.0}}
+
+
+@pytest.mark.parametrize("stack", [{"fmt": "vllm_npy"}, {"fmt": "compact"}], indirect=True,
+                         ids=["vllm_npy", "compact"])
+@pytest.mark.parametrize("start", [0, 5])
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_endpoint_merges_plain_and_streamed(
+    stack: dict[str, Any], start: int, stream: bool
+) -> None:
+    body: dict[str, Any] = {
+        **GENERATE, "stream": stream,
+        "sampling_params": {**GENERATE["sampling_params"], "routed_experts_prompt_start": start}}
+    want = rx.RoutedExperts.from_array(truth(body["token_ids"], 9)[start:], start=start)
+    url = stack["url"] + "/inference/v1/generate"
+    if not stream:
+        r = httpx.post(url, json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert rx.from_response(r.content, start=start) == want
+        doc = json.loads(r.content)
+        assert doc["usage"]["completion_tokens"] == 9 and doc["choices"][0]["token_ids"] == list(range(9))
+    else:
+        with httpx.stream("POST", url, json=body, timeout=30) as r:
+            assert r.status_code == 200
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        # Routing once, on the finishing event; the usage-only event after it untouched.
+        routed = [c for c in chunks if c["choices"] and c["choices"][0]["routed_experts"]]
+        assert len(routed) == 1 and routed[0]["choices"][0]["finish_reason"] == "length"
+        assert rx.from_response(json.dumps(routed[0]), start=start) == want
+        assert chunks[-1] == {"request_id": "generate-tokens-1", "model": "moe", "created": 1,
+                              "choices": [], "usage": {"prompt_tokens": 37, "total_tokens": 46,
+                                                       "completion_tokens": 9}}
+    prefill = stack["prefills"][0].requests[0]
+    assert prefill["sampling_params"]["max_tokens"] == 1 and prefill["stream"] is False
+    assert prefill["sampling_params"]["routed_experts_prompt_start"] == start
+    assert prefill["kv_transfer_params"] == PREFILL_KV_TRANSFER_PARAMS
+    decode = stack["decodes"][0].requests[0]
+    assert decode["sampling_params"]["max_tokens"] == 9 and decode["kv_transfer_params"] == KV_PARAMS
+
+
 def test_merged_body_keeps_every_other_byte(stack: dict[str, Any]) -> None:
     r = httpx.post(stack["url"] + "/v1/completions", json=COMPLETION, timeout=30)
     doc = json.loads(r.content)

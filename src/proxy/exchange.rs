@@ -22,7 +22,7 @@ use super::fault::Fault;
 use super::metrics::Metrics;
 use super::parts::{shared_slices, PartsBody};
 use super::pool::{Lease, Outcome, Pool, Side};
-use super::request::{acceptable_request_id, ClientBody};
+use super::request::{acceptable_request_id, Api, ClientBody};
 use super::stream::{StreamError, StreamMerger};
 use super::upstream::{CallError, Upstreams};
 use crate::body::{read_prefill, PrefillBody};
@@ -122,6 +122,7 @@ impl Proxy {
         self: &Arc<Self>,
         req: Request<Incoming>,
         endpoint: &'static str,
+        api: Api,
     ) -> Response<Body> {
         let began = Instant::now();
         let mut ex = Exchange::new(Arc::clone(self), request_id(&req), endpoint);
@@ -150,7 +151,7 @@ impl Proxy {
             );
             return ex.fail(fault.retry_after(1));
         };
-        let body = match ClientBody::parse(&raw.0) {
+        let body = match ClientBody::parse(&raw.0, api) {
             Ok(b) => b,
             Err(fault) => return ex.fail(fault),
         };
@@ -159,7 +160,6 @@ impl Proxy {
         let call = Call {
             proxy: Arc::clone(self),
             endpoint,
-            chat: endpoint.ends_with("chat/completions"),
             headers: upstream_headers(&ex.request_id, auth),
             deadline,
         };
@@ -516,7 +516,6 @@ impl Drop for Exchange {
 struct Call {
     proxy: Arc<Proxy>,
     endpoint: &'static str,
-    chat: bool,
     headers: Vec<(&'static str, HeaderValue)>,
     deadline: tokio::time::Instant,
 }
@@ -545,7 +544,7 @@ impl Call {
             proxy: Arc::clone(&proxy),
             lease: Some(lease),
         };
-        let prefill_json = body.prefill_request(self.chat);
+        let prefill_json = body.prefill_request();
         let (prefill_body, prefill_share) = self.prefill(ex, prefill_json).await?;
         if ex.stream {
             let prefill = (prefill_body, prefill_share);

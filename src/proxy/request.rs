@@ -15,10 +15,39 @@ pub const MAX_DEPTH: usize = 256;
 /// remote decode, return the parameters the decode server needs to fetch it.
 pub const PREFILL_KV_TRANSFER_PARAMS: &str = r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
 
+/// The endpoints the proxy serves, each with its own request shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Api {
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/chat/completions` (`max_completion_tokens` beside `max_tokens`).
+    Chat,
+    /// vLLM's token-in/token-out `/inference/v1/generate` (0.22+): `token_ids`, with the
+    /// sampling settings, `routed_experts_prompt_start` among them, in `sampling_params`.
+    Generate,
+}
+
+impl Api {
+    /// Every endpoint, as its path.
+    pub const PATHS: [(&'static str, Api); 3] = [
+        ("/v1/completions", Api::Completions),
+        ("/v1/chat/completions", Api::Chat),
+        ("/inference/v1/generate", Api::Generate),
+    ];
+
+    /// The endpoint at exactly `path`.
+    pub fn of(path: &str) -> Option<(&'static str, Api)> {
+        Api::PATHS.into_iter().find(|(p, _)| *p == path)
+    }
+}
+
 /// A client's completion request, its top-level fields as raw JSON text.
 #[derive(Debug)]
 pub struct ClientBody {
+    api: Api,
     fields: IndexMap<String, Box<RawValue>>,
+    /// `sampling_params` of a generate request, its fields as raw JSON text.
+    sampling: Option<IndexMap<String, Box<RawValue>>>,
     /// `routed_experts_prompt_start`: where the client wants routing to start.
     pub start: Option<u64>,
     /// Whether the client asked for a stream.
@@ -29,8 +58,9 @@ impl ClientBody {
     /// Read the client's body; anything the proxy cannot pass on is a 400 naming what is
     /// wrong: invalid UTF-8, not JSON (NaN and Infinity are not), not an object, nested past
     /// [`MAX_DEPTH`], a `routed_experts_prompt_start` that is not a non-negative integer, a
-    /// `stream` that is not a boolean.
-    pub fn parse(raw: &[u8]) -> Result<Self, Fault> {
+    /// `stream` that is not a boolean; for a generate request, `sampling_params` that is not an
+    /// object.
+    pub fn parse(raw: &[u8], api: Api) -> Result<Self, Fault> {
         let bad = |why: String| Fault::new("client", 400, format!("invalid request body: {why}"));
         if !simdutf::validate_utf8(raw) {
             return Err(bad("not UTF-8 text".into()));
@@ -49,7 +79,27 @@ impl ClientBody {
             }
             Err(e) => return Err(bad(format!("not JSON ({e})"))),
         };
-        let start = match fields.get("routed_experts_prompt_start").map(|v| v.get()) {
+        let sampling = match (api, fields.get("sampling_params").map(|v| v.get())) {
+            (Api::Generate, Some(text)) if text != "null" => Some(
+                serde_json::from_str::<IndexMap<String, Box<RawValue>>>(text).map_err(|_| {
+                    Fault::bad_field(
+                        "sampling_params",
+                        format!(
+                            "invalid request body: sampling_params must be an object, got {}",
+                            clip(text)
+                        ),
+                    )
+                })?,
+            ),
+            _ => None,
+        };
+        let start_field = match api {
+            Api::Generate => sampling
+                .as_ref()
+                .and_then(|f| f.get("routed_experts_prompt_start")),
+            _ => fields.get("routed_experts_prompt_start"),
+        };
+        let start = match start_field.map(|v| v.get()) {
             None | Some("null") => None,
             Some(text) => Some(text.parse::<u64>().map_err(|_| {
                 Fault::bad_field(
@@ -76,7 +126,9 @@ impl ClientBody {
             }
         };
         Ok(ClientBody {
+            api,
             fields,
+            sampling,
             start,
             stream,
         })
@@ -84,17 +136,32 @@ impl ClientBody {
 
     /// The request for the prefill server: one token, no streaming, KV cache kept for decode.
     /// `min_tokens` and `min_completion_tokens` are for decode only (vLLM refuses them above
-    /// `max_tokens`); every other field goes through unchanged.
-    pub fn prefill_request(&self, chat: bool) -> Vec<u8> {
+    /// `max_tokens`); every other field goes through unchanged. A generate request's token
+    /// limits are in its `sampling_params`.
+    pub fn prefill_request(&self) -> Vec<u8> {
         let one = raw("1");
         let mut f = self.fields.clone();
-        f.insert("max_tokens".into(), one.clone());
-        if chat || f.contains_key("max_completion_tokens") {
-            f.insert("max_completion_tokens".into(), one);
+        match (&self.api, &self.sampling) {
+            (Api::Generate, sampling) => {
+                let mut s = sampling.clone().unwrap_or_default();
+                s.insert("max_tokens".into(), one);
+                s.shift_remove("min_tokens");
+                let text = RawValue::from_string(
+                    String::from_utf8_lossy(&write_object(s.iter())).into_owned(),
+                )
+                .expect("an object written from JSON values");
+                f.insert("sampling_params".into(), text);
+            }
+            (api, _) => {
+                f.insert("max_tokens".into(), one.clone());
+                if *api == Api::Chat || f.contains_key("max_completion_tokens") {
+                    f.insert("max_completion_tokens".into(), one);
+                }
+                f.shift_remove("min_tokens");
+                f.shift_remove("min_completion_tokens");
+            }
         }
-        for key in ["min_tokens", "min_completion_tokens", "stream_options"] {
-            f.shift_remove(key);
-        }
+        f.shift_remove("stream_options");
         f.insert("stream".into(), raw("false"));
         f.insert("kv_transfer_params".into(), raw(PREFILL_KV_TRANSFER_PARAMS));
         write_object(f.iter())
@@ -192,14 +259,12 @@ mod tests {
 
     #[test]
     fn prefill_and_decode_requests_keep_every_other_field_as_sent() {
-        let body = ClientBody::parse(
-            br#"{"model":"m","prompt":[1,2],"max_tokens":9,"min_tokens":3,"stream":true,
+        let client = br#"{"model":"m","prompt":[1,2],"max_tokens":9,"min_tokens":3,"stream":true,
                  "stream_options":{"include_usage":true},"big":123456789012345678901234567890,
-                 "routed_experts_prompt_start":2}"#,
-        )
-        .unwrap();
+                 "routed_experts_prompt_start":2}"#;
+        let body = ClientBody::parse(client, Api::Completions).unwrap();
         assert!(body.stream && body.start == Some(2));
-        let p = body.prefill_request(false);
+        let p = body.prefill_request();
         let text = std::str::from_utf8(&p).unwrap();
         assert!(text.starts_with(r#"{"model":"m","prompt":[1,2],"max_tokens":1,"stream":false"#));
         assert!(text.contains("123456789012345678901234567890")); // not rounded to a float
@@ -207,8 +272,8 @@ mod tests {
         assert!(v.get("min_tokens").is_none() && v.get("stream_options").is_none());
         assert!(v.get("max_completion_tokens").is_none());
         assert_eq!(v["kv_transfer_params"]["do_remote_decode"], true);
-        let chat = json(&body.prefill_request(true));
-        assert_eq!(chat["max_completion_tokens"], 1);
+        let chat = ClientBody::parse(client, Api::Chat).unwrap();
+        assert_eq!(json(&chat.prefill_request())["max_completion_tokens"], 1);
 
         let d = body.decode_request(Some(br#"{"remote_host":"h"}"#));
         let v = json(&d);
@@ -217,7 +282,7 @@ mod tests {
             (v["max_tokens"].clone(), v["min_tokens"].clone()),
             (9.into(), 3.into())
         );
-        let empty = ClientBody::parse(b"{}").unwrap();
+        let empty = ClientBody::parse(b"{}", Api::Completions).unwrap();
         assert_eq!(
             empty.decode_request(Some(b"{}")),
             br#"{"kv_transfer_params":{}}"#
@@ -250,19 +315,57 @@ mod tests {
             (br#"{"t":NaN}"#, None),
             (b"{\"a\":\"\xff\"}", None),
         ] {
-            let e = ClientBody::parse(body).unwrap_err();
+            let e = ClientBody::parse(body, Api::Completions).unwrap_err();
             assert_eq!((e.status, e.side, e.param), (400, "client", param), "{e:?}");
         }
         let deep = format!("{{\"x\":{}{}}}", "[".repeat(300), "]".repeat(300));
-        let e = ClientBody::parse(deep.as_bytes()).unwrap_err();
+        let e = ClientBody::parse(deep.as_bytes(), Api::Chat).unwrap_err();
         assert!(
             e.message.contains("cannot be written back as JSON"),
             "{}",
             e.message
         );
         let ok = format!("{{\"x\":{}{}}}", "[".repeat(200), "]".repeat(200));
-        assert!(ClientBody::parse(ok.as_bytes()).is_ok());
+        assert!(ClientBody::parse(ok.as_bytes(), Api::Generate).is_ok());
         assert_eq!(nesting(br#"{"s":"[[[{\"]"}"#), 1);
+    }
+
+    #[test]
+    fn generate_requests_carry_their_limits_and_start_in_sampling_params() {
+        let text = br#"{"token_ids":[1,2,3],"sampling_params":{"temperature":0.5,"max_tokens":9,
+            "min_tokens":2,"routed_experts_prompt_start":1},"stream":true,
+            "stream_options":{"include_usage":true}}"#;
+        let body = ClientBody::parse(text, Api::Generate).unwrap();
+        assert!(body.stream && body.start == Some(1));
+        let p = json(&body.prefill_request());
+        assert_eq!(p["sampling_params"]["max_tokens"], 1);
+        assert_eq!(p["sampling_params"]["temperature"], 0.5);
+        assert_eq!(p["sampling_params"]["routed_experts_prompt_start"], 1);
+        assert!(p["sampling_params"].get("min_tokens").is_none());
+        assert!(p.get("max_tokens").is_none() && p.get("stream_options").is_none());
+        assert_eq!(
+            (p["stream"].clone(), p["token_ids"].clone()),
+            (false.into(), serde_json::json!([1, 2, 3]))
+        );
+        let d = json(&body.decode_request(Some(b"{}")));
+        assert_eq!(d["sampling_params"]["max_tokens"], 9);
+        // A top-level start is not the generate endpoint's; a bad sampling_params is named.
+        let top = ClientBody::parse(br#"{"routed_experts_prompt_start":4}"#, Api::Generate);
+        assert_eq!(top.unwrap().start, None);
+        for bad in [
+            &br#"{"sampling_params":[1]}"#[..],
+            br#"{"sampling_params":{"routed_experts_prompt_start":-2}}"#,
+        ] {
+            let e = ClientBody::parse(bad, Api::Generate).unwrap_err();
+            assert_eq!((e.status, e.side), (400, "client"), "{e:?}");
+            assert!(e.param.is_some(), "{e:?}");
+        }
+        // Without sampling_params, prefill gets one holding its limit.
+        let bare = ClientBody::parse(br#"{"token_ids":[1]}"#, Api::Generate).unwrap();
+        assert_eq!(
+            json(&bare.prefill_request())["sampling_params"]["max_tokens"],
+            1
+        );
     }
 
     #[test]

@@ -27,6 +27,7 @@ use tokio::sync::watch;
 use super::config::Config;
 use super::exchange::{fault_response, json_response, response, Body, Proxy};
 use super::fault::{push_json_string, Fault};
+use super::request::Api;
 
 /// How a running server is asked to stop: `Graceful` drains (within the shutdown timeout),
 /// `Now` stops at once.
@@ -367,16 +368,11 @@ async fn route(proxy: Arc<Proxy>, req: Request<Incoming>, routes: Routes) -> Res
     let method = req.method().clone();
     // Exact routes: a path that merely ends like one (`/admin/v1/completions`,
     // `/etc/passwd/metrics`) is a 404, so an ingress's path rules cannot be walked around.
-    let completion = match path {
-        "/v1/completions" => Some("/v1/completions"),
-        "/v1/chat/completions" => Some("/v1/chat/completions"),
-        _ => None,
-    };
-    if let Some(endpoint) = completion.filter(|_| routes != Routes::Admin) {
+    if let Some((endpoint, api)) = Api::of(path).filter(|_| routes != Routes::Admin) {
         if method != Method::POST {
             return not_allowed(format!("{endpoint} takes POST"), "POST");
         }
-        return proxy.completion(req, endpoint).await;
+        return proxy.completion(req, endpoint, api).await;
     }
     let operator = matches!(path, "/health" | "/metrics");
     let known = match routes {

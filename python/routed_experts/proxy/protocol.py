@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 REQUEST_ID = "x-request-id"
 
 # What vLLM's disaggregated prefill expects: compute the prompt, keep the KV cache for a remote
