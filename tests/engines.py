@@ -94,6 +94,8 @@ class Engine:
         tokens = prompt_tokens(body)
         P, S = len(tokens), int(body.get("routed_experts_prompt_start", 0))
         kv = body.get("kv_transfer_params") or {}
+        if self.fmt == "vllm_021":
+            return self.split_body(tokens, body, chat, kv)
         if kv.get("do_remote_decode"):  # prefill: one token, rows [S, P)
             rows = truth(tokens, 1)[S:P]
             choice = {
@@ -151,6 +153,26 @@ class Engine:
                 "usage": {"prompt_tokens": P, "completion_tokens": G},
             }
         )
+
+    def split_body(self, tokens: list[int], body: dict[str, Any], chat: bool,
+                   kv: dict[str, Any]) -> Response:
+        """vLLM 0.21.0: the prompt's rows at the top (nested lists), each choice's generated
+        rows in the choice; a prefill (one token generated) has no generated row."""
+        P = len(tokens)
+        G = 1 if kv.get("do_remote_decode") else max_tokens(body)
+        full = truth(tokens, G)
+        prompt_rows = full[:P].copy()
+        if not kv.get("do_remote_decode"):
+            prompt_rows[:] = 0  # decode loaded the prompt's KV cache and ran none of it
+        generated = full[P:].tolist() or None
+        message = {"message": {"role": "assistant", "content": "x"}} if chat else {"text": "x"}
+        doc = {"id": "s", "object": "text_completion", "created": 1,
+               "prompt_routed_experts": prompt_rows.tolist(), "model": "moe",
+               "choices": [{"index": 0, **message, "finish_reason": "length",
+                            "routed_experts": generated}],
+               "usage": {"prompt_tokens": P, "completion_tokens": G, "total_tokens": P + G},
+               "kv_transfer_params": KV_PARAMS if kv.get("do_remote_decode") else None}
+        return JSONResponse(doc)
 
     async def generate(self, request: Request) -> Response:
         """vLLM's `/inference/v1/generate` (0.25+ shape): token ids in, the routing of each choice

@@ -94,6 +94,23 @@ def test_plain_requests_merge_to_the_truth(
         assert max_tokens(sent) == max_tokens(body)
 
 
+@pytest.mark.parametrize("stack", [{"fmt": "vllm_021"}], indirect=True, ids=["vllm_021"])
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_vllm_021_split_bodies_merge_through_the_proxy(stack: dict[str, Any], endpoint: str) -> None:
+    body = CHAT if "chat" in endpoint else COMPLETION
+    r = httpx.post(stack["url"] + endpoint, json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert rx.from_response(r.content) == expected(body)
+    doc = json.loads(r.content)
+    # The prompt rows are prefill's, written where vLLM 0.21 writes them.
+    P = len(prompt_tokens(body))
+    assert doc["prompt_routed_experts"] == truth(prompt_tokens(body), 1)[:P].tolist()
+    # A client start does not apply to this shape: refused, never a 200 with shifted rows.
+    r = httpx.post(stack["url"] + endpoint, json={**body, "routed_experts_prompt_start": 2},
+                   timeout=30)
+    assert r.status_code == 502 and "start" in r.text, r.text
+
+
 GENERATE = {"token_ids": list(range(3, 40)),
             "sampling_params": {"max_tokens": 9, "temperature": 0.0}}
 
