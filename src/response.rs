@@ -5,11 +5,14 @@ use std::borrow::Cow;
 use std::mem::MaybeUninit;
 
 use crate::b64;
+use crate::buffer::AlignedBytes;
 use crate::error::{Error, Result};
 use crate::formats::{self, Format, Hints};
 use crate::merge;
-use crate::payload::Payload;
+use crate::payload::{Payload, Shape};
 use crate::sidecar::{self, SidecarText};
+use crate::validate::{self, Suspect};
+use crate::with_element;
 
 use crate::body::{read_body, BodyRouting, Found};
 use crate::{coverage, split};
@@ -59,6 +62,76 @@ pub fn routing_rows(f: &Found, hints: &Hints, max_bytes: usize) -> Result<usize>
             .tokens),
         None => Ok(decode_found(f, hints, max_bytes)?.1.num_tokens()),
     }
+}
+
+/// Look at up to `sample` rows of a routing value, at positions from `from` on, for rows that
+/// look like an engine's fault ([`Suspect`]); also return where the value ends. A compact
+/// sidecar's sampled rows are decoded alone (a few hundred bytes each), other formats whole.
+pub fn suspect_rows(
+    f: &Found,
+    hints: &Hints,
+    max_bytes: usize,
+    from: u64,
+    sample: usize,
+) -> Result<(Suspect, u64)> {
+    let mut s = Suspect::default();
+    let Some(fields) = &f.fields else {
+        let (_, p) = decode_found(f, hints, max_bytes)?;
+        s.add_payload(&p, from, sample);
+        return Ok((s, p.stop()));
+    };
+    let text = sidecar::validate(fields.clone(), max_bytes)?;
+    let h = text.header;
+    let first = from.saturating_sub(h.start).min(h.shape.tokens as u64) as usize;
+    let row = h.row_bytes();
+    for t in validate::sample_rows(h.shape.tokens - first, sample) {
+        let t = first + t;
+        let bytes = b64::decode_range(&text.data, t * row, (t + 1) * row)?;
+        let one = Payload::new(
+            h.start + t as u64,
+            Shape {
+                tokens: 1,
+                ..h.shape
+            },
+            h.dtype,
+            AlignedBytes::from_slice(&bytes),
+        )?;
+        with_element!(h.dtype, T => s.add_row(one.values::<T>(), h.shape.top_k));
+    }
+    Ok((s, h.stop()))
+}
+
+/// Rows a router samples from each side of a merge that went through: up to `sample` a value,
+/// decode's from the end of prefill's rows on (its prompt rows are zeros by design). Values
+/// that cannot be read are skipped (the merge has read them all already).
+pub fn merge_suspects(
+    prefill: &[Found],
+    decode: &[Found],
+    opts: &MergeOptions,
+    sample: usize,
+) -> (Suspect, Suspect) {
+    let (mut p_seen, mut d_seen) = (Suspect::default(), Suspect::default());
+    let decode_hints = Hints {
+        start: opts.decode_start.or(opts.hints.start),
+        ..opts.hints
+    };
+    for d in decode {
+        let p = prefill
+            .iter()
+            .find(|p| p.index == d.index)
+            .or_else(|| one_choice(prefill));
+        let from = match p.map(|p| suspect_rows(p, &opts.hints, opts.max_bytes, 0, sample)) {
+            Some(Ok((seen, stop))) => {
+                p_seen.merge(seen);
+                stop
+            }
+            _ => 0,
+        };
+        if let Ok((seen, _)) = suspect_rows(d, &decode_hints, opts.max_bytes, from, sample) {
+            d_seen.merge(seen);
+        }
+    }
+    (p_seen, d_seen)
 }
 
 /// The routing of the choice whose index is `choice`, or `None` when it carries none. For
@@ -122,6 +195,8 @@ impl MergeOptions {
 pub struct Spliced<'a> {
     pieces: Vec<Piece<'a>>,
     merged: usize,
+    /// The decode body's routing values, as the merge found them.
+    decode: Vec<Found<'a>>,
 }
 
 /// One piece of a merged body.
@@ -189,7 +264,7 @@ impl Piece<'_> {
 /// enough to stay in L1 between the check and the copy).
 const CHECK_CHUNK: usize = 16 * 1024;
 
-impl Spliced<'_> {
+impl<'a> Spliced<'a> {
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.pieces.iter().map(Piece::len).sum()
@@ -219,6 +294,12 @@ impl Spliced<'_> {
     /// returned as it is).
     pub fn merged_values(&self) -> usize {
         self.merged
+    }
+
+    /// The decode body's routing values, as the merge found them (what [`suspect_rows`] looks
+    /// at on the decode side).
+    pub fn decode_values(&self) -> &[Found<'a>] {
+        &self.decode
     }
 
     /// The body as slices in order, its base64 text checked, nothing copied: each slice is
@@ -312,6 +393,7 @@ fn merge_pieces<'a>(
         return Ok(Spliced {
             pieces: vec![Piece::Copy(Cow::Borrowed(decode_body))],
             merged: 0,
+            decode: Vec::new(),
         });
     }
     let prefill = prefill_found()?;
@@ -331,7 +413,11 @@ fn merge_pieces<'a>(
             Piece::Copy(Cow::Borrowed(&prefill_body[plan.with])),
             Piece::Copy(Cow::Borrowed(&decode_body[plan.at.end..])),
         ];
-        return Ok(Spliced { pieces, merged: 1 });
+        return Ok(Spliced {
+            pieces,
+            merged: 1,
+            decode: decode.values,
+        });
     }
     let prefill = &prefill.values;
     let mut pieces = Vec::with_capacity(decode.values.len() * 6 + 1);
@@ -359,6 +445,7 @@ fn merge_pieces<'a>(
     Ok(Spliced {
         pieces,
         merged: decode.values.len(),
+        decode: decode.values,
     })
 }
 

@@ -162,10 +162,112 @@ fn scan<T: crate::Element>(p: &Payload, values: &[T], checks: &Checks) -> Report
     r
 }
 
+/// Rows of a sample that look like an engine's fault rather than routing: a row zero in every
+/// id (with top_k > 1, where a router never picks one expert twice: vLLM 0.26's monolithic
+/// FlashInfer kernels returned such rows, vLLM issue #54730), and a layer whose top_k holds an
+/// expert twice. A layer that is zero throughout is a layer with no router (the dense layers
+/// vLLM 0.22+ and SGLang count among their layers), not a duplicate; rows marked missing are
+/// data. For operators: counted, never refused.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Suspect {
+    /// Rows looked at.
+    pub checked: u64,
+    /// Of those, rows zero in every id.
+    pub zero_rows: u64,
+    /// Of those, rows with an expert twice in one layer's top_k.
+    pub duplicate_rows: u64,
+}
+
+impl Suspect {
+    /// Look at one token row of `top_k`-wide layer groups.
+    pub fn add_row<T: Element>(&mut self, row: &[T], top_k: usize) {
+        if top_k < 2 || row.is_empty() || is_missing(row) {
+            return;
+        }
+        self.checked += 1;
+        let zero = |g: &[T]| g.iter().all(|&v| Into::<i64>::into(v) == 0);
+        if zero(row) {
+            self.zero_rows += 1;
+            return;
+        }
+        let dup = row
+            .chunks_exact(top_k)
+            .any(|g| !zero(g) && (1..g.len()).any(|j| g[..j].contains(&g[j])));
+        if dup {
+            self.duplicate_rows += 1;
+        }
+    }
+
+    /// Up to `sample` rows of `p` at positions from `from` on, evenly spaced.
+    pub fn add_payload(&mut self, p: &Payload, from: u64, sample: usize) {
+        let (k, row) = (p.top_k(), p.num_layers() * p.top_k());
+        let first = from.saturating_sub(p.start()).min(p.num_tokens() as u64) as usize;
+        let rows = p.num_tokens() - first;
+        if row == 0 || rows == 0 || sample == 0 {
+            return;
+        }
+        with_element!(p.dtype(), T => {
+            let values = p.values::<T>();
+            for t in sample_rows(rows, sample) {
+                let t = first + t;
+                self.add_row(&values[t * row..(t + 1) * row], k);
+            }
+        });
+    }
+
+    /// Both counts added.
+    pub fn merge(&mut self, other: Suspect) {
+        self.checked += other.checked;
+        self.zero_rows += other.zero_rows;
+        self.duplicate_rows += other.duplicate_rows;
+    }
+}
+
+/// Up to `sample` of `0..rows`, evenly spaced, the last row among them.
+pub fn sample_rows(rows: usize, sample: usize) -> impl Iterator<Item = usize> {
+    let n = rows.min(sample);
+    (0..n).map(move |i| {
+        if n == rows {
+            i
+        } else {
+            (i * (rows - 1)) / (n - 1).max(1)
+        }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::payload::{DTypeChoice, Shape};
+
+    #[test]
+    fn suspect_rows_are_counted_and_dense_layers_are_not_duplicates() {
+        // Rows: real; zero throughout; a duplicate; a dense (zero) layer then a real one; missing.
+        let values = [
+            1, 2, 3, 4, 0, 0, 0, 0, 5, 5, 1, 2, 0, 0, 6, 7, -1, -1, -1, -1,
+        ];
+        let p = Payload::from_values(&values[..], Shape::new(5, 2, 2), 0, DTypeChoice::Compact)
+            .unwrap();
+        let mut s = Suspect::default();
+        s.add_payload(&p, 0, 100);
+        assert_eq!(
+            s,
+            Suspect {
+                checked: 4,
+                zero_rows: 1,
+                duplicate_rows: 1
+            }
+        );
+        let mut late = Suspect::default();
+        late.add_payload(&p, 2, 100);
+        assert_eq!(
+            (late.checked, late.zero_rows, late.duplicate_rows),
+            (2, 0, 1)
+        );
+        assert_eq!(sample_rows(10, 3).collect::<Vec<_>>(), vec![0, 4, 9]);
+        assert_eq!(sample_rows(2, 5).collect::<Vec<_>>(), vec![0, 1]);
+        assert_eq!(sample_rows(7, 1).collect::<Vec<_>>(), vec![0]);
+    }
 
     #[test]
     fn finds_each_failure() {

@@ -58,7 +58,9 @@ class Engine:
     fmt: str = "compact"  # "compact" sidecar or "vllm_npy"
     # "500", "400", "gap"; decode faults: "no_done" (stream cut short), "json_reply" (JSON to a
     # stream request), "sse_reply" (a stream to a plain one), "no_routing", "escaped_key";
-    # prefill fault: "array" (a JSON array body); either side: "hang" (never answers; records
+    # prefill fault: "array" (a JSON array body); either side: "zero_routes",
+    # "duplicate_routes" (what a broken engine sends: every id 0, an expert twice in a top_k);
+    # "hang" (never answers; records
     # the client's disconnect), "slow" (answers after `delay` seconds), "slow_stream" (a stream
     # that never ends, one event per 20 ms; records when the client goes), "flood_stream" (the
     # same, 64 KB comments as fast as they are read)
@@ -70,6 +72,11 @@ class Engine:
     health_checks: int = 0
 
     def routing(self, arr: np.ndarray, start: int) -> Any:
+        if self.fail == "zero_routes":  # a broken kernel: right shape, every id 0
+            arr = np.zeros_like(arr)
+        elif self.fail == "duplicate_routes":  # every top_k holds its first expert twice
+            arr = arr.copy()
+            arr[..., 1] = arr[..., 0]
         p = rx.RoutedExperts.from_array(arr, start=start, num_experts=EXPERTS)
         return rx.encode(p, self.fmt)
 

@@ -96,7 +96,9 @@ def test_plain_requests_merge_to_the_truth(
 
 @pytest.mark.parametrize("stack", [{"fmt": "vllm_021"}], indirect=True, ids=["vllm_021"])
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
-def test_vllm_021_split_bodies_merge_through_the_proxy(stack: dict[str, Any], endpoint: str) -> None:
+def test_vllm_021_split_bodies_merge_through_the_proxy(
+    stack: dict[str, Any], endpoint: str
+) -> None:
     body = CHAT if "chat" in endpoint else COMPLETION
     r = httpx.post(stack["url"] + endpoint, json=body, timeout=30)
     assert r.status_code == 200, r.text
@@ -132,7 +134,8 @@ def test_generate_endpoint_merges_plain_and_streamed(
         assert r.status_code == 200, r.text
         assert rx.from_response(r.content, start=start) == want
         doc = json.loads(r.content)
-        assert doc["usage"]["completion_tokens"] == 9 and doc["choices"][0]["token_ids"] == list(range(9))
+        assert doc["usage"]["completion_tokens"] == 9
+        assert doc["choices"][0]["token_ids"] == list(range(9))
     else:
         with httpx.stream("POST", url, json=body, timeout=30) as r:
             assert r.status_code == 200
@@ -151,7 +154,8 @@ def test_generate_endpoint_merges_plain_and_streamed(
     assert prefill["sampling_params"]["routed_experts_prompt_start"] == start
     assert prefill["kv_transfer_params"] == PREFILL_KV_TRANSFER_PARAMS
     decode = stack["decodes"][0].requests[0]
-    assert decode["sampling_params"]["max_tokens"] == 9 and decode["kv_transfer_params"] == KV_PARAMS
+    assert decode["sampling_params"]["max_tokens"] == 9
+    assert decode["kv_transfer_params"] == KV_PARAMS
 
 
 def test_merged_body_keeps_every_other_byte(stack: dict[str, Any]) -> None:

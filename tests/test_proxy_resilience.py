@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from engines import Engine, Server
+from engines import Engine, Server, max_tokens
 from test_proxy import COMPLETION, expected
 
 import routed_experts as rx
@@ -299,6 +299,42 @@ def test_metrics_and_one_log_line_per_request(caplog: pytest.LogCaptureFixture) 
     line = lines[0]
     for part in ("status=200", "side=none", "prefill_ms=", "decode_ms=", "merge_ms=", "total_ms="):
         assert part in line
+
+
+def _rows(text: str, name: str, **labels: str) -> float:
+    """The value of the metric line `name` whose labels include `labels`."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} with {labels}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_routing_a_broken_engine_sends_is_counted_per_upstream(stream: bool) -> None:
+    good, zero, dup = Engine(), Engine(fail="zero_routes"), Engine(fail="duplicate_routes")
+    servers = [Server(e.app()) for e in (good, zero, dup)]
+    with contextlib.ExitStack() as es:
+        for s in servers:
+            es.enter_context(s)
+        g, z, d = (s.url for s in servers)
+        for prefill, decode in ((g, g), (g, z), (g, d)):
+            proxy = es.enter_context(Server(create_app([prefill], [decode], read_timeout=10)))
+            body = {**COMPLETION, "stream": stream}
+            with httpx.stream("POST", proxy.url + "/v1/completions", json=body, timeout=30) as r:
+                assert r.status_code == 200
+                r.read()
+            text = httpx.get(proxy.url + "/metrics", timeout=10).text
+            name = "routed_experts_proxy_suspect_routing_rows_total"
+            checked = _rows(text, "routed_experts_proxy_routing_rows_checked_total",
+                            side="decode", upstream=decode)
+            # Decode's rows from the end of prefill's on: its generated rows (9 - 1 here).
+            assert checked == max_tokens(COMPLETION) - 1
+            assert _rows(text, "routed_experts_proxy_routing_rows_checked_total",
+                         side="prefill", upstream=prefill) > 0
+            assert _rows(text, name, side="prefill", kind="zero") == 0
+            zeros = _rows(text, name, side="decode", kind="zero", upstream=decode)
+            dups = _rows(text, name, side="decode", kind="duplicate", upstream=decode)
+            assert (zeros, dups) == {g: (0, 0), z: (checked, 0), d: (0, checked)}[decode]
 
 
 def test_unknown_routes_and_methods() -> None:

@@ -92,7 +92,8 @@ def test_vllm_028_prompt_start_is_needed_and_checked_against_usage() -> None:
     body = json.dumps(vllm_022_completion(npy_b64(ROWS[1:].astype(np.uint8))))
     assert same(rx.from_response(body, start=1), ROWS[1:], start=1)
     # Without the start the counts say where the rows end, and so which start fits.
-    with pytest.raises(rx.PayloadError, match=r"holds 3 rows from position 0.*pass that start \(1\)"):
+    fits = r"holds 3 rows from position 0.*pass that start \(1\)"
+    with pytest.raises(rx.PayloadError, match=fits):
         rx.from_response(body)
     with pytest.raises(rx.PayloadError, match="contradict the body's token counts"):
         rx.from_response(body, start=2)

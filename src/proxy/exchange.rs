@@ -23,10 +23,10 @@ use super::metrics::Metrics;
 use super::parts::{shared_slices, PartsBody};
 use super::pool::{Lease, Outcome, Pool, Side};
 use super::request::{acceptable_request_id, Api, ClientBody};
-use super::stream::{StreamError, StreamMerger};
+use super::stream::{StreamError, StreamMerger, SAMPLE_ROWS};
 use super::upstream::{CallError, Upstreams};
 use crate::body::{read_prefill, PrefillBody};
-use crate::response::{merge_response_found, routing_rows, MergeOptions};
+use crate::response::{merge_response_found, merge_suspects, routing_rows, MergeOptions};
 use crate::{Error, Hints};
 
 /// The body of every response the proxy sends.
@@ -566,9 +566,25 @@ impl Call {
                 ..self.merge_options(body.start)
             };
             let spliced = merge_response_found(&prefill_body, &read.routing, &decode_body, opts)?;
-            shared_slices(&spliced, &[&prefill_body, &decode_body])
+            let seen = merge_suspects(
+                &read.routing.values,
+                spliced.decode_values(),
+                &opts,
+                SAMPLE_ROWS,
+            );
+            Ok((
+                shared_slices(&spliced, &[&prefill_body, &decode_body])?,
+                seen,
+            ))
         })
         .map_err(merge_fault)?;
+        let (parts, (prefill_seen, decode_seen)) = parts;
+        proxy
+            .metrics
+            .routing_rows("prefill", &ex.prefill, prefill_seen);
+        proxy
+            .metrics
+            .routing_rows("decode", &ex.decode, decode_seen);
         ex.seconds[2] = began.elapsed().as_secs_f64();
         let len = parts.iter().map(Bytes::len).sum();
         proxy.metrics.merged(len);
@@ -954,6 +970,10 @@ impl Relay<'_> {
         };
         drop(body); // closes the upstream connection if the stream did not end
         self.proxy.metrics.merged(self.merger.merged_bytes);
+        let (prefill_seen, decode_seen) = self.merger.suspects;
+        let metrics = &self.proxy.metrics;
+        metrics.routing_rows("prefill", &self.record.prefill, prefill_seen);
+        metrics.routing_rows("decode", &self.url, decode_seen);
         if let Some(fault) = tail {
             log::warn!(target: "routed_experts::proxy", "{} {} stream {}: {}",
                 self.record.request_id, self.record.endpoint, fault.side, fault.message);

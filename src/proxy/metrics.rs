@@ -6,6 +6,8 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Mutex;
 
+use crate::validate::Suspect;
+
 /// Seconds: from a fast merge (a millisecond) to a long generation (ten minutes).
 const BUCKETS: [f64; 17] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -33,6 +35,7 @@ pub struct Metrics {
     rejected: Mutex<BTreeMap<&'static str, u64>>,
     upstream_healthy: Mutex<BTreeMap<(&'static str, String), bool>>,
     upstream_failures: Mutex<BTreeMap<(&'static str, String), u64>>,
+    routing_rows: Mutex<BTreeMap<(&'static str, String), Suspect>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -102,6 +105,16 @@ impl Metrics {
         *lock(&self.upstream_failures)
             .entry((side, url.to_string()))
             .or_default() += 1;
+    }
+
+    /// Rows sampled from an upstream's routing, and those that look like an engine's fault.
+    pub fn routing_rows(&self, side: &'static str, url: &str, seen: Suspect) {
+        if seen.checked > 0 {
+            lock(&self.routing_rows)
+                .entry((side, url.to_string()))
+                .or_default()
+                .merge(seen);
+        }
     }
 
     /// The text exposition format.
@@ -204,6 +217,39 @@ impl Metrics {
                 "routed_experts_proxy_upstream_healthy{{side=\"{side}\",upstream=\"{url}\"}} {v}"
             );
         }
+        head(
+            &mut o,
+            "routed_experts_proxy_routing_rows_checked_total",
+            "counter",
+            "Routing rows sampled from each upstream's replies (up to 64 a value; decode's from \
+             the end of prefill's rows on) for the marks of a broken engine",
+        );
+        let rows = lock(&self.routing_rows);
+        for ((side, url), seen) in rows.iter() {
+            let _ = writeln!(
+                o,
+                "routed_experts_proxy_routing_rows_checked_total{{side=\"{side}\",upstream=\"{url}\"}} {}",
+                num(seen.checked as f64)
+            );
+        }
+        head(
+            &mut o,
+            "routed_experts_proxy_suspect_routing_rows_total",
+            "counter",
+            "Of the rows sampled, those zero in every id (kind zero) or with an expert twice in \
+             one layer's top_k (kind duplicate): routing no router made",
+        );
+        for ((side, url), seen) in rows.iter() {
+            for (kind, n) in [("duplicate", seen.duplicate_rows), ("zero", seen.zero_rows)] {
+                let _ = writeln!(
+                    o,
+                    "routed_experts_proxy_suspect_routing_rows_total{{kind=\"{kind}\",side=\"{side}\",\
+                     upstream=\"{url}\"}} {}",
+                    num(n as f64)
+                );
+            }
+        }
+        drop(rows);
         head(
             &mut o,
             "routed_experts_proxy_upstream_failures_total",

@@ -6,8 +6,11 @@ use bytes::Bytes;
 use memchr::memmem;
 
 use super::parts::shared_slices;
-use crate::body::BodyRouting;
-use crate::response::{merge_response_found, merge_response_pieces, MergeOptions, Spliced};
+use crate::body::{BodyRouting, Found};
+use crate::response::{
+    merge_response_found, merge_response_pieces, merge_suspects, MergeOptions, Spliced,
+};
+use crate::validate::Suspect;
 
 /// Why a stream cannot be relayed to its end.
 #[derive(Debug)]
@@ -33,8 +36,14 @@ pub struct StreamMerger<'a> {
     pub merged: bool,
     /// Bytes of merged events.
     pub merged_bytes: usize,
+    /// Rows sampled from the merged routing, prefill's and decode's (see
+    /// [`merge_suspects`](crate::response::merge_suspects)).
+    pub suspects: (Suspect, Suspect),
     done: bool,
 }
+
+/// Routing rows a merge samples from each value for the marks of a broken engine.
+pub const SAMPLE_ROWS: usize = 64;
 
 /// The prefill body a merger merges with: borrowed with its routing already found (the
 /// proxy's case: the body is walked once), or owned (its routing found at each merge).
@@ -48,6 +57,17 @@ impl Prefill<'_> {
         match self {
             Prefill::Found(b, _) => b,
             Prefill::Owned(b) => b,
+        }
+    }
+
+    /// Rows sampled from both sides of a merge with `decode`'s values.
+    fn suspects(&self, decode: &[Found], opts: &MergeOptions) -> (Suspect, Suspect) {
+        match self {
+            Prefill::Found(_, found) => merge_suspects(&found.values, decode, opts, SAMPLE_ROWS),
+            Prefill::Owned(body) => match crate::read_body(body) {
+                Ok(found) => merge_suspects(&found.values, decode, opts, SAMPLE_ROWS),
+                Err(_) => Default::default(),
+            },
         }
     }
 
@@ -103,6 +123,7 @@ impl<'a> StreamMerger<'a> {
             partial_len: 0,
             merged: false,
             merged_bytes: 0,
+            suspects: Default::default(),
             done: false,
         }
     }
@@ -238,6 +259,9 @@ impl<'a> StreamMerger<'a> {
         if spliced.merged_values() > 0 {
             self.merged = true;
             self.merged_bytes += spliced.len();
+            let seen = self.prefill.suspects(spliced.decode_values(), &self.opts);
+            self.suspects.0.merge(seen.0);
+            self.suspects.1.merge(seen.1);
         }
         out.push(Bytes::from_static(b"data: "));
         out.extend(parts);
