@@ -140,7 +140,11 @@ fn scan<T: crate::Element>(p: &Payload, values: &[T], checks: &Checks) -> Report
                     r.first_out_of_range.get_or_insert((pos, layer, v));
                 }
             }
-            if checks.duplicates {
+            // A layer zero throughout has no router (vLLM 0.22+ and SGLang count dense layers
+            // among their layers and leave them zero): not a duplicate; a row zero throughout
+            // is the zero-row check's.
+            let no_router = group.iter().all(|&v| Into::<i64>::into(v) == 0);
+            if checks.duplicates && !no_router {
                 // top_k is small (8 in practice): pairwise comparison beats hashing.
                 let dup = (1..group.len()).find_map(|j| {
                     group[..j]
@@ -283,8 +287,9 @@ mod tests {
         let r = report(&p, &all);
         assert_eq!(r.out_of_range, 1);
         assert_eq!(r.first_out_of_range, Some((12, 1, 9)));
-        assert_eq!(r.duplicates, 3); // (11, 0), (11, 1), (12, 0)
-        assert_eq!(r.first_duplicate, Some((11, 0, 0)));
+        // (12, 0); the zero layers of position 11 have no router, and its row is a zero row.
+        assert_eq!(r.duplicates, 1);
+        assert_eq!(r.first_duplicate, Some((12, 0, 5)));
         assert_eq!((r.zero_rows, r.first_zero_row), (1, Some(11)));
         assert!(validate(&p, &Checks::default()).is_ok());
     }
