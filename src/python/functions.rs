@@ -60,9 +60,12 @@ fn hints(
 
 /// The routing of the choice whose `index` is `choice` in a response body, or None when that
 /// choice carries none. Only the routing value is decoded; the rest of the body is skipped.
-/// Routing is found at `choices[i].routed_experts`, `choices[i].sgl_ext.routed_experts`,
-/// `meta_info.routed_experts` and `nvext.routed_experts`, in any format `decode` reads; the
-/// hints supply what a format does not carry.
+/// Routing is found where each producer puts it (format.md §3.2: `choices[i].routed_experts`,
+/// `choices[i].message`, `choices[i].meta_info`, `sglext`, `meta_info`, `nvext`), in the formats
+/// written there; for vLLM 0.21's split shape, the whole sequence (top-level
+/// `prompt_routed_experts`, then the choice's rows). The rows are checked against the body's
+/// token counts (format.md §3.3), and a routing-like key anywhere else is a PayloadError naming
+/// its path. The hints supply what a format does not carry.
 #[pyfunction]
 #[pyo3(signature = (body, choice = 0, *, start = None, num_layers = None, top_k = None, dtype = None, max_bytes = None))]
 #[allow(clippy::too_many_arguments)]
