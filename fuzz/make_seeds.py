@@ -71,3 +71,44 @@ put("quality", bytes([0x09, 0x00, 0x22, 2, 200, 1, 1, 4, 5, 3, 4, 1, 1]))  # mis
 put("quality", bytes([0x0A, 0x00, 0x11, 3, 9, 3, 3, 4, 4, 3, 4, 4, 3]))  # repeats, past masks
 put("quality", bytes([0x0A, 0x00, 0x11, 8, 2, 3, 4, 5, 6, 3, 4, 5, 6]))  # a huge num_experts
 put("quality", bytes([0x1A, 0x00, 0x11, 4, 9, 3, 4, 0, 6, 3, 4, 5, 6]))  # layers differ
+# The release matrix's shapes (docs/format.md §3.5): vLLM 0.21's split lists, vLLM 0.22+ .npy with
+# token counts, a generate stream's routing event, SGLang's echo pair, NeMo-RL's filler, Dynamo's
+# engine_data, weights, base85 and omni-npu values.
+rows = np.array([[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[1, 0], [3, 2]], [[5, 4], [7, 6]]])
+usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+npy = base64.b64encode(npy_file(rows.astype(np.uint8))).decode()
+flat = base64.b64encode(rows.astype("<i4").tobytes()).decode()
+split_prefill = {"prompt_routed_experts": rows[:3].tolist(),
+                 "choices": [{"index": 0, "routed_experts": None}],
+                 "usage": dict(usage, completion_tokens=1)}
+split_decode = {"prompt_routed_experts": np.zeros((3, 2, 2), int).tolist(),
+                "choices": [{"index": 0, "routed_experts": rows[3:].tolist()}], "usage": usage}
+releases = [
+    split_decode,
+    {"choices": [{"index": 0, "token_ids": None, "routed_experts": npy}], "usage": usage},
+    {"request_id": "g", "choices": [{"index": 0, "token_ids": [12], "routed_experts": npy}],
+     "usage": None},
+    {"choices": [{"index": 0, "meta_info": {"prompt_tokens": 3, "completion_tokens": 2,
+                                            "routed_experts": flat}}],
+     "sglext": {"routed_experts": flat}},
+    {"choices": [{"index": 0, "message": {"routed_experts": "nrlre1:int8:5x2x2:" + base64.b64encode(
+        np.concatenate([rows, [[[0, 1], [0, 1]]]]).astype(np.int8).tobytes()).decode()}}],
+     "usage": usage},
+    {"nvext": {"engine_data": {"routed_experts": {"data": "AAECAwQFBgcBAAMCBQQHBg==",
+                                                  "shape": [4, 2, 2]}}}},
+    {"choices": [{"index": 0, "routed_experts": {"data": "AAECAw==", "shape": [1, 2, 2]},
+                  "routed_expert_weights": {"data": "AAAA"}}]},
+    {"choices": [{"index": 0, "routed_experts": {
+        "data": base64.b85encode(rows.astype(np.int32).tobytes()).decode(), "shape": [4, 2, 2]}}]},
+    {"choices": [{"index": 0, "routed_experts": {"routed_experts_shape": [4, 2, 2],
+                                                 "routed_experts_str": "AAECAw=="}}]},
+    {"meta_info": {"routed_experts": [], "prompt_tokens": 3, "completion_tokens": 2}},
+]
+for doc in releases:
+    put("response", b"\x06" + json.dumps(doc).encode())
+put("merge_response", json.dumps(split_prefill).encode() + b"\xff" + json.dumps(split_decode).encode())
+put("merge_response", json.dumps(releases[3]).encode() + b"\xff" + json.dumps(releases[3]).encode())
+put("formats", b"\x00" + json.dumps(rows.tolist()).encode())
+# The proxy's client bodies: a generate request (limits in sampling_params).
+put("proxy", json.dumps({"token_ids": [1, 2, 3], "stream": True, "sampling_params": {
+    "max_tokens": 9, "min_tokens": 2, "routed_experts_prompt_start": 1}}).encode())
