@@ -4,6 +4,7 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use routed_experts::formats::{self, Format};
 use routed_experts::response::{self, MergeOptions};
 use routed_experts::trajectory::{Overlap, Trajectory};
 use routed_experts::{limits, sidecar, DTypeChoice, Payload, Shape};
@@ -32,6 +33,18 @@ fn body(p: &Payload) -> Vec<u8> {
     out
 }
 
+/// A vLLM 0.22+ body: the routing as a base64 `.npy`, and the token counts its rows are checked
+/// against (format.md §3.3): rows `[0, prompt + generated - 1)`.
+fn npy_body(p: &Payload, prompt: usize, generated: usize) -> Vec<u8> {
+    let mut out = br#"{"id":"cmpl-1","choices":[{"index":0,"text":"x","routed_experts":""#.to_vec();
+    out.extend_from_slice(&formats::encode(p, Format::VllmNpy).unwrap());
+    out.extend_from_slice(
+        format!(r#""}}],"usage":{{"prompt_tokens":{prompt},"completion_tokens":{generated}}}}}"#)
+            .as_bytes(),
+    );
+    out
+}
+
 fn codec(c: &mut Criterion) {
     let p = rollout(TOKENS, 94, 8, 128);
     let wire = sidecar::encode(&p);
@@ -51,6 +64,10 @@ fn codec(c: &mut Criterion) {
             response::from_response(black_box(&decode_body), 0, &Default::default(), LIMIT).unwrap()
         })
     });
+    let npy = npy_body(&p, TOKENS * 3 / 4, TOKENS / 4 + 1);
+    g.bench_function("from_response_npy_counted", |b| {
+        b.iter(|| response::from_response(black_box(&npy), 0, &Default::default(), LIMIT).unwrap())
+    });
     g.finish();
 }
 
@@ -67,7 +84,8 @@ fn merge(c: &mut Criterion) {
         p.dtype(),
         routed_experts::AlignedBytes::from_slice(&zeroed),
     );
-    let decode_body = body(&decoded.unwrap());
+    let decoded = decoded.unwrap();
+    let decode_body = body(&decoded);
     let mut g = c.benchmark_group("merge-qwen3-235b-32k-prompt-3/4");
     g.throughput(Throughput::Bytes(decode_body.len() as u64));
     g.sample_size(10);
@@ -88,6 +106,15 @@ fn merge(c: &mut Criterion) {
             })
         });
     }
+    // vLLM 0.22+ halves (a prefill half generated one token), their rows checked against usage.
+    let prefill_npy = npy_body(&p.slice(0, prompt as u64).unwrap(), prompt, 1);
+    let decode_npy = npy_body(&decoded, prompt, TOKENS - prompt + 1);
+    g.bench_function("merge_response_npy_counted", |b| {
+        b.iter(|| {
+            let opts = MergeOptions::new(LIMIT);
+            response::merge_response(black_box(&prefill_npy), black_box(&decode_npy), opts).unwrap()
+        })
+    });
     g.finish();
 }
 

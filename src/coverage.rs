@@ -43,10 +43,18 @@ impl Rule {
 /// A NeMo-RL value without its filler last row, so that it covers what every other producer's
 /// does (`[0, P + G - 1)`) and a prefill half's filler never stands in for decode's real row.
 pub fn without_filler(format: Format, p: Payload) -> Result<Payload> {
-    match Rule::of(format) {
-        Rule::WholeWithFiller if p.num_tokens() > 0 => p.slice(p.start(), p.stop() - 1),
-        _ => Ok(p),
+    if Rule::of(format) != Rule::WholeWithFiller || p.num_tokens() == 0 {
+        return Ok(p);
     }
+    // The buffer is cut in place: no copy of the rows kept.
+    let (start, dtype) = (p.start(), p.dtype());
+    let shape = Shape {
+        tokens: p.num_tokens() - 1,
+        ..p.shape()
+    };
+    let mut data = p.into_data();
+    data.truncate(shape.nbytes(dtype)?);
+    Payload::new(start, shape, dtype, data)
 }
 
 /// The filler row put back after `p`, for a merged value written in NeMo-RL's own shape.
