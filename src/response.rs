@@ -9,7 +9,8 @@ use crate::buffer::AlignedBytes;
 use crate::error::{Error, Result};
 use crate::formats::{self, Format, Hints};
 use crate::merge;
-use crate::payload::{Payload, Shape};
+use crate::npy;
+use crate::payload::{Header, Payload, Shape};
 use crate::sidecar::{self, SidecarText};
 use crate::validate::{self, Suspect};
 use crate::with_element;
@@ -74,19 +75,28 @@ pub fn suspect_rows(
     from: u64,
     sample: usize,
 ) -> Result<(Suspect, u64)> {
-    let mut s = Suspect::default();
-    let Some(fields) = &f.fields else {
-        let (_, p) = decode_found(f, hints, max_bytes)?;
-        s.add_payload(&p, from, sample);
-        return Ok((s, p.stop()));
+    let (text, h, offset) = match &f.fields {
+        Some(fields) => {
+            let text = sidecar::validate(fields.clone(), max_bytes)?;
+            (text.data, text.header, 0)
+        }
+        None => match npy_header(f, hints)? {
+            Some((text, h, offset)) => (Cow::Borrowed(text), h, offset),
+            None => {
+                let (_, p) = decode_found(f, hints, max_bytes)?;
+                let mut s = Suspect::default();
+                s.add_payload(&p, from, sample);
+                return Ok((s, p.stop()));
+            }
+        },
     };
-    let text = sidecar::validate(fields.clone(), max_bytes)?;
-    let h = text.header;
+    let mut s = Suspect::default();
     let first = from.saturating_sub(h.start).min(h.shape.tokens as u64) as usize;
     let row = h.row_bytes();
     for t in validate::sample_rows(h.shape.tokens - first, sample) {
         let t = first + t;
-        let bytes = b64::decode_range(&text.data, t * row, (t + 1) * row)?;
+        let at = offset + t * row;
+        let bytes = b64::decode_range(&text, at, at + row)?;
         let one = Payload::new(
             h.start + t as u64,
             Shape {
@@ -99,6 +109,46 @@ pub fn suspect_rows(
         with_element!(h.dtype, T => s.add_row(one.values::<T>(), h.shape.top_k));
     }
     Ok((s, h.stop()))
+}
+
+/// A vLLM `.npy` value's base64 text, header and data offset, read from its first groups alone
+/// (`None` for other formats, or text with escapes, which are decoded whole instead).
+fn npy_header<'t>(f: &Found<'t>, hints: &Hints) -> Result<Option<(&'t [u8], Header, usize)>> {
+    let Some(text) = f
+        .text
+        .strip_prefix(b"\"")
+        .and_then(|t| t.strip_suffix(b"\""))
+    else {
+        return Ok(None);
+    };
+    if !text.starts_with(formats::NPY_B64_PREFIX) || text.len() < 16 {
+        return Ok(None);
+    }
+    // Escaped text (legal JSON, never what vLLM writes) fails to decode here: decoded whole.
+    let Ok(total) = b64::decoded_len(text, "vllm_npy") else {
+        return Ok(None);
+    };
+    let Ok(fixed) = b64::decode_range(text, 0, total.min(12)) else {
+        return Ok(None);
+    };
+    let len = match fixed.get(6..12) {
+        Some([1, 0, a, b, ..]) => 10 + u16::from_le_bytes([*a, *b]) as usize,
+        Some([_, _, a, b, c, d]) => 12 + u32::from_le_bytes([*a, *b, *c, *d]) as usize,
+        _ => return Ok(None),
+    };
+    let Ok(head) = b64::decode_range(text, 0, total.min(len)) else {
+        return Ok(None);
+    };
+    let head = npy::parse_header(&head)?;
+    if total.checked_sub(head.data_offset) != Some(head.shape.nbytes(head.dtype)?) {
+        return Ok(None); // the whole decode says what is wrong
+    }
+    let start = hints.start.unwrap_or(0);
+    Ok(Some((
+        text,
+        Header::new(start, head.shape, head.dtype)?,
+        head.data_offset,
+    )))
 }
 
 /// Rows a router samples from each side of a merge that went through: up to `sample` a value,
@@ -608,6 +658,7 @@ fn checked_copy<'a>(
 mod tests {
     use super::*;
     use crate::body::{find_routing, read_prefill};
+    use crate::dtype::DType;
     use crate::limits::DEFAULT_MAX_BYTES;
 
     const OPTS: MergeOptions = MergeOptions {
@@ -696,6 +747,50 @@ mod tests {
         let bad = br#"{"choices":[{"routed_experts":{"data":"CgsU","shape":[3,1,2]}}]}"#;
         let p = read_prefill(bad).unwrap();
         assert!(routing_rows(&p.routing.values[0], &Hints::default(), DEFAULT_MAX_BYTES).is_err());
+    }
+
+    #[test]
+    fn suspect_rows_sampled_from_text_match_the_decoded_payload() {
+        use crate::payload::DTypeChoice;
+        // 40 rows of 3 layers x top_k 2: every 7th zero throughout, every 5th a duplicate.
+        let values: Vec<i64> = (0..40 * 6)
+            .map(|i| {
+                let (t, j) = (i / 6, i % 6);
+                match () {
+                    _ if t % 7 == 3 => 0,
+                    _ if t % 5 == 1 && j % 2 == 1 => ((i - 1) % 50 + 1) as i64,
+                    _ => (i % 50 + 1) as i64,
+                }
+            })
+            .collect();
+        let p = Payload::from_values(
+            &values,
+            Shape::new(40, 3, 2),
+            4,
+            DTypeChoice::Exact(DType::U16),
+        )
+        .unwrap();
+        let hints = Hints {
+            start: Some(4),
+            ..Hints::default()
+        };
+        for format in [Format::Compact, Format::VllmNpy, Format::Lists] {
+            let value = formats::encode_json(&p, format).unwrap();
+            let text = format!(
+                r#"{{"choices":[{{"index":0,"routed_experts":{}}}]}}"#,
+                String::from_utf8(value).unwrap()
+            );
+            let found = find_routing(text.as_bytes()).unwrap();
+            for (from, sample) in [(0, 64), (10, 7), (30, 1000), (99, 5)] {
+                let mut want = Suspect::default();
+                want.add_payload(&p, from, sample);
+                if from == 0 {
+                    assert!(want.zero_rows > 0 && want.duplicate_rows > 0, "{want:?}");
+                }
+                let got = suspect_rows(&found[0], &hints, DEFAULT_MAX_BYTES, from, sample).unwrap();
+                assert_eq!(got, (want, 44), "{format:?} from {from}, sample {sample}");
+            }
+        }
     }
 
     #[test]
