@@ -112,6 +112,13 @@ pub fn response(data: &[u8]) {
     for f in &found {
         assert_eq!(&body[f.span.clone()], f.text);
         let _ = response::from_response(body, f.index, &hints(flags), LIMIT);
+        // The proxy's sampled look at a value agrees with a look at the decoded payload.
+        let sampled = response::suspect_rows(f, &hints(flags), LIMIT, 1, 5);
+        if let Ok((_, whole)) = response::decode_found(f, &hints(flags), LIMIT) {
+            let mut want = routed_experts::validate::Suspect::default();
+            want.add_payload(&whole, 1, 5);
+            assert_eq!(sampled, Ok((want, whole.stop())), "sampled rows differ");
+        }
     }
     // The proxy's reader: the same routing, and kv_transfer_params as a piece of the body
     // (it refuses only what find_routing takes but is ambiguous: the key twice).
