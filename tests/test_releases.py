@@ -535,3 +535,23 @@ def test_routing_weights_are_read_past_but_never_merged() -> None:
     for pair in ((body, plain), (plain, body), (body, body)):
         with pytest.raises(rx.MergeError, match="routed_expert_weights.*not merged"):
             rx.merge_response(json.dumps(pair[0]), json.dumps(pair[1]))
+
+
+def test_vllm_021_turns_stitch_into_one_trajectory() -> None:
+    rng = np.random.default_rng(5)
+    truth = rng.integers(1, 60, size=(10, 2, 2))
+    # Turn 1: a prompt of 3, 2 generated: rows [0, 4). Turn 2 resends those 5 tokens and 2 more,
+    # the first 4 from the prefix cache (zeros in vLLM 0.21), and generates 4: rows [0, 10).
+    turn1 = vllm_021_completion(truth[:3].tolist(), truth[3:4].tolist())
+    cached = np.zeros_like(truth[:4])
+    turn2 = vllm_021_completion(np.concatenate([cached, truth[4:7]]).tolist(),
+                                truth[7:10].tolist(), completion=4) | {"usage": usage(7, 4)}
+    t = rx.Trajectory()
+    for body in (turn1, turn2):
+        got = rx.from_response(json.dumps(body))
+        assert got is not None
+        t.append(got, overlap="keep")
+    assert np.array_equal(t.payload.array, truth)
+    # The cached rows are missing, never zeros that a check would compare as routing.
+    second = rx.from_response(json.dumps(turn2))
+    assert second is not None and (second.array[:4] == -1).all()
