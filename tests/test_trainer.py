@@ -135,15 +135,21 @@ def test_validate_names_the_first_offending_position_and_layer() -> None:
     negative = sample([[[-1, 2]]])
     with pytest.raises(rx.PayloadError, match="non-negative ids, got -1 at position 0, layer 0"):
         negative.validate()
+    # A zero row is counted as one, its layers not as duplicates.
     report = zero.validation_report()
     assert report == {
         "ok": False,
         "out_of_range": 0,
         "first_out_of_range": None,
-        "duplicates": 1,
-        "first_duplicate": (1, 0, 0),
+        "duplicates": 0,
+        "first_duplicate": None,
         "zero_rows": 1,
         "first_zero_row": 1,
         "missing_rows": 0,
         "first_missing_row": None,
     }
+    # A layer zero throughout is a dense layer (vLLM 0.22+ and SGLang count them): no router,
+    # so neither a duplicate nor, beside routed layers, a zero row.
+    dense = sample([[[0, 0], [3, 5]], [[0, 0], [6, 1]]])
+    dense.validate()
+    assert dense.validation_report()["ok"] is True
