@@ -3,7 +3,7 @@
 //! tokens, or a start that its counts contradict, is refused, never read as routing of other
 //! positions.
 
-use crate::body::Counts;
+use crate::body::{Counts, Place};
 use crate::error::{Error, Result};
 use crate::formats::Format;
 use crate::merge;
@@ -17,7 +17,7 @@ pub enum Rule {
     /// SGLang's flat values). The start is not in the value: the counts fix where it ends.
     EndsBeforeLastToken,
     /// Rows `[0, P + G)`, the last a filler (`0, 1, ..., top_k - 1` in every layer), not
-    /// routing: NeMo-RL's `nrlre1` strings.
+    /// routing: NeMo-RL's values (`nrlre1` strings, nested lists before its PR #3292).
     WholeWithFiller,
     /// Rows from 0, ending anywhere up to `P + G` (lmdeploy's nested lists drop the last row
     /// after a stop string).
@@ -29,21 +29,23 @@ pub enum Rule {
 }
 
 impl Rule {
-    /// The rule of a format.
-    pub fn of(format: Format) -> Rule {
+    /// The rule of a value in `format` found at `place`: who wrote it decides (NeMo-RL writes
+    /// its filler row in either of its formats, at its own place).
+    pub fn of(format: Format, place: Place) -> Rule {
         match format {
-            Format::VllmNpy | Format::Sglang => Rule::EndsBeforeLastToken,
-            Format::Nemo => Rule::WholeWithFiller,
-            Format::Lists => Rule::FromZero,
             Format::Compact => Rule::SelfPlaced,
+            Format::Nemo => Rule::WholeWithFiller,
+            Format::Lists if place == Place::Message => Rule::WholeWithFiller,
+            Format::Lists => Rule::FromZero,
+            Format::VllmNpy | Format::Sglang => Rule::EndsBeforeLastToken,
         }
     }
 }
 
 /// A NeMo-RL value without its filler last row, so that it covers what every other producer's
 /// does (`[0, P + G - 1)`) and a prefill half's filler never stands in for decode's real row.
-pub fn without_filler(format: Format, p: Payload) -> Result<Payload> {
-    if Rule::of(format) != Rule::WholeWithFiller || p.num_tokens() == 0 {
+pub fn without_filler(rule: Rule, p: Payload) -> Result<Payload> {
+    if rule != Rule::WholeWithFiller || p.num_tokens() == 0 {
         return Ok(p);
     }
     // The buffer is cut in place: no copy of the rows kept.
@@ -58,8 +60,8 @@ pub fn without_filler(format: Format, p: Payload) -> Result<Payload> {
 }
 
 /// The filler row put back after `p`, for a merged value written in NeMo-RL's own shape.
-pub fn with_filler(format: Format, p: Payload) -> Result<Payload> {
-    if Rule::of(format) != Rule::WholeWithFiller {
+pub fn with_filler(rule: Rule, p: Payload) -> Result<Payload> {
+    if rule != Rule::WholeWithFiller {
         return Ok(p);
     }
     let (layers, top_k) = (p.num_layers(), p.top_k());
@@ -77,7 +79,13 @@ pub fn with_filler(format: Format, p: Payload) -> Result<Payload> {
 /// states both the prompt's and the generated length. `start_given` says whether the start came
 /// from the caller (else it was taken as 0, and a value that ends early is a start the caller
 /// did not pass).
-pub fn check(format: Format, header: &Header, counts: &Counts, start_given: bool) -> Result<()> {
+pub fn check(
+    rule: Rule,
+    format: Format,
+    header: &Header,
+    counts: &Counts,
+    start_given: bool,
+) -> Result<()> {
     let (Some((prompt, prompt_at)), Some((generated, generated_at))) =
         (counts.prompt, counts.generated)
     else {
@@ -96,7 +104,7 @@ pub fn check(format: Format, header: &Header, counts: &Counts, start_given: bool
              from position {start}, so they end at {stop}, but {said}, so {expected}"
         ))
     };
-    match Rule::of(format) {
+    match rule {
         Rule::EndsBeforeLastToken => {
             let end = tokens.saturating_sub(1);
             if stop == end {
@@ -142,6 +150,10 @@ mod tests {
         Header::new(start, Shape::new(rows, 2, 2), DType::U8).unwrap()
     }
 
+    fn check_at(format: Format, h: &Header, c: &Counts, start_given: bool) -> Result<()> {
+        check(Rule::of(format, Place::Choice), format, h, c, start_given)
+    }
+
     fn counts(p: u64, g: u64) -> Counts {
         Counts {
             prompt: Some((p, "usage.prompt_tokens")),
@@ -152,21 +164,21 @@ mod tests {
     #[test]
     fn npy_rows_end_before_the_last_token() {
         let c = counts(7, 5);
-        assert!(check(Format::VllmNpy, &header(0, 11), &c, false).is_ok());
-        assert!(check(Format::VllmNpy, &header(6, 5), &c, true).is_ok());
-        let err = check(Format::VllmNpy, &header(0, 24), &c, false).unwrap_err();
+        assert!(check_at(Format::VllmNpy, &header(0, 11), &c, false).is_ok());
+        assert!(check_at(Format::VllmNpy, &header(6, 5), &c, true).is_ok());
+        let err = check_at(Format::VllmNpy, &header(0, 24), &c, false).unwrap_err();
         let msg = err.to_string();
         assert!(
             msg.contains("24 rows") && msg.contains("7 prompt tokens"),
             "{msg}"
         );
         // A delta read without its start: the message says which start fits.
-        let msg = check(Format::VllmNpy, &header(0, 5), &c, false)
+        let msg = check_at(Format::VllmNpy, &header(0, 5), &c, false)
             .unwrap_err()
             .to_string();
         assert!(msg.contains("pass that start (6)"), "{msg}");
         // SGLang that ignored the start asked for.
-        let msg = check(Format::Sglang, &header(4, 11), &c, true)
+        let msg = check_at(Format::Sglang, &header(4, 11), &c, true)
             .unwrap_err()
             .to_string();
         assert!(msg.contains("from position 0"), "{msg}");
@@ -175,21 +187,25 @@ mod tests {
             generated: None,
             ..c
         };
-        assert!(check(Format::VllmNpy, &header(0, 24), &half, false).is_ok());
+        assert!(check_at(Format::VllmNpy, &header(0, 24), &half, false).is_ok());
     }
 
     #[test]
     fn other_formats_by_their_producers_rules() {
         let c = counts(7, 5);
         // Compact values place themselves.
-        assert!(check(Format::Compact, &header(0, 40), &c, false).is_ok());
-        assert!(check(Format::Lists, &header(0, 11), &c, false).is_ok());
-        assert!(check(Format::Lists, &header(0, 13), &c, false).is_err());
-        assert!(check(Format::Nemo, &header(0, 12), &c, false).is_ok());
-        let msg = check(Format::Nemo, &header(0, 11), &c, false)
+        assert!(check_at(Format::Compact, &header(0, 40), &c, false).is_ok());
+        assert!(check_at(Format::Lists, &header(0, 11), &c, false).is_ok());
+        assert!(check_at(Format::Lists, &header(0, 13), &c, false).is_err());
+        assert!(check_at(Format::Nemo, &header(0, 12), &c, false).is_ok());
+        let msg = check_at(Format::Nemo, &header(0, 11), &c, false)
             .unwrap_err()
             .to_string();
         assert!(msg.contains("[0, 12)"), "{msg}");
+        // NeMo-RL's nested lists (before its PR #3292), at its place, carry the filler too.
+        let rule = Rule::of(Format::Lists, Place::Message);
+        assert_eq!(rule, Rule::WholeWithFiller);
+        assert!(check(rule, Format::Lists, &header(0, 11), &c, false).is_err());
     }
 
     #[test]
@@ -202,9 +218,12 @@ mod tests {
             DTypeChoice::Exact(DType::I8),
         )
         .unwrap();
-        let trimmed = without_filler(Format::Nemo, p.clone()).unwrap();
+        let trimmed = without_filler(Rule::WholeWithFiller, p.clone()).unwrap();
         assert_eq!(trimmed.values::<i8>(), &[5, 7, 1, 4]);
-        assert_eq!(with_filler(Format::Nemo, trimmed.clone()).unwrap(), p);
-        assert_eq!(without_filler(Format::Lists, p.clone()).unwrap(), p);
+        assert_eq!(
+            with_filler(Rule::WholeWithFiller, trimmed.clone()).unwrap(),
+            p
+        );
+        assert_eq!(without_filler(Rule::FromZero, p.clone()).unwrap(), p);
     }
 }

@@ -16,7 +16,8 @@ use crate::validate::{self, Suspect};
 use crate::with_element;
 
 use crate::body::{read_body, BodyRouting, Found};
-use crate::{coverage, split};
+use crate::coverage::{self, Rule};
+use crate::split;
 
 /// Decode one routing value, whatever its format, and check its rows against the token counts
 /// its body states (format.md §3.3).
@@ -48,8 +49,9 @@ pub fn decode_found(f: &Found, hints: &Hints, max_bytes: usize) -> Result<(Forma
             )
         }
     };
-    coverage::check(format, &p.header(), &f.counts, hints.start.is_some())?;
-    Ok((format, coverage::without_filler(format, p)?))
+    let rule = Rule::of(format, f.place);
+    coverage::check(rule, format, &p.header(), &f.counts, hints.start.is_some())?;
+    Ok((format, coverage::without_filler(rule, p)?))
 }
 
 /// How many rows (token positions) a routing value holds. A compact sidecar's shape is read and
@@ -534,7 +536,10 @@ fn merge_found<'a>(p: &Found<'a>, d: &Found<'a>, opts: &MergeOptions) -> Result<
         decode_found(d, &decode_hints, opts.max_bytes).map_err(|e| e.context("decode"))?;
     let merged = merge::merge(&prefill, &decode)?;
     let (format, merged) = if opts.keep_format {
-        (format, coverage::with_filler(format, merged)?)
+        (
+            format,
+            coverage::with_filler(Rule::of(format, d.place), merged)?,
+        )
     } else {
         (Format::Compact, merged)
     };
@@ -549,12 +554,10 @@ fn merge_sidecars<'a>(
     decode: &Found<'a>,
     opts: &MergeOptions,
 ) -> Result<Vec<Piece<'a>>> {
+    // Compact values state their own positions: not held to the body's counts (format.md §3.3).
     let side = |f: &Found<'a>, name: &str| -> Result<SidecarText<'a>> {
         let fields = f.fields.clone().unwrap_or_default();
-        let text = sidecar::validate(fields, opts.max_bytes).map_err(|e| e.context(name))?;
-        coverage::check(Format::Compact, &text.header, &f.counts, true)
-            .map_err(|e| e.context(name))?;
-        Ok(text)
+        sidecar::validate(fields, opts.max_bytes).map_err(|e| e.context(name))
     };
     let p = side(prefill, "prefill")?;
     let d = side(decode, "decode")?;

@@ -446,6 +446,25 @@ def test_nemo_rl_message_rows_end_in_a_filler() -> None:
         rx.from_response(json.dumps(body))
 
 
+def test_nemo_rl_nested_lists_before_its_pr_3292_end_in_a_filler_too() -> None:
+    rows = np.concatenate([ROWS, [[[0, 1], [0, 1]]]])
+    body = {"id": "chatcmpl-2", "object": "chat.completion", "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ab",
+                         "routed_experts": rows.tolist()}, "finish_reason": "length"}],
+            "usage": usage()}
+    assert same(rx.from_response(json.dumps(body)), ROWS)
+
+
+def test_vllm_026_all_zero_routes_are_read_as_sent_and_named_by_validate() -> None:
+    # vLLM 0.26 with monolithic FlashInfer kernels (issue #54730): right shape, every id 0.
+    zeros = np.zeros_like(ROWS, dtype=np.uint8)
+    got = rx.from_response(json.dumps(vllm_022_completion(npy_b64(zeros))))
+    assert got is not None and got.num_tokens == 4
+    with pytest.raises(rx.PayloadError, match="all-zero row at position 0"):
+        got.validate()
+    assert got.validation_report()["zero_rows"] == 4
+
+
 def test_dynamo_nvext_and_engine_data() -> None:
     value = {"data": b64(ROWS), "shape": [4, 2, 2], "start": 0, "dtype": "uint8"}
     base = {"id": "chatcmpl-3", "object": "chat.completion", "model": "m",
