@@ -251,6 +251,9 @@ def test_vllm_021_speculative_decoding_rows_and_limits() -> None:
     extra = [[[2, 6], [0, 4]]]
     got = rx.from_response(json.dumps(vllm_021_completion(PROMPT_ROWS, GEN_ROWS + extra)))
     assert same(got, np.concatenate([ROWS, extra]))
+    # Fewer rows than generated tokens (trimmed to the accepted ones): placed from P, no more.
+    fewer = rx.from_response(json.dumps(vllm_021_completion(PROMPT_ROWS, GEN_ROWS, completion=3)))
+    assert same(fewer, ROWS)
     too_many = GEN_ROWS + extra + extra
     with pytest.raises(rx.PayloadError, match=r"holds 3 rows but the body counts 2 generated"):
         rx.from_response(json.dumps(vllm_021_completion(PROMPT_ROWS, too_many)))
