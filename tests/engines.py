@@ -60,7 +60,8 @@ class Engine:
     # stream request), "sse_reply" (a stream to a plain one), "no_routing", "escaped_key";
     # prefill fault: "array" (a JSON array body); either side: "zero_routes",
     # "duplicate_routes" (what a broken engine sends: every id 0, an expert twice in a top_k);
-    # "hang" (never answers; records
+    # "no_kv" (a prefill reply without kv_transfer_params), "dup_routing" (the routing event
+    # twice), "cut_line" (a stream that ends inside a line); "hang" (never answers; records
     # the client's disconnect), "slow" (answers after `delay` seconds), "slow_stream" (a stream
     # that never ends, one event per 20 ms; records when the client goes), "flood_stream" (the
     # same, 64 KB comments as fast as they are read)
@@ -114,6 +115,8 @@ class Engine:
                 {"message": {"role": "assistant", "content": "x"}} if chat else {"text": "x"}
             )
             doc = {"id": "p", "choices": [choice], "kv_transfer_params": KV_PARAMS}
+            if self.fail == "no_kv":  # vLLM's connectors send none unless it ended by length
+                del doc["kv_transfer_params"]
             if self.fail == "dup_kv":  # two kv_transfer_params: which one decode gets is a guess
                 text = json.dumps(doc)[:-1] + ', "kv_transfer_params": {}}'
                 return Response(text, media_type="application/json")
@@ -237,6 +240,11 @@ class Engine:
             if self.fail == "escaped_key":
                 line = line.replace('"routed_experts"', '"routed\\u005fexperts"')
             yield f"data: {line}\n\n".encode()
+        if self.fail == "dup_routing":  # the routing event again
+            yield f"data: {line}\n\n".encode()
+        if self.fail == "cut_line":  # the stream ends inside a line
+            yield b'data: {"choices": [{"index": 0, "te'
+            return
         if self.fail != "no_done":
             yield b"data: [DONE]\n\n"
 
@@ -253,6 +261,10 @@ class Engine:
 
     async def models(self, request: Request) -> Response:
         self.headers.append(dict(request.headers))
+        if self.fail == "hang":
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.02)
+            return Response(status_code=499)
         return JSONResponse({"object": "list", "data": [{"id": "moe", "object": "model"}]})
 
     async def health(self, request: Request) -> Response:

@@ -352,6 +352,12 @@ def test_authorization_reaches_both_servers(stack: dict[str, Any]) -> None:
     want = f"Bearer {key}" if key else "Bearer client-key"
     for e in stack["prefills"][:1] + stack["decodes"][:1]:
         assert e.headers[0]["authorization"] == want
+    # /v1/models follows the same rule (the upstream key in place of the client's).
+    r = httpx.get(stack["url"] + "/v1/models", headers={"Authorization": "Bearer client-key"},
+                  timeout=30)
+    assert r.status_code == 200
+    sent = [h for e in stack["decodes"] for h in e.headers if "content-length" not in h]
+    assert sent and sent[-1].get("authorization") == want
 
 
 def test_min_tokens_go_to_decode_only(stack: dict[str, Any]) -> None:

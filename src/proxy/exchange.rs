@@ -127,29 +127,20 @@ impl Proxy {
         let began = Instant::now();
         let mut ex = Exchange::new(Arc::clone(self), request_id(&req), endpoint);
         let deadline = tokio::time::Instant::from_std(began + self.config.request_timeout);
-        let auth = match &self.config.upstream_api_key {
-            Some(key) => HeaderValue::from_str(&format!("Bearer {key}")).ok(),
-            None => req.headers().get(AUTHORIZATION).cloned(),
-        };
+        let auth = self.upstream_auth(&req);
         // The body first, within its limits: a request takes a completion slot only once its
         // body is whole, so clients that drip their bodies cannot hold the slots.
         let raw = match self.receive_body(req).await {
             Ok(raw) => raw,
             Err(None) => {
+                // Nobody reads this; it says what the log says, never a 200.
                 ex.status(499, "client");
-                return Response::new(empty());
+                return fault_response(&Fault::new("client", 499, "the client left").closing());
             }
             Err(Some(fault)) => return ex.fail(fault),
         };
         let Some(slot) = Slot::take(self) else {
-            self.metrics.rejected("in_flight");
-            let max = self.config.max_in_flight;
-            let fault = Fault::new(
-                "proxy",
-                503,
-                format!("the proxy is serving its limit of {max} requests"),
-            );
-            return ex.fail(fault.retry_after(1));
+            return ex.fail(self.in_flight_fault());
         };
         let body = match ClientBody::parse(&raw.0, api) {
             Ok(b) => b,
@@ -168,6 +159,27 @@ impl Proxy {
             Ok(Err(fault)) => ex.fail(fault),
             Err(_) => ex.fail(self.request_timeout_fault()),
         }
+    }
+
+    /// What the upstreams are sent as `Authorization`: `--upstream-api-key` when set, else the
+    /// client's own header.
+    fn upstream_auth(&self, req: &Request<Incoming>) -> Option<HeaderValue> {
+        match &self.config.upstream_api_key {
+            Some(key) => HeaderValue::from_str(&format!("Bearer {key}")).ok(),
+            None => req.headers().get(AUTHORIZATION).cloned(),
+        }
+    }
+
+    /// Every slot of `--max-in-flight` taken.
+    fn in_flight_fault(&self) -> Fault {
+        self.metrics.rejected("in_flight");
+        let max = self.config.max_in_flight;
+        Fault::new(
+            "proxy",
+            503,
+            format!("the proxy is serving its limit of {max} requests"),
+        )
+        .retry_after(1)
     }
 
     /// A request (or stream) still under way at `--request-timeout`.
@@ -226,8 +238,15 @@ impl Proxy {
         let mut out = Vec::with_capacity(declared.unwrap_or(0).min(1 << 20) as usize);
         let read = async {
             while let Some(frame) = body.frame().await {
-                let Ok(data) = frame.map(Frame::into_data) else {
-                    return Err(None); // the connection broke: the client is gone
+                let data = match frame {
+                    Ok(frame) => frame.into_data(),
+                    // Gone before the body ended: nobody to answer.
+                    Err(e) if e.is_canceled() || e.is_closed() => return Err(None),
+                    // Broken framing, or a half-close mid-body: answered, then closed.
+                    Err(e) => {
+                        let why = format!("the request body could not be read: {e}");
+                        return Err(Some(Fault::new("client", 400, why).closing()));
+                    }
                 };
                 let Ok(data) = data else { continue };
                 let size = out.len() + data.len();
@@ -299,7 +318,14 @@ impl Proxy {
     /// `GET /v1/models`, relayed from a decode server (clients call it first).
     pub async fn models(self: &Arc<Self>, req: Request<Incoming>) -> Response<Body> {
         let id = request_id(&req);
-        let headers = upstream_headers(&id, req.headers().get(AUTHORIZATION).cloned());
+        // The same rules as a completion: the upstream key in place of the client's, a slot
+        // under --max-in-flight, the request timeout.
+        let headers = upstream_headers(&id, self.upstream_auth(&req));
+        let Some(_slot) = Slot::take(self) else {
+            let mut response = fault_response(&self.in_flight_fault());
+            tag(&mut response, &id);
+            return response;
+        };
         let answer = async {
             let lease = self.lease(Side::Decode).await?;
             let u = &self.decode.upstreams[lease.index];
@@ -335,9 +361,11 @@ impl Proxy {
             self.release(Side::Decode, lease, outcome);
             result.map_err(|e| self.call_fault(Side::Decode, &url, e))
         };
+        let answer = tokio::time::timeout(self.config.request_timeout, answer);
         let mut response = match answer.await {
-            Ok((status, body)) => json_response(status.as_u16(), body),
-            Err(fault) => fault_response(&fault),
+            Ok(Ok((status, body))) => json_response(status.as_u16(), body),
+            Ok(Err(fault)) => fault_response(&fault),
+            Err(_) => fault_response(&self.request_timeout_fault()),
         };
         tag(&mut response, &id);
         response
@@ -841,6 +869,7 @@ impl Call {
             deadline: self.deadline,
             began,
             _held: (slot, prefill_share),
+            ended_line: true,
         };
         relay.run(upstream.into_body()).await;
     }
@@ -902,6 +931,7 @@ struct Relay<'a> {
     began: Instant,
     share: Share, // the stream's bytes held: a line being received, pieces queued
     _held: (Slot, Share), // the completion slot, and the prefill body's budget
+    ended_line: bool, // whether what was sent so far ends with a newline
 }
 
 enum Step {
@@ -978,7 +1008,12 @@ impl Relay<'_> {
             log::warn!(target: "routed_experts::proxy", "{} {} stream {}: {}",
                 self.record.request_id, self.record.endpoint, fault.side, fault.message);
             self.record.side = fault.side;
-            self.send_all(vec![Bytes::from(fault.event())]).await;
+            // The error event starts on a line of its own, whatever the last piece ended with.
+            let mut event = fault.event();
+            if !self.ended_line {
+                event.splice(0..0, *b"\n\n");
+            }
+            self.send_all(vec![Bytes::from(event)]).await;
         }
         if let Some(lease) = self.lease.take() {
             self.proxy.release(Side::Decode, lease, outcome);
@@ -990,6 +1025,9 @@ impl Relay<'_> {
     async fn send_all(&mut self, pieces: Vec<Bytes>) -> bool {
         for piece in pieces {
             let n = piece.len();
+            if let Some(&last) = piece.last() {
+                self.ended_line = last == b'\n';
+            }
             if self.tx.send(piece).await.is_err() {
                 return false;
             }
@@ -1127,7 +1165,11 @@ fn stream_fault(e: StreamError) -> Fault {
 /// A 4xx is about the client's request: its status is passed on. A 5xx is the upstream's
 /// fault (502).
 fn status_fault(side: Side, url: &str, status: u16, body: &[u8]) -> Fault {
-    let text = String::from_utf8_lossy(&body[..body.len().min(2000)]).into_owned();
+    // Escaped before it reaches the log: a newline or an escape sequence in a server's answer
+    // must not be able to forge a log line.
+    let text: String = String::from_utf8_lossy(&body[..body.len().min(2000)])
+        .escape_debug()
+        .collect();
     let s = side.name();
     log::warn!(target: "routed_experts::proxy", "{s} server {url} answered {status}: {text}");
     let code = if status < 500 { status } else { 502 };
@@ -1175,11 +1217,6 @@ pub fn request_id<B>(req: &Request<B>) -> String {
     a.write_u8(1);
     b.write_u8(2);
     format!("rx-{:016x}{:016x}", a.finish(), b.finish())
-}
-
-/// An empty body.
-pub fn empty() -> Body {
-    Full::new(Bytes::new()).boxed()
 }
 
 /// A JSON response with `body`.

@@ -162,32 +162,39 @@ impl ClientBody {
             }
         }
         f.shift_remove("stream_options");
+        for key in STEERING {
+            f.shift_remove(key);
+        }
         f.insert("stream".into(), raw("false"));
         f.insert("kv_transfer_params".into(), raw(PREFILL_KV_TRANSFER_PARAMS));
         write_object(f.iter())
     }
 
     /// The request for the decode server: the client's, with the `kv_transfer_params` prefill
-    /// returned (their raw JSON text) in place of any the client sent.
+    /// returned (their raw JSON text) or, when it returned none, `null`: never the client's own,
+    /// which could point a decode engine at any host and blocks. [`STEERING`] fields are dropped.
     pub fn decode_request(&self, kv_transfer_params: Option<&[u8]>) -> Vec<u8> {
-        let Some(kv) = kv_transfer_params else {
-            return write_object(self.fields.iter());
-        };
         let mut out = write_object(
             self.fields
                 .iter()
-                .filter(|(k, _)| *k != "kv_transfer_params"),
+                .filter(|(k, _)| *k != "kv_transfer_params" && !STEERING.contains(&k.as_str())),
         );
         out.pop(); // the closing brace
         if out.len() > 1 {
             out.push(b',');
         }
         out.extend_from_slice(br#""kv_transfer_params":"#);
-        out.extend_from_slice(kv);
+        out.extend_from_slice(kv_transfer_params.unwrap_or(b"null"));
         out.push(b'}');
         out
     }
 }
+
+/// Fields of a client's body that would steer an engine's disaggregated-serving machinery
+/// (where to fetch caches from): the proxy decides those, so a client's are not forwarded.
+/// `kv_transfer_params` is set for each side; vLLM's encoder-cache transfer
+/// (`ec_transfer_params`, 0.26+) is not the proxy's to give, and is dropped.
+pub const STEERING: [&str; 1] = ["ec_transfer_params"];
 
 fn raw(text: &str) -> Box<RawValue> {
     RawValue::from_string(text.to_string()).expect("constant JSON")
@@ -287,7 +294,23 @@ mod tests {
             empty.decode_request(Some(b"{}")),
             br#"{"kv_transfer_params":{}}"#
         );
-        assert_eq!(empty.decode_request(None), b"{}");
+        assert_eq!(
+            empty.decode_request(None),
+            br#"{"kv_transfer_params":null}"#
+        );
+        // A client's own transfer parameters reach neither side.
+        let forged = br#"{"prompt":"x","kv_transfer_params":{"remote_host":"10.66.66.66"},
+            "ec_transfer_params":{"remote_host":"10.66.66.66"}}"#;
+        let forged = ClientBody::parse(forged, Api::Completions).unwrap();
+        for sent in [forged.decode_request(None), forged.prefill_request()] {
+            let text = std::str::from_utf8(&sent).unwrap();
+            assert!(!text.contains("10.66.66.66"), "{text}");
+            assert!(json(&sent).get("ec_transfer_params").is_none());
+        }
+        assert_eq!(
+            json(&forged.decode_request(None))["kv_transfer_params"],
+            serde_json::Value::Null
+        );
     }
 
     #[test]

@@ -39,6 +39,8 @@ pub struct StreamMerger<'a> {
     /// Rows sampled from the merged routing, prefill's and decode's (see
     /// [`merge_suspects`](crate::response::merge_suspects)).
     pub suspects: (Suspect, Suspect),
+    /// The choices whose routing an event carried.
+    merged_choices: Vec<u64>,
     done: bool,
 }
 
@@ -124,6 +126,7 @@ impl<'a> StreamMerger<'a> {
             merged: false,
             merged_bytes: 0,
             suspects: Default::default(),
+            merged_choices: Vec::new(),
             done: false,
         }
     }
@@ -166,7 +169,12 @@ impl<'a> StreamMerger<'a> {
     pub fn finish(&mut self, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
         if !self.partial.is_empty() {
             let line = self.take_line();
-            self.line(line, out)?;
+            // An unterminated last line is sent on only when the stream is whole with it (SSE
+            // clients drop an event cut off by the end of the stream anyway); otherwise the
+            // error event that ends the stream starts where the last whole line ended.
+            if self.done || is_done(&line) {
+                self.line(line, out)?;
+            }
         }
         if !self.done {
             return Err(StreamError::NoDone);
@@ -257,6 +265,18 @@ impl<'a> StreamMerger<'a> {
         let parts = shared_slices(&spliced, &[self.prefill.body(), &payload])
             .map_err(StreamError::Merge)?;
         if spliced.merged_values() > 0 {
+            // A choice's routing comes once; a second event for it would merge it twice.
+            for f in spliced.decode_values() {
+                if self.merged_choices.contains(&f.index) {
+                    return Err(StreamError::Merge(crate::Error::merge(format!(
+                        "a second routing event for choice {} (at {}): a stream carries each \
+                         choice's routing once",
+                        f.index, f.path
+                    ))));
+                }
+            }
+            self.merged_choices
+                .extend(spliced.decode_values().iter().map(|f| f.index));
             self.merged = true;
             self.merged_bytes += spliced.len();
             let seen = self.prefill.suspects(spliced.decode_values(), &self.opts);
