@@ -957,7 +957,15 @@ impl Relay<'_> {
             let fed = match step {
                 Step::Chunk(Some(chunk)) => {
                     let (limit, wait) = (proxy.budget.limit(), proxy.wait_deadline(self.deadline));
-                    if !self.share.grow_wait(chunk.len(), limit, wait).await {
+                    // The wait for room watches the client too: one that leaves frees its bytes.
+                    let grown = tokio::select! {
+                        ok = self.share.grow_wait(chunk.len(), limit, wait) => ok,
+                        _ = self.tx.closed() => {
+                            self.record.finished = false; // recorded as 499
+                            break (Outcome::Unknown, None);
+                        }
+                    };
+                    if !grown {
                         let fault = proxy.call_fault(Side::Decode, &self.url, CallError::Budget);
                         break (Outcome::Ok, Some(fault));
                     }

@@ -430,6 +430,8 @@ fn health(proxy: &Proxy) -> Response<Body> {
         "in_flight": proxy.in_flight.load(Ordering::Relaxed),
         "connections_limit": proxy.config.max_connections,
         "buffered_bytes": proxy.budget.used(),
+        // Bytes held against --max-buffered-bytes: at the limit, replies wait or fail fast.
+        "buffered_limit": proxy.budget.limit(),
         "prefill": side(&proxy.prefill),
         "decode": side(&proxy.decode),
     });
