@@ -61,7 +61,8 @@ class Engine:
     # prefill fault: "array" (a JSON array body); either side: "zero_routes",
     # "duplicate_routes" (what a broken engine sends: every id 0, an expert twice in a top_k);
     # "no_kv" (a prefill reply without kv_transfer_params), "dup_routing" (the routing event
-    # twice), "cut_line" (a stream that ends inside a line); "hang" (never answers; records
+    # twice), "cut_line" (a stream that ends inside a line), "dribble" (the routing event in
+    # 256-byte pieces); "hang" (never answers; records
     # the client's disconnect), "slow" (answers after `delay` seconds), "slow_stream" (a stream
     # that never ends, one event per 20 ms; records when the client goes), "flood_stream" (the
     # same, 64 KB comments as fast as they are read)
@@ -239,7 +240,13 @@ class Engine:
             line = json.dumps(chunk)
             if self.fail == "escaped_key":
                 line = line.replace('"routed_experts"', '"routed\\u005fexperts"')
-            yield f"data: {line}\n\n".encode()
+            event = f"data: {line}\n\n".encode()
+            if self.fail == "dribble" and "routed_experts" in line:
+                for at in range(0, len(event), 256):  # the long event in small pieces
+                    yield event[at : at + 256]
+                    await asyncio.sleep(0.002)
+                continue
+            yield event
         if self.fail == "dup_routing":  # the routing event again
             yield f"data: {line}\n\n".encode()
         if self.fail == "cut_line":  # the stream ends inside a line

@@ -305,3 +305,47 @@ def test_the_cli_refuses_https_upstreams() -> None:
     )
     assert r.returncode == 2
     assert "argument --prefill: 'https://h:1': https upstreams are not supported" in r.stderr
+
+
+def test_more_concurrent_large_events_than_the_budget_holds_never_lock_up() -> None:
+    """Streams whose routing events arrive in pieces, more of them at once than the body budget
+    holds: each completes with its routing merged, gets a clean error event, or a 503 before it
+    started; none waits on another holder until its timeout; afterwards the budget is empty and
+    requests succeed."""
+    prompt = [i % 50 for i in range(300)]  # about 3 KB of routing an event, 3 KB a prefill body
+    body = {"model": "moe", "prompt": prompt, "max_tokens": 4, "stream": True}
+    want = expected(body)
+    # A read timeout far past the clients' own: a lock-up shows as clients timing out.
+    with stack([Engine()], [Engine(fail="dribble")], max_buffered_bytes=24 * 1024,
+               max_in_flight=64, read_timeout=600) as url:
+        results: list[str] = []
+
+        def one() -> None:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+                text = r.read().decode()
+            if r.status_code == 503:  # refused before any upstream call: the budget was full
+                assert json.loads(text)["error"]["side"] == "proxy"
+                results.append("refused")
+                return
+            events = [e[6:] for e in text.split("\n\n") if e.startswith("data: ")]
+            if events[-1] == "[DONE]":
+                routed = [json.loads(e) for e in events[:-1] if "routed_experts" in e]
+                assert len(routed) == 1 and rx.from_response(json.dumps(routed[0])) == want
+                results.append("done")
+            else:
+                error = json.loads(events[-1])["error"]
+                assert error["side"] == "proxy" and "holding its limit" in error["message"]
+                results.append("error")
+
+        threads = [threading.Thread(target=one, daemon=True) for _ in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert len(results) == 16, results
+        # Holders never waited on each other (before, every holder waited for room that only
+        # another holder could free, until the read timeout): all answered, some finished.
+        assert "done" in results, results
+        health = httpx.get(url + "/health", timeout=10).json()
+        assert health["buffered_bytes"] == 0 and health["in_flight"] == 0
+        assert post(url).status_code == 200
