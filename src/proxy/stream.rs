@@ -31,6 +31,7 @@ pub struct StreamMerger<'a> {
     opts: MergeOptions,
     max_line: usize,
     partial: Vec<Bytes>, // the line being received, in the pieces it came in
+    small: Vec<u8>,      // its latest small pieces, copied together (see `hold`)
     partial_len: usize,
     /// Some event carried routing (and was merged).
     pub merged: bool,
@@ -81,6 +82,9 @@ impl Prefill<'_> {
     }
 }
 
+/// Pieces of a held line shorter than this are copied together (see `hold`).
+const COPY_BELOW: usize = 4096;
+
 /// Lines at least this long skip the marker scan: the merge's walk finds routing anyway.
 const LONG_LINE: usize = 64 * 1024;
 
@@ -122,6 +126,7 @@ impl<'a> StreamMerger<'a> {
             opts,
             max_line,
             partial: Vec::new(),
+            small: Vec::new(),
             partial_len: 0,
             merged: false,
             merged_bytes: 0,
@@ -144,7 +149,7 @@ impl<'a> StreamMerger<'a> {
     /// Push onto `out` the pieces to send for the lines this chunk completes.
     pub fn feed(&mut self, chunk: Bytes, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
         let mut pos = 0;
-        if !self.partial.is_empty() {
+        if self.partial_len > 0 {
             let Some(nl) = memchr::memchr(b'\n', &chunk) else {
                 return self.hold(chunk);
             };
@@ -167,7 +172,7 @@ impl<'a> StreamMerger<'a> {
     /// The rest of the stream (a last line without a newline); then the checks: the stream
     /// ended with `data: [DONE]`, and carried routing if the prefill body did.
     pub fn finish(&mut self, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
-        if !self.partial.is_empty() {
+        if self.partial_len > 0 {
             let line = self.take_line();
             // An unterminated last line is sent on only when the stream is whole with it (SSE
             // clients drop an event cut off by the end of the stream anyway); otherwise the
@@ -197,12 +202,32 @@ impl<'a> StreamMerger<'a> {
             return Err(StreamError::LineTooLong(self.max_line));
         }
         self.partial_len += piece.len();
+        // Small pieces are copied together: a slice would keep alive the whole read buffer it
+        // points into, so an event split into tiny chunks would cost many times its size (and
+        // a piece each). Large pieces are kept as they came (no copy).
+        if piece.len() < COPY_BELOW {
+            self.small.extend_from_slice(&piece);
+            if self.small.len() >= COPY_BELOW * 16 {
+                self.flush_small();
+            }
+            return Ok(());
+        }
+        self.flush_small();
         self.partial.push(piece);
         Ok(())
     }
 
     /// The held line, now complete, joined once (a line that came in one piece is not copied).
+    /// The small pieces copied so far, as one piece of the held line.
+    fn flush_small(&mut self) {
+        if !self.small.is_empty() {
+            let small = std::mem::take(&mut self.small);
+            self.partial.push(Bytes::from(small));
+        }
+    }
+
     fn take_line(&mut self) -> Bytes {
+        self.flush_small();
         let pieces = std::mem::take(&mut self.partial);
         let len = std::mem::take(&mut self.partial_len);
         if pieces.len() == 1 {
@@ -329,6 +354,39 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
                 assert_eq!(got, whole, "split at {a}, {b}");
             }
         }
+    }
+
+    #[test]
+    fn an_event_in_one_byte_chunks_is_held_in_few_pieces_and_merges_the_same() {
+        // A long routing event, one byte at a time, with a large chunk in the middle of it.
+        let pad = "x".repeat(200_000);
+        let event = format!(
+            "data: {{\"pad\":\"{pad}\",{}",
+            std::str::from_utf8(&STREAM[51..]).unwrap() // the routing event after `data: {`
+        );
+        let prefill = Bytes::from_static(PREFILL);
+        let found = crate::read_body(&prefill).unwrap();
+        let opts = MergeOptions::new(DEFAULT_MAX_BYTES);
+        let mut m = StreamMerger::new(&prefill, &found, opts, 1 << 20);
+        let (mut out, bytes) = (Vec::new(), event.as_bytes());
+        let (head, rest) = bytes.split_at(100_000);
+        let (big, tail) = rest.split_at(50_000);
+        for b in head {
+            m.feed(Bytes::copy_from_slice(&[*b]), &mut out).unwrap();
+        }
+        m.feed(Bytes::copy_from_slice(big), &mut out).unwrap();
+        // About its size held, in a piece per 64 KiB of small chunks (not one per byte).
+        assert_eq!(m.buffered(), 150_000);
+        assert!(m.partial.len() <= 4, "{} pieces", m.partial.len());
+        for b in tail {
+            m.feed(Bytes::copy_from_slice(&[*b]), &mut out).unwrap();
+        }
+        m.finish(&mut out).unwrap();
+        assert!(m.merged);
+        let got = String::from_utf8(out.concat()).unwrap();
+        let merged = r#""data":"CgsUFR4fKCk=","shape":[4,1,2],"start":0"#;
+        assert!(got.starts_with(&format!("data: {{\"pad\":\"{pad}\",")));
+        assert!(got.contains(merged) && got.ends_with(": a comment\n\ndata: [DONE]\n\n"));
     }
 
     #[test]
