@@ -37,6 +37,6 @@ mod upstream;
 
 pub use config::Config;
 pub use fault::{error_body, Fault};
-pub use request::{Api, ClientBody, MAX_DEPTH, PREFILL_KV_TRANSFER_PARAMS};
+pub use request::{Api, ClientBody, MAX_DEPTH, PREFILL_KV_TRANSFER_PARAMS, STEERING};
 pub use server::{Server, Stop, Stopper};
 pub use stream::{StreamError, StreamMerger};
