@@ -473,18 +473,23 @@ fn usage(s: &mut Scanner, stated: &mut Stated) -> Result<()> {
     if s.peek() != Some(b'{') {
         return s.value().map(drop);
     }
-    s.object(|s, key| match key {
-        b"prompt_tokens" => {
-            if let Some(n) = count(s, "usage.prompt_tokens")? {
-                stated.counts.prompt = stated.counts.prompt.or(Some((n, "usage.prompt_tokens")));
+    let mut once = Once::new([b"prompt_tokens", b"completion_tokens"]);
+    s.object(|s, key| {
+        once.see(s, key)?;
+        match key {
+            b"prompt_tokens" => {
+                if let Some(n) = count(s, "usage.prompt_tokens")? {
+                    let top = stated.counts.prompt.or(Some((n, "usage.prompt_tokens")));
+                    stated.counts.prompt = top;
+                }
+                Ok(())
             }
-            Ok(())
+            b"completion_tokens" => {
+                stated.usage_generated = count(s, "usage.completion_tokens")?;
+                Ok(())
+            }
+            _ => s.skip_member(key),
         }
-        b"completion_tokens" => {
-            stated.usage_generated = count(s, "usage.completion_tokens")?;
-            Ok(())
-        }
-        _ => s.skip_member(key),
     })
 }
 
@@ -631,7 +636,12 @@ fn holder<'a>(
         _ => return s.value().map(drop),
     }
     let (mut dtype, first) = (None, found.len());
-    let mut once = Once::new([ROUTING_KEY, DTYPE_KEY]);
+    let mut once = Once::new([
+        ROUTING_KEY,
+        DTYPE_KEY,
+        b"prompt_tokens",
+        b"completion_tokens",
+    ]);
     s.object(|s, key| {
         once.see(s, key)?;
         match key {
@@ -764,6 +774,9 @@ mod tests {
             read_body(event).unwrap().values[0].counts,
             Counts::default()
         );
+        let twice = br#"{"choices":[],"usage":{"prompt_tokens":3,"prompt_tokens":30}}"#;
+        let err = read_body(twice).unwrap_err().to_string();
+        assert!(err.contains("duplicate key `prompt_tokens`"), "{err}");
         let sglang = br#"{"text":"a","meta_info":{"prompt_tokens":3,"completion_tokens":2,"routed_experts":"x"}}"#;
         let c = read_body(sglang).unwrap().values[0].counts;
         assert_eq!(c.prompt, Some((3, "meta_info.prompt_tokens")));
