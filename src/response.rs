@@ -79,7 +79,12 @@ pub fn suspect_rows(
 ) -> Result<(Suspect, u64)> {
     let (text, h, offset) = match &f.fields {
         Some(fields) => {
-            let text = sidecar::validate(fields.clone(), max_bytes)?;
+            // As decode_found reads it: an older sidecar without a start takes the hint's.
+            let mut fields = fields.clone();
+            if fields.start.is_none() {
+                fields.start = hints.start.map(serde_json::Value::from);
+            }
+            let text = sidecar::validate(fields, max_bytes)?;
             (text.data, text.header, 0)
         }
         None => match npy_header(f, hints)? {
@@ -172,14 +177,21 @@ pub fn merge_suspects(
             .iter()
             .find(|p| p.index == d.index)
             .or_else(|| one_choice(prefill));
-        let from = match p.map(|p| suspect_rows(p, &opts.hints, opts.max_bytes, 0, sample)) {
-            Some(Ok((seen, stop))) => {
-                p_seen.merge(seen);
-                stop
-            }
-            _ => 0,
+        // The hints as the merge applied them: start hints are not for compact sidecars.
+        let placed = |f: &Found, h: &Hints| Hints {
+            start: if f.fields.is_some() { None } else { h.start },
+            ..*h
         };
-        if let Ok((seen, _)) = suspect_rows(d, &decode_hints, opts.max_bytes, from, sample) {
+        let from =
+            match p.map(|p| suspect_rows(p, &placed(p, &opts.hints), opts.max_bytes, 0, sample)) {
+                Some(Ok((seen, stop))) => {
+                    p_seen.merge(seen);
+                    stop
+                }
+                _ => 0,
+            };
+        let hints = placed(d, &decode_hints);
+        if let Ok((seen, _)) = suspect_rows(d, &hints, opts.max_bytes, from, sample) {
             d_seen.merge(seen);
         }
     }
