@@ -140,30 +140,34 @@ fn scan<T: crate::Element>(p: &Payload, values: &[T], checks: &Checks) -> Report
                     r.first_out_of_range.get_or_insert((pos, layer, v));
                 }
             }
-            // A layer zero throughout has no router (vLLM 0.22+ and SGLang count dense layers
-            // among their layers and leave them zero): not a duplicate; a row zero throughout
-            // is the zero-row check's.
-            let no_router = group.iter().all(|&v| Into::<i64>::into(v) == 0);
-            if checks.duplicates && !no_router {
-                // top_k is small (8 in practice): pairwise comparison beats hashing.
-                let dup = (1..group.len()).find_map(|j| {
-                    group[..j]
-                        .iter()
-                        .any(|&x| x.into() == group[j].into())
-                        .then(|| group[j].into())
-                });
-                if let Some(v) = dup {
+            if checks.duplicates {
+                if let Some(v) = repeated_expert(group) {
                     r.duplicates += 1;
                     r.first_duplicate.get_or_insert((pos, layer, v));
                 }
             }
         }
-        if checks.zero_rows && token.iter().all(|&v| v.into() == 0) {
+        if checks.zero_rows && all_zero(token) {
             r.zero_rows += 1;
             r.first_zero_row.get_or_insert(pos);
         }
     }
     r
+}
+
+fn all_zero<T: Element>(ids: &[T]) -> bool {
+    ids.iter().all(|&v| Into::<i64>::into(v) == 0)
+}
+
+/// An expert a layer's top_k holds twice, if any. A layer zero throughout has no router (vLLM
+/// 0.22+ and SGLang count dense layers among their layers and leave them zero): not a
+/// duplicate; a row zero throughout is the zero-row check's.
+fn repeated_expert<T: Element>(group: &[T]) -> Option<i64> {
+    if all_zero(group) {
+        return None;
+    }
+    // top_k is small (8 in practice): pairwise comparison beats hashing.
+    (1..group.len()).find_map(|j| group[..j].contains(&group[j]).then(|| group[j].into()))
 }
 
 /// Rows of a sample that look like an engine's fault rather than routing: a row zero in every
@@ -189,15 +193,14 @@ impl Suspect {
             return;
         }
         self.checked += 1;
-        let zero = |g: &[T]| g.iter().all(|&v| Into::<i64>::into(v) == 0);
-        if zero(row) {
+        if all_zero(row) {
             self.zero_rows += 1;
             return;
         }
-        let dup = row
+        if row
             .chunks_exact(top_k)
-            .any(|g| !zero(g) && (1..g.len()).any(|j| g[..j].contains(&g[j])));
-        if dup {
+            .any(|g| repeated_expert(g).is_some())
+        {
             self.duplicate_rows += 1;
         }
     }
