@@ -68,6 +68,7 @@ class Engine:
     # same, 64 KB comments as fast as they are read)
     fail: str | None = None
     delay: float = 1.0
+    pad: int = 0  # decode: bytes of filler after the routing (a "pad" key; a stream comment)
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     disconnected: list[str] = field(default_factory=list)  # request ids whose client left
@@ -156,14 +157,15 @@ class Engine:
         choice.update(
             {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
         )
-        return JSONResponse(
-            {
-                "id": "d",
-                "object": "text_completion",
-                "choices": [choice],
-                "usage": {"prompt_tokens": P, "completion_tokens": G},
-            }
-        )
+        doc = {
+            "id": "d",
+            "object": "text_completion",
+            "choices": [choice],
+            "usage": {"prompt_tokens": P, "completion_tokens": G},
+        }
+        if self.pad:
+            doc["pad"] = "x" * self.pad
+        return JSONResponse(doc)
 
     def split_body(self, tokens: list[int], body: dict[str, Any], chat: bool,
                    kv: dict[str, Any]) -> Response:
@@ -252,6 +254,8 @@ class Engine:
         if self.fail == "cut_line":  # the stream ends inside a line
             yield b'data: {"choices": [{"index": 0, "te'
             return
+        if self.pad:
+            yield b": " + b"x" * self.pad + b"\n\n"
         if self.fail != "no_done":
             yield b"data: [DONE]\n\n"
 

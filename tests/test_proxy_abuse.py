@@ -349,3 +349,52 @@ def test_more_concurrent_large_events_than_the_budget_holds_never_lock_up() -> N
         health = httpx.get(url + "/health", timeout=10).json()
         assert health["buffered_bytes"] == 0 and health["in_flight"] == 0
         assert post(url).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_slow_readers_response_keeps_its_slot_and_budget_until_it_is_written(
+    stream: bool,
+) -> None:
+    """The completion slot and the budget of the bodies a response is made of stay taken until
+    the bytes are written to the client, not only until the server has queued them: a client
+    that reads slowly is counted (in flight, buffered) for as long as it holds them."""
+    pad = 24 << 20  # far more than the sockets' buffers take in
+    body = {**COMPLETION, "stream": stream}
+    with stack([Engine()], [Engine(pad=pad)], max_in_flight=4) as url:
+
+        def health() -> dict[str, int]:
+            return dict(httpx.get(url + "/health", timeout=10).json())
+
+        data = json.dumps(body).encode()
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a slow reader's window
+            s.connect(address(url))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+            s.settimeout(10)
+            got = s.recv(4096)
+            assert got.startswith(b"HTTP/1.1 200"), got[:200]
+            # Everything the proxy could queue is queued; the client has read one piece.
+            wait_for(lambda: health()["buffered_bytes"] >= pad // 2)
+            time.sleep(1.0)  # nothing the client does frees them: still held a second later
+            h = health()
+            assert h["in_flight"] == 1 and h["buffered_bytes"] >= pad // 2, h
+            got += read_all_until(s, b"\r\n0\r\n\r\n" if stream else b'"}', 60)
+        wait_for(lambda: health()["buffered_bytes"] == 0 and health()["in_flight"] == 0)
+        text = got.split(b"\r\n\r\n", 1)[1]
+        assert len(text) > pad
+        if not stream:
+            assert rx.from_response(text) == expected(COMPLETION)
+        healthy(url)
+
+
+def read_all_until(s: socket.socket, end: bytes, seconds: float) -> bytes:
+    """What the server sends until it ends with `end` (or `seconds` pass)."""
+    s.settimeout(seconds)
+    out = bytearray()
+    while not out.endswith(end):
+        chunk = s.recv(1 << 20)
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)

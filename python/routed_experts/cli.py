@@ -460,8 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_proxy.add_argument(
         "--only",
         nargs="+",
-        choices=["load", "stream", "memory", "faults"],
-        help="run only these parts (default: all)",
+        choices=["load", "stream", "memory", "faults", "lockup", "slow", "split"],
+        help="run only these parts (default: load, stream, memory, faults; lockup, slow and "
+        "split, the long-context reliability rounds, run apart at their own sizes)",
     )
     bench_proxy.add_argument(
         "--memory-budget",

@@ -1,5 +1,7 @@
 //! The budget of bytes held in bodies at once (`max_buffered_bytes`): client bodies being
-//! received and upstream bodies being read, held or merged. A client body that would go past
+//! received, upstream bodies being read, held or merged, and bytes on their way to clients
+//! until they are written. Large bodies leave the last 1/32nd of it to small ones, so a
+//! budget full of long-context replies still lets small requests through. A client body that would go past
 //! it is refused (503 + Retry-After). An upstream reply waits for room instead (it stays in the
 //! socket meanwhile: TCP pushes back on the server), for a bounded time; prefill replies may
 //! fill only three quarters of the budget, so decode replies, which finish requests and free
@@ -8,20 +10,35 @@
 //! **No lock-up.** A share that holds bytes and waits for more (a stream's partial event, a
 //! reply half read) keeps others from the bytes it holds; if every holder waited on another,
 //! none would ever finish. So only one share that holds bytes may wait at a time (the turn); a
-//! holder that finds the turn taken gives up at once (its request fails cleanly and its bytes
-//! come back), and a share that holds nothing may always wait. Then no state has every holder
+//! holder that finds the turn taken waits a moment ([`HOLDER_GRACE`]) for room or the turn,
+//! then gives up (its request fails cleanly and its bytes come back), and a share that holds
+//! nothing may always wait. Then no state has every holder
 //! waiting: the one with the turn waits on bytes that holders without it either keep growing
-//! and finish with, or give back.
+//! and finish with, or give back. A request's bytes count together: a share opened beside bytes
+//! its request already holds (decode's reply beside the prefill body) is a holder even while
+//! empty.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use tokio::sync::Notify;
 
+/// Bodies up to this size are small: they may fill the part of the budget that large ones
+/// leave free (a 1/32nd), so small requests are served while large ones wait for room.
+pub const SMALL_BODY: usize = 256 * 1024;
+const SMALL_BODIES_PART: usize = 32;
+
+/// How long a share that holds bytes waits for room while another holder has the turn: room
+/// that clients free by reading usually comes within it; past it, the share gives up, so
+/// holders never wait on each other for longer.
+pub const HOLDER_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The process-wide count of bytes held, against its limit.
 #[derive(Debug)]
 pub struct Budget {
     used: AtomicUsize,
+    /// The most held at once since [`take_peak`](Budget::take_peak) last read it.
+    peak: AtomicUsize,
     limit: usize,
     freed: Notify,
     /// The turn to wait while holding bytes (see the module's doc).
@@ -33,6 +50,7 @@ impl Budget {
     pub fn new(limit: usize) -> Arc<Self> {
         Arc::new(Budget {
             used: AtomicUsize::new(0),
+            peak: AtomicUsize::new(0),
             limit,
             freed: Notify::new(),
             turn: tokio::sync::Mutex::new(()),
@@ -54,12 +72,23 @@ impl Budget {
         self.used.load(Ordering::Relaxed)
     }
 
+    /// The most bytes held at once since [`take_peak`](Budget::take_peak) (or the start).
+    pub fn peak(&self) -> usize {
+        self.peak.load(Ordering::Relaxed)
+    }
+
+    /// [`peak`](Budget::peak), counted anew from what is held now (once memory is given back).
+    pub fn take_peak(&self) -> usize {
+        self.peak.swap(self.used(), Ordering::Relaxed)
+    }
+
     /// An empty share of the budget, which grows as a body arrives and gives its bytes back
     /// when dropped.
     pub fn share(self: &Arc<Self>) -> Share {
         Share {
             budget: Arc::clone(self),
             held: 0,
+            beside: 0,
         }
     }
 }
@@ -69,9 +98,18 @@ impl Budget {
 pub struct Share {
     budget: Arc<Budget>,
     held: usize,
+    /// Bytes its request holds in other shares (see the module's doc).
+    beside: usize,
 }
 
 impl Share {
+    /// This share, opened beside `n` bytes its request holds in other shares: while it waits
+    /// for room, it keeps those from others (the module's no-lock-up rule).
+    pub fn beside(mut self, n: usize) -> Self {
+        self.beside = n;
+        self
+    }
+
     /// Take `n` more bytes; `false` (nothing taken) when that would pass the limit.
     pub fn grow(&mut self, n: usize) -> bool {
         let limit = self.budget.limit;
@@ -79,8 +117,9 @@ impl Share {
     }
 
     /// Take `n` more bytes once the budget has room below `ceiling`, waiting until then
-    /// (until `deadline` at most); `false` (nothing taken) if it never came, or at once if this
-    /// share holds bytes and another holder is already waiting (the module's no-lock-up rule).
+    /// (until `deadline` at most); `false` (nothing taken) if it never came. A share that holds
+    /// bytes waits with the turn; while another holder has it, it waits for room or the turn
+    /// for [`HOLDER_GRACE`] at most, then gives up (the module's no-lock-up rule).
     pub async fn grow_wait(
         &mut self,
         n: usize,
@@ -94,12 +133,24 @@ impl Share {
             return false; // it can never fit
         }
         let budget = Arc::clone(&self.budget);
-        let _turn = match self.held {
+        let _turn = match self.held + self.beside {
             0 => None,
-            _ => match budget.turn.try_lock() {
-                Ok(turn) => Some(turn),
-                Err(_) => return false,
-            },
+            _ => {
+                let grace = (tokio::time::Instant::now() + HOLDER_GRACE).min(deadline);
+                loop {
+                    let freed = budget.freed.notified();
+                    tokio::pin!(freed);
+                    freed.as_mut().enable();
+                    if self.grow_within(n, ceiling) {
+                        return true;
+                    }
+                    tokio::select! {
+                        turn = budget.turn.lock() => break Some(turn),
+                        _ = freed => {}
+                        _ = tokio::time::sleep_until(grace) => return false,
+                    }
+                }
+            }
         };
         loop {
             let freed = budget.freed.notified();
@@ -115,6 +166,23 @@ impl Share {
         }
     }
 
+    /// Bytes this share holds.
+    pub fn held(&self) -> usize {
+        self.held
+    }
+
+    /// What this share holds beyond `n` bytes, moved into a share of its own (bytes that leave
+    /// with a piece sent on stay counted until the piece is written and dropped).
+    pub fn split_beyond(&mut self, n: usize) -> Share {
+        let moved = self.held.saturating_sub(n);
+        self.held -= moved;
+        Share {
+            budget: Arc::clone(&self.budget),
+            held: moved,
+            beside: 0,
+        }
+    }
+
     /// Give back what this share holds beyond `n` bytes.
     pub fn shrink_to(&mut self, n: usize) {
         if self.held > n {
@@ -127,8 +195,19 @@ impl Share {
 
     fn grow_within(&mut self, n: usize, ceiling: usize) -> bool {
         let b = &self.budget;
+        // Small requests may use the last part of the budget; large ones stop short of it (a
+        // request is as large as all it holds: a stream's first chunks beside a large prefill
+        // body are not small).
+        let small = (self.held.saturating_add(self.beside))
+            .checked_add(n)
+            .is_some_and(|t| t <= SMALL_BODY);
+        let ceiling = if small {
+            ceiling
+        } else {
+            ceiling.saturating_sub(b.limit / SMALL_BODIES_PART)
+        };
         let mut used = b.used.load(Ordering::Relaxed);
-        loop {
+        let next = loop {
             let Some(next) = used.checked_add(n).filter(|&t| t <= ceiling) else {
                 return false;
             };
@@ -136,11 +215,12 @@ impl Share {
                 .used
                 .compare_exchange_weak(used, next, Ordering::Relaxed, Ordering::Relaxed)
             {
-                Ok(_) => break,
+                Ok(_) => break next,
                 Err(now) => used = now,
             }
-        }
+        };
         self.held += n;
+        b.peak.fetch_max(next, Ordering::Relaxed);
         true
     }
 }
@@ -171,6 +251,41 @@ mod tests {
         assert_eq!(b.used(), 0);
     }
 
+    #[test]
+    fn a_split_share_keeps_its_bytes_counted_until_dropped_and_the_peak_is_read_once() {
+        let b = Budget::new(100);
+        let mut line = b.share();
+        assert!(line.grow(70));
+        let sent = line.split_beyond(20); // 50 bytes leave with a piece; 20 stay held
+        assert_eq!((line.held(), sent.held(), b.used()), (20, 50, 70));
+        assert_eq!(line.split_beyond(30).held(), 0); // nothing beyond what it holds
+        assert_eq!(b.used(), 70);
+        drop(line);
+        assert_eq!(b.used(), 50); // the piece is not written yet: still counted
+        drop(sent);
+        assert_eq!(b.used(), 0);
+        assert_eq!(b.take_peak(), 70);
+        assert_eq!(b.take_peak(), 0); // a new count from what is held now
+    }
+
+    #[test]
+    fn large_bodies_leave_room_for_small_ones() {
+        let b = Budget::new(32 * SMALL_BODY);
+        let mut large = b.share();
+        assert!(!large.grow(32 * SMALL_BODY)); // the last 1/32nd is not for large bodies
+        assert!(large.grow(31 * SMALL_BODY));
+        let mut more = b.share();
+        assert!(!more.grow(SMALL_BODY + 1)); // large: past what large bodies may fill
+        assert!(more.grow(SMALL_BODY)); // small: fits in what is left
+        assert!(!more.grow(1)); // no longer small, and the budget is full
+        assert_eq!(b.used(), 32 * SMALL_BODY);
+        drop(more);
+        // A share beside a large body its request holds is large from its first byte.
+        let mut stream = b.share().beside(2 * SMALL_BODY);
+        assert!(!stream.grow(1));
+        assert!(b.share().beside(SMALL_BODY / 2).grow(SMALL_BODY / 2));
+    }
+
     #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn one_holder_waits_at_a_time_so_holders_never_wait_on_each_other() {
         let b = Budget::new(100);
@@ -183,10 +298,15 @@ mod tests {
             (ok, first)
         });
         tokio::task::yield_now().await;
-        // ...the second, holding bytes too, gives up at once instead of waiting on the first.
+        // ...the second, holding bytes too, gives up after the grace instead of waiting on the
+        // first until the far deadline.
         let began = tokio::time::Instant::now();
         assert!(!second.grow_wait(30, 100, far).await);
-        assert_eq!(began.elapsed(), std::time::Duration::ZERO);
+        assert_eq!(began.elapsed(), HOLDER_GRACE);
+        // An empty share beside bytes its request holds is a holder too: it gives up.
+        let mut beside = b.share().beside(10);
+        assert!(!beside.grow_wait(30, 100, far).await);
+        assert_eq!(began.elapsed(), 2 * HOLDER_GRACE);
         // A share that holds nothing may still wait (it keeps no one from anything).
         let idle = tokio::spawn(async move {
             let ok = empty.grow_wait(20, 100, far).await;
@@ -198,6 +318,33 @@ mod tests {
         assert!(ok_first && ok_empty);
         assert_eq!(b.used(), 100);
         drop((first, empty));
+        assert_eq!(b.used(), 0);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_holder_without_the_turn_gets_room_freed_within_the_grace() {
+        let b = Budget::new(100);
+        let far = tokio::time::Instant::now() + std::time::Duration::from_secs(600);
+        let (mut first, mut second, mut third) = (b.share(), b.share(), b.share());
+        assert!(first.grow(50) && second.grow(40) && third.grow(10));
+        let waiting = tokio::spawn(async move {
+            let ok = first.grow_wait(40, 100, far).await; // waits with the turn
+            (ok, first)
+        });
+        tokio::task::yield_now().await;
+        let freer = tokio::spawn(async move {
+            tokio::time::sleep(HOLDER_GRACE / 2).await;
+            drop(third); // a client read its bytes
+        });
+        let began = tokio::time::Instant::now();
+        assert!(second.grow_wait(10, 100, far).await); // without the turn, within the grace
+        assert_eq!(began.elapsed(), HOLDER_GRACE / 2);
+        freer.await.unwrap();
+        drop(second);
+        let (ok, first) = waiting.await.unwrap();
+        assert!(ok);
+        assert_eq!(b.used(), 90);
+        drop(first);
         assert_eq!(b.used(), 0);
     }
 

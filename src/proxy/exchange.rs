@@ -20,7 +20,7 @@ use super::budget::{Budget, Share};
 use super::config::Config;
 use super::fault::Fault;
 use super::metrics::Metrics;
-use super::parts::{shared_slices, PartsBody};
+use super::parts::{shared_slices, Held, Outgoing, PartsBody};
 use super::pool::{Lease, Outcome, Pool, Side};
 use super::request::{acceptable_request_id, Api, ClientBody};
 use super::stream::{StreamError, StreamMerger, SAMPLE_ROWS};
@@ -30,7 +30,7 @@ use crate::response::{merge_response_found, merge_suspects, routing_rows, MergeO
 use crate::{Error, Hints};
 
 /// The body of every response the proxy sends.
-pub type Body = BoxBody<Bytes, Infallible>;
+pub type Body = BoxBody<Outgoing, Infallible>;
 
 /// Bodies at least this large are read or merged with the runtime told the thread blocks
 /// (`block_in_place`), so other connections move to the other workers meanwhile.
@@ -349,7 +349,7 @@ impl Proxy {
                     self.upstreams
                         .read_body(r, limit, &mut share, ceiling, deadline)
                         .await
-                        .map(|b| (status, b))
+                        .map(|b| (status, Outgoing::new(b, Some(share), None)))
                 }
                 Err(e) => Err(e),
             };
@@ -363,7 +363,13 @@ impl Proxy {
         };
         let answer = tokio::time::timeout(self.config.request_timeout, answer);
         let mut response = match answer.await {
-            Ok(Ok((status, body))) => json_response(status.as_u16(), body),
+            Ok(Ok((status, body))) => {
+                let mut r = Response::new(Full::new(body).boxed());
+                *r.status_mut() = status;
+                r.headers_mut()
+                    .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+                r
+            }
             Ok(Err(fault)) => fault_response(&fault),
             Err(_) => fault_response(&self.request_timeout_fault()),
         };
@@ -583,7 +589,13 @@ impl Call {
         let lease = lease.take();
         ex.decode = proxy.decode.upstreams[lease.index].url.clone();
         let (decode_body, decode_share) = self
-            .fetch(ex, Side::Decode, lease, decode_json.into())
+            .fetch(
+                ex,
+                Side::Decode,
+                lease,
+                decode_json.into(),
+                prefill_share.held(),
+            )
             .await?;
         let began = Instant::now();
         // The merged body goes out as slices of the two bodies (only the rewritten parts are
@@ -618,7 +630,9 @@ impl Call {
         proxy.metrics.merged(len);
         ex.status(200, "none");
         ex.bytes_out = len;
-        let body = PartsBody::new(parts, [prefill_share, decode_share]);
+        // The slot and both bodies' budget stay held until the last part is written.
+        let held: Held = Arc::new((slot, prefill_share, decode_share));
+        let body = PartsBody::new(parts, held);
         let mut r = Response::new(BodyExt::boxed(body));
         r.headers_mut()
             .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
@@ -667,7 +681,7 @@ impl Call {
         let first = lease.index;
         ex.prefill = proxy.prefill.upstreams[first].url.clone();
         let data = Bytes::from(data);
-        match self.fetch(ex, Side::Prefill, lease, data.clone()).await {
+        match self.fetch(ex, Side::Prefill, lease, data.clone(), 0).await {
             Err(fault) if fault.retryable => {
                 let Some(retry) = proxy.prefill.pick(Some(first)) else {
                     return Err(fault);
@@ -676,7 +690,7 @@ impl Call {
                 log::warn!(target: "routed_experts::proxy",
                     "{} prefill {} unreachable, retrying on {url}", ex.request_id, ex.prefill);
                 ex.prefill = url;
-                self.fetch(ex, Side::Prefill, retry, data).await
+                self.fetch(ex, Side::Prefill, retry, data, 0).await
             }
             other => other,
         }
@@ -711,13 +725,16 @@ impl Call {
     }
 
     /// An upstream's whole reply body, within the size limit and the body budget.
+    /// `beside`: bytes the request already holds (the prefill body, while decode's reply is
+    /// read), which make it a holder in the budget's waiting rule.
     async fn read_reply(
         &self,
         side: Side,
         r: Response<Incoming>,
+        beside: usize,
     ) -> Result<(Bytes, Share), CallError> {
         let proxy = &self.proxy;
-        let mut share = proxy.budget.share();
+        let mut share = proxy.budget.share().beside(beside);
         let limit = proxy.config.max_upstream_bytes;
         let (ceiling, deadline) = (self.ceiling(side), proxy.wait_deadline(self.deadline));
         let body = proxy
@@ -734,6 +751,7 @@ impl Call {
         side: Side,
         lease: Lease,
         data: Bytes,
+        beside: usize,
     ) -> Result<(Bytes, Share), Fault> {
         let proxy = &self.proxy;
         let url = &proxy.pool(side).upstreams[lease.index].url;
@@ -743,7 +761,7 @@ impl Call {
             Ok(r) => {
                 let status = r.status().as_u16();
                 let json = is_mime(r.headers().get(CONTENT_TYPE), "application/json");
-                self.read_reply(side, r)
+                self.read_reply(side, r, beside)
                     .await
                     .map(|(body, share)| (status, json, body, share))
                     .map_err(|e| {
@@ -829,7 +847,10 @@ impl Call {
         let lease = lease.take();
         let url = proxy.decode.upstreams[lease.index].url.clone();
         let began = Instant::now();
-        let decode = match self.open_stream(lease, decode_json).await {
+        let decode = match self
+            .open_stream(lease, decode_json, prefill_share.held())
+            .await
+        {
             Ok(d) => d,
             Err(fault) => {
                 let _ = head_tx.send(Err(fault));
@@ -859,7 +880,7 @@ impl Call {
         };
         let max_line = proxy.config.max_upstream_bytes;
         let relay = Relay {
-            share: proxy.budget.share(),
+            share: proxy.budget.share().beside(prefill_share.held()),
             proxy,
             url,
             record,
@@ -868,7 +889,7 @@ impl Call {
             tx,
             deadline: self.deadline,
             began,
-            _held: (slot, prefill_share),
+            held: Arc::new((slot, prefill_share)),
             ended_line: true,
         };
         relay.run(upstream.into_body()).await;
@@ -879,6 +900,7 @@ impl Call {
         &self,
         lease: Lease,
         data: Vec<u8>,
+        beside: usize,
     ) -> Result<(Lease, Response<Incoming>), Fault> {
         let url = &self.proxy.decode.upstreams[lease.index].url;
         let (mut guard, head) = self.post(Side::Decode, lease, data.into()).await;
@@ -886,7 +908,10 @@ impl Call {
         let status = r.status().as_u16();
         if status >= 400 {
             guard.outcome = Outcome::of_status(status);
-            let body = self.read_reply(Side::Decode, r).await.map(|(b, _)| b);
+            let body = self
+                .read_reply(Side::Decode, r, beside)
+                .await
+                .map(|(b, _)| b);
             let body = body.unwrap_or_default();
             return Err(status_fault(Side::Decode, url, status, &body));
         }
@@ -926,11 +951,11 @@ struct Relay<'a> {
     record: Exchange,
     lease: Option<Lease>,
     merger: StreamMerger<'a>,
-    tx: mpsc::Sender<Bytes>,
+    tx: mpsc::Sender<Outgoing>,
     deadline: tokio::time::Instant,
     began: Instant,
-    share: Share, // the stream's bytes held: a line being received, pieces queued
-    _held: (Slot, Share), // the completion slot, and the prefill body's budget
+    share: Share, // the bytes of the line being received; pieces sent on carry their own
+    held: Held, // the completion slot and the prefill body's budget, until the last piece is written
     ended_line: bool, // whether what was sent so far ends with a newline
 }
 
@@ -974,7 +999,8 @@ impl Relay<'_> {
                 }
                 Step::Chunk(None) => match self.merger.finish(&mut out) {
                     Ok(()) => {
-                        self.send_all(out).await;
+                        let sent = self.share.split_beyond(0);
+                        self.send_all(out, Some(sent)).await;
                         break (Outcome::Ok, None);
                     }
                     Err(e) => Err(e),
@@ -993,15 +1019,17 @@ impl Relay<'_> {
             };
             match fed {
                 Ok(()) => {
-                    if !self.send_all(out).await {
+                    // The bytes sent on stay counted, with the pieces, until they are written;
+                    // what stays with the relay is the line held back.
+                    let sent = self.share.split_beyond(self.merger.buffered());
+                    if !self.send_all(out, Some(sent)).await {
                         self.record.finished = false;
                         break (Outcome::Unknown, None);
                     }
-                    // What was sent is queued or written; what stays is the line held back.
-                    self.share.shrink_to(self.merger.buffered());
                 }
                 Err(e) => {
-                    self.send_all(out).await;
+                    let sent = self.share.split_beyond(0);
+                    self.send_all(out, Some(sent)).await;
                     break (Outcome::Ok, Some(stream_fault(e)));
                 }
             }
@@ -1021,7 +1049,7 @@ impl Relay<'_> {
             if !self.ended_line {
                 event.splice(0..0, *b"\n\n");
             }
-            self.send_all(vec![Bytes::from(event)]).await;
+            self.send_all(vec![Bytes::from(event)], None).await;
         }
         if let Some(lease) = self.lease.take() {
             self.proxy.release(Side::Decode, lease, outcome);
@@ -1029,13 +1057,17 @@ impl Relay<'_> {
         self.record.seconds[1] = self.began.elapsed().as_secs_f64();
     }
 
-    /// Send pieces to the client; `false` when it is gone.
-    async fn send_all(&mut self, pieces: Vec<Bytes>) -> bool {
-        for piece in pieces {
+    /// Send pieces to the client, the last holding `share` (the bytes they came from) until
+    /// it is written; `false` when the client is gone.
+    async fn send_all(&mut self, pieces: Vec<Bytes>, mut share: Option<Share>) -> bool {
+        let last = pieces.len().saturating_sub(1);
+        for (i, piece) in pieces.into_iter().enumerate() {
             let n = piece.len();
-            if let Some(&last) = piece.last() {
-                self.ended_line = last == b'\n';
+            if let Some(&end) = piece.last() {
+                self.ended_line = end == b'\n';
             }
+            let own = if i == last { share.take() } else { None };
+            let piece = Outgoing::new(piece, own, Some(Arc::clone(&self.held)));
             if self.tx.send(piece).await.is_err() {
                 return false;
             }
@@ -1046,16 +1078,16 @@ impl Relay<'_> {
 }
 
 /// A response body fed by a channel: the stream relay's pieces, in order.
-struct ChannelBody(mpsc::Receiver<Bytes>);
+struct ChannelBody(mpsc::Receiver<Outgoing>);
 
 impl hyper::body::Body for ChannelBody {
-    type Data = Bytes;
+    type Data = Outgoing;
     type Error = Infallible;
 
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+    ) -> std::task::Poll<Option<Result<Frame<Outgoing>, Infallible>>> {
         self.0
             .poll_recv(cx)
             .map(|piece| piece.map(|b| Ok(Frame::data(b))))
@@ -1234,7 +1266,7 @@ pub fn json_response(status: u16, body: Bytes) -> Response<Body> {
 
 /// A response with a content type and a whole body.
 pub fn response(status: u16, content_type: &'static str, body: Bytes) -> Response<Body> {
-    let mut r = Response::new(Full::new(body).boxed());
+    let mut r = Response::new(Full::new(Outgoing::from(body)).boxed());
     *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
     r.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));

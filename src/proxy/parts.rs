@@ -1,13 +1,67 @@
 //! Bodies sent as parts: a merged body is mostly slices of the two bodies it was merged from,
-//! so it goes out as those slices (one vectored write) instead of being assembled first.
+//! so it goes out as those slices (one vectored write) instead of being assembled first. Every
+//! part carries what must stay held until hyper has written it (its budget share, the
+//! request's completion slot), so the budget counts bytes until they leave, not until hyper
+//! takes them into its write queue.
 
+use std::any::Any;
 use std::convert::Infallible;
+use std::io::IoSlice;
+use std::sync::Arc;
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes};
 use hyper::body::Frame;
 
 use super::budget::Share;
 use crate::response::Spliced;
+
+/// What a request holds until the last byte of its response is written (its completion slot,
+/// the budget shares of the bodies the response slices); shared by every part of it.
+pub type Held = Arc<dyn Any + Send + Sync>;
+
+/// Bytes on their way to a client. hyper drops each once it is written to the socket (its
+/// vectored write queue keeps them until then), and with it what it holds: its own budget
+/// share and a reference to what its request holds.
+pub struct Outgoing {
+    bytes: Bytes,
+    _share: Option<Share>,
+    _held: Option<Held>,
+}
+
+impl Outgoing {
+    /// `bytes` holding `share` (the budget that counts them) and `held` until written.
+    pub fn new(bytes: Bytes, share: Option<Share>, held: Option<Held>) -> Self {
+        Outgoing {
+            bytes,
+            _share: share,
+            _held: held,
+        }
+    }
+}
+
+impl From<Bytes> for Outgoing {
+    fn from(bytes: Bytes) -> Self {
+        Outgoing::new(bytes, None, None)
+    }
+}
+
+impl Buf for Outgoing {
+    fn remaining(&self) -> usize {
+        self.bytes.len()
+    }
+
+    fn chunk(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    fn chunks_vectored<'a>(&'a self, dst: &mut [IoSlice<'a>]) -> usize {
+        self.bytes.chunks_vectored(dst)
+    }
+
+    fn advance(&mut self, n: usize) {
+        self.bytes.advance(n);
+    }
+}
 
 /// A merged body's slices as `Bytes` sharing the buffers of `sources` (the bodies it was
 /// merged from); only the parts the merge wrote are copied (they are small).
@@ -27,39 +81,42 @@ pub fn shared_slices(spliced: &Spliced<'_>, sources: &[&Bytes]) -> crate::Result
         .collect())
 }
 
-/// A whole body sent as its parts (vectored writes), with its length known up front; it
-/// holds the budget of the bodies its parts share until it is sent or dropped.
+/// A whole body sent as its parts (vectored writes), with its length known up front; what
+/// `held` holds (the budget of the bodies its parts share, the request's slot) stays held
+/// until the last part is written or the body is dropped.
 pub struct PartsBody {
     parts: std::collections::VecDeque<Bytes>,
     remaining: u64,
-    _held: [Share; 2],
+    held: Held,
 }
 
 impl PartsBody {
-    /// `parts` in order, holding `held` until the body is sent or dropped.
-    pub fn new(parts: Vec<Bytes>, held: [Share; 2]) -> Self {
+    /// `parts` in order, each holding `held` until it is written.
+    pub fn new(parts: Vec<Bytes>, held: Held) -> Self {
         let remaining = parts.iter().map(|b| b.len() as u64).sum();
         PartsBody {
             parts: parts.into(),
             remaining,
-            _held: held,
+            held,
         }
     }
 }
 
 impl hyper::body::Body for PartsBody {
-    type Data = Bytes;
+    type Data = Outgoing;
     type Error = Infallible;
 
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,
         _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+    ) -> std::task::Poll<Option<Result<Frame<Outgoing>, Infallible>>> {
         let next = self.parts.pop_front();
         if let Some(b) = &next {
             self.remaining -= b.len() as u64;
         }
-        std::task::Poll::Ready(next.map(|b| Ok(Frame::data(b))))
+        let held = &self.held;
+        let frame = next.map(|b| Ok(Frame::data(Outgoing::new(b, None, Some(Arc::clone(held))))));
+        std::task::Poll::Ready(frame)
     }
 
     fn is_end_stream(&self) -> bool {

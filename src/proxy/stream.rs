@@ -30,9 +30,7 @@ pub struct StreamMerger<'a> {
     prefill: Prefill<'a>,
     opts: MergeOptions,
     max_line: usize,
-    partial: Vec<Bytes>, // the line being received, in the pieces it came in
-    small: Vec<u8>,      // its latest small pieces, copied together (see `hold`)
-    partial_len: usize,
+    partial: Vec<u8>, // the line being received, copied together as its pieces come (see `hold`)
     /// Some event carried routing (and was merged).
     pub merged: bool,
     /// Bytes of merged events.
@@ -82,9 +80,6 @@ impl Prefill<'_> {
     }
 }
 
-/// Pieces of a held line shorter than this are copied together (see `hold`).
-const COPY_BELOW: usize = 4096;
-
 /// Lines at least this long skip the marker scan: the merge's walk finds routing anyway.
 const LONG_LINE: usize = 64 * 1024;
 
@@ -126,8 +121,6 @@ impl<'a> StreamMerger<'a> {
             opts,
             max_line,
             partial: Vec::new(),
-            small: Vec::new(),
-            partial_len: 0,
             merged: false,
             merged_bytes: 0,
             suspects: Default::default(),
@@ -143,13 +136,13 @@ impl<'a> StreamMerger<'a> {
 
     /// Bytes of an incomplete line held back until its end arrives.
     pub fn buffered(&self) -> usize {
-        self.partial_len
+        self.partial.len()
     }
 
     /// Push onto `out` the pieces to send for the lines this chunk completes.
     pub fn feed(&mut self, chunk: Bytes, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
         let mut pos = 0;
-        if self.partial_len > 0 {
+        if !self.partial.is_empty() {
             let Some(nl) = memchr::memchr(b'\n', &chunk) else {
                 return self.hold(chunk);
             };
@@ -172,7 +165,7 @@ impl<'a> StreamMerger<'a> {
     /// The rest of the stream (a last line without a newline); then the checks: the stream
     /// ended with `data: [DONE]`, and carried routing if the prefill body did.
     pub fn finish(&mut self, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
-        if self.partial_len > 0 {
+        if !self.partial.is_empty() {
             let line = self.take_line();
             // An unterminated last line is sent on only when the stream is whole with it (SSE
             // clients drop an event cut off by the end of the stream anyway); otherwise the
@@ -196,48 +189,22 @@ impl<'a> StreamMerger<'a> {
         Ok(())
     }
 
-    /// Keep a piece of an unfinished line (no copy).
+    /// Keep a piece of an unfinished line. Pieces are copied together as they come: the held
+    /// line costs its own size (a slice would keep alive the whole read buffer it points into,
+    /// so an event split into tiny chunks would cost many times its size), and it is whole and
+    /// contiguous when its end arrives, with no second copy beside the pieces. (A line that
+    /// comes whole in one chunk is never held, so never copied.)
     fn hold(&mut self, piece: Bytes) -> Result<(), StreamError> {
-        if self.partial_len + piece.len() > self.max_line {
+        if self.partial.len() + piece.len() > self.max_line {
             return Err(StreamError::LineTooLong(self.max_line));
         }
-        self.partial_len += piece.len();
-        // Small pieces are copied together: a slice would keep alive the whole read buffer it
-        // points into, so an event split into tiny chunks would cost many times its size (and
-        // a piece each). Large pieces are kept as they came (no copy).
-        if piece.len() < COPY_BELOW {
-            self.small.extend_from_slice(&piece);
-            if self.small.len() >= COPY_BELOW * 16 {
-                self.flush_small();
-            }
-            return Ok(());
-        }
-        self.flush_small();
-        self.partial.push(piece);
+        self.partial.extend_from_slice(&piece);
         Ok(())
     }
 
-    /// The held line, now complete, joined once (a line that came in one piece is not copied).
-    /// The small pieces copied so far, as one piece of the held line.
-    fn flush_small(&mut self) {
-        if !self.small.is_empty() {
-            let small = std::mem::take(&mut self.small);
-            self.partial.push(Bytes::from(small));
-        }
-    }
-
+    /// The held line, now complete.
     fn take_line(&mut self) -> Bytes {
-        self.flush_small();
-        let pieces = std::mem::take(&mut self.partial);
-        let len = std::mem::take(&mut self.partial_len);
-        if pieces.len() == 1 {
-            return pieces.into_iter().next().unwrap_or_default();
-        }
-        let mut line = Vec::with_capacity(len);
-        for p in &pieces {
-            line.extend_from_slice(p);
-        }
-        Bytes::from(line)
+        Bytes::from(std::mem::take(&mut self.partial))
     }
 
     /// Whole lines: passed on as one piece unless one may hold routing or the stream's end.
@@ -357,7 +324,7 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
     }
 
     #[test]
-    fn an_event_in_one_byte_chunks_is_held_in_few_pieces_and_merges_the_same() {
+    fn an_event_in_one_byte_chunks_is_held_at_its_size_and_merges_the_same() {
         // A long routing event, one byte at a time, with a large chunk in the middle of it.
         let pad = "x".repeat(200_000);
         let event = format!(
@@ -375,9 +342,13 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
             m.feed(Bytes::copy_from_slice(&[*b]), &mut out).unwrap();
         }
         m.feed(Bytes::copy_from_slice(big), &mut out).unwrap();
-        // About its size held, in a piece per 64 KiB of small chunks (not one per byte).
+        // Its size held, in one buffer (not a piece, nor a read buffer, per byte).
         assert_eq!(m.buffered(), 150_000);
-        assert!(m.partial.len() <= 4, "{} pieces", m.partial.len());
+        assert!(
+            m.partial.capacity() < 2 * 150_000,
+            "{}",
+            m.partial.capacity()
+        );
         for b in tail {
             m.feed(Bytes::copy_from_slice(&[*b]), &mut out).unwrap();
         }

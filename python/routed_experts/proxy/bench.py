@@ -130,12 +130,23 @@ class Bodies:
 
 class Engine:
     """Serves prebuilt bodies. `fault`: None, "hang" (reads requests, never answers),
-    "no_routing", "status500", "truncated" (closes half way through a body)."""
+    "no_routing", "status500", "truncated" (closes half way through a body), "byte_split" (a
+    stream's routing event one byte per HTTP chunk). A request whose client marked it
+    `"user": "small"` is answered with the bodies of an 8-token request."""
 
     def __init__(self, role: str, bodies: Bodies, fault: str | None) -> None:
         self.role, self.bodies, self.fault = role, bodies, fault
         self.requests = 0
         self.disconnects = 0
+        self._small: Bodies | None = None
+
+    def small(self) -> Bodies:
+        if self._small is None:
+            prefill = rx.from_response(self.bodies.prefill)
+            assert prefill is not None
+            shape = prefill.shape
+            self._small = Bodies.make(8, shape[1], shape[2])
+        return self._small
 
     def reply(self, url: bytes, body: bytes) -> list[bytes] | None:
         if url == b"/stats":
@@ -146,6 +157,9 @@ class Engine:
         if url == b"/metrics":  # vllm-router looks for data-parallel ranks there
             return _http(404, b"{}")
         self.requests += 1
+        bodies = self.bodies
+        if SMALL_MARK in body.replace(b'": ', b'":'):  # the proxy may write it without spaces
+            bodies = self.small()
         if self.fault == "hang":
             return None
         if self.fault == "status500":
@@ -153,17 +167,38 @@ class Engine:
         if self.role == "prefill":
             if b'"do_remote_decode":true' not in body:
                 return _http(400, b'{"error":"not a prefill request"}')
-            return _http(200, self.bodies.prefill)
+            return _http(200, bodies.prefill)
         if b'"bench-prefill"' not in body:  # decode needs prefill's kv_transfer_params
             return _http(400, b'{"error":"no kv_transfer_params from prefill"}')
         if b'"stream":true' in body:
-            return _http(200, self.bodies.stream, b"text/event-stream")
+            if self.fault == "byte_split":
+                return _byte_split(bodies.stream)
+            return _http(200, bodies.stream, b"text/event-stream")
         if self.fault == "no_routing":
             return _http(200, self.bodies.without_routing())
         if self.fault == "truncated":
             head, data = _http(200, self.bodies.decode)
             return [head, data[: len(data) // 2], b""]  # b"": close the connection
-        return _http(200, self.bodies.decode)
+        return _http(200, bodies.decode)
+
+
+# A client's request marked this way is answered with small bodies (`Engine`).
+SMALL_MARK = b'"user":"small"'
+
+
+def _byte_split(stream: bytes) -> list[bytes]:
+    """The stream chunked: the routing event one byte per chunk, every other event whole."""
+    head = (b"HTTP/1.1 200 X\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n")
+    parts = [head]
+    for event in stream.split(b"\n\n")[:-1]:
+        event += b"\n\n"
+        if b'"routed_experts"' in event:
+            parts.append(b"".join(b"1\r\n%c\r\n" % c for c in event))
+        else:
+            parts.append(b"%x\r\n%s\r\n" % (len(event), event))
+    parts.append(b"0\r\n\r\n")
+    return parts
 
 
 def _http(status: int, body: bytes, content_type: bytes = b"application/json") -> list[bytes]:
@@ -224,6 +259,10 @@ def _serve_main(kind: str, prefill: list[str], decode: list[str], settings: dict
     if kind == "proxy":  # the Rust data plane, as `routed-experts proxy` runs it
         from routed_experts.proxy import ProxyConfig, ProxyServer
 
+        if os.environ.get("BENCH_DEBUG"):  # the proxy's log lines, one a request
+            from .server import configure_logging
+
+            configure_logging("info")
         server = ProxyServer(prefill, decode, ProxyConfig(**settings))
         print(f"PORT {server.port}", flush=True)
         server.serve(signals=True)
@@ -626,6 +665,17 @@ def _closed_port() -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     parts = args.only or ["load", "stream", "memory", "faults"]
+    reliability = [p for p in parts if p in RELIABILITY_PARTS]
+    if reliability and len(reliability) == len(parts):  # at their own sizes (reliability.py)
+        from .reliability import run_reliability
+
+        rounds = run_reliability(args, reliability)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rounds, f, indent=1)
+        return 0 if _reliable(rounds) else 1
+    if reliability:
+        raise SystemExit("bench-proxy: run lockup, slow and split apart from the other parts")
     bodies = Bodies.make(args.tokens, args.layers, args.top_k)
     results: dict[str, Any] = {
         "shape": [args.tokens, args.layers, args.top_k],
@@ -668,6 +718,25 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"bench-proxy: {wrong} responses were 200 with wrong routing", flush=True)
         return 1
     return 0
+
+
+RELIABILITY_PARTS = ("lockup", "slow", "split")
+
+
+def _reliable(results: dict[str, Any]) -> bool:
+    """No wrong 200, no stream left hanging, the budget empty after, memory within its bound."""
+    ok = True
+    for r in results.get("lockup", []):
+        for kind in ("proxy",):
+            s = r[kind]
+            ok &= "wrong" not in s["outcomes"] and "0" not in s["outcomes"]
+            ok &= s["after"] == {"buffered_bytes": 0, "in_flight": 0} and s["after_ok"]
+    for s in results.get("slow", {}).values():
+        if isinstance(s, dict) and "within_bound" in s:
+            ok &= s["within_bound"] and s["after"]["buffered_bytes"] == 0
+    if not ok:
+        print("bench-proxy: a reliability check failed (see above)", flush=True)
+    return bool(ok)
 
 
 def _print_load(title: str, r: dict[str, Any]) -> None:
