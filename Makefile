@@ -104,10 +104,13 @@ bench-quality: build-dev $(VENV)/.test-deps
 	routed-experts bench --quality --model qwen3-235b-a22b kimi-k2 --tokens 4096 32768 131072 \
 		--repeat 7
 
-# The proxy's bounded loopback load and fault benchmark beside a pass-through relay (a few
-# minutes; the table in BENCHMARKS.md). Loopback only; every round is bounded.
+# The proxy's bounded loopback load and fault benchmark beside a pass-through relay and
+# vllm-router, then its long-context rounds (32 streams of 64 MiB routing events, slow readers,
+# byte-split events) at the audit's sizes (about ten minutes; the tables in BENCHMARKS.md).
+# Loopback only; every round is bounded.
 bench-proxy: build-dev $(VENV)/.test-deps
 	routed-experts bench-proxy --json bench-proxy.json
+	routed-experts bench-proxy --only lockup slow split --json bench-proxy-reliability.json
 
 fuzz-build:
 	@cargo +nightly --version >/dev/null 2>&1 || { echo "fuzz: the nightly toolchain is missing (rustup toolchain install nightly)"; exit 1; }

@@ -202,7 +202,7 @@ impl Share {
             .checked_add(n)
             .is_some_and(|t| t <= SMALL_BODY);
         let ceiling = if small {
-            ceiling
+            b.limit // prefill's too: a small request must not wait for large decodes to finish
         } else {
             ceiling.saturating_sub(b.limit / SMALL_BODIES_PART)
         };
@@ -284,6 +284,14 @@ mod tests {
         let mut stream = b.share().beside(2 * SMALL_BODY);
         assert!(!stream.grow(1));
         assert!(b.share().beside(SMALL_BODY / 2).grow(SMALL_BODY / 2));
+        // A small body fits past the prefill ceiling, which large prefill bodies stop below.
+        let b = Budget::new(64 * SMALL_BODY);
+        let mut decode = b.share();
+        assert!(decode.grow(50 * SMALL_BODY)); // past the prefill ceiling (48)
+        assert!(!b.share().grow_within(2 * SMALL_BODY, b.prefill_ceiling()));
+        let mut small = b.share();
+        assert!(small.grow_within(SMALL_BODY, b.prefill_ceiling()));
+        assert_eq!(b.used(), 51 * SMALL_BODY);
     }
 
     #[tokio::test(flavor = "current_thread", start_paused = true)]

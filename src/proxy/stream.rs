@@ -30,7 +30,10 @@ pub struct StreamMerger<'a> {
     prefill: Prefill<'a>,
     opts: MergeOptions,
     max_line: usize,
-    partial: Vec<u8>, // the line being received, copied together as its pieces come (see `hold`)
+    partial: Vec<Bytes>, // the line being received, in the pieces it came in
+    small: Vec<u8>,      // its latest small pieces, copied together (see `hold`)
+    joined: Vec<u8>,     // a large line, copied together as it comes (see `hold`)
+    partial_len: usize,
     /// Some event carried routing (and was merged).
     pub merged: bool,
     /// Bytes of merged events.
@@ -80,6 +83,14 @@ impl Prefill<'_> {
     }
 }
 
+/// Pieces of a held line shorter than this are copied together (see `hold`).
+const COPY_BELOW: usize = 4096;
+
+/// A held line this long is copied into one buffer as it comes (see `hold`). Buffers this
+/// large get pages of their own from the system, given back when freed (the server fixes the
+/// allocator's threshold here).
+pub const OWN_PAGES_ABOVE: usize = 8 << 20;
+
 /// Lines at least this long skip the marker scan: the merge's walk finds routing anyway.
 const LONG_LINE: usize = 64 * 1024;
 
@@ -121,6 +132,9 @@ impl<'a> StreamMerger<'a> {
             opts,
             max_line,
             partial: Vec::new(),
+            small: Vec::new(),
+            joined: Vec::new(),
+            partial_len: 0,
             merged: false,
             merged_bytes: 0,
             suspects: Default::default(),
@@ -136,13 +150,13 @@ impl<'a> StreamMerger<'a> {
 
     /// Bytes of an incomplete line held back until its end arrives.
     pub fn buffered(&self) -> usize {
-        self.partial.len()
+        self.partial_len
     }
 
     /// Push onto `out` the pieces to send for the lines this chunk completes.
     pub fn feed(&mut self, chunk: Bytes, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
         let mut pos = 0;
-        if !self.partial.is_empty() {
+        if self.partial_len > 0 {
             let Some(nl) = memchr::memchr(b'\n', &chunk) else {
                 return self.hold(chunk);
             };
@@ -165,7 +179,7 @@ impl<'a> StreamMerger<'a> {
     /// The rest of the stream (a last line without a newline); then the checks: the stream
     /// ended with `data: [DONE]`, and carried routing if the prefill body did.
     pub fn finish(&mut self, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
-        if !self.partial.is_empty() {
+        if self.partial_len > 0 {
             let line = self.take_line();
             // An unterminated last line is sent on only when the stream is whole with it (SSE
             // clients drop an event cut off by the end of the stream anyway); otherwise the
@@ -189,22 +203,70 @@ impl<'a> StreamMerger<'a> {
         Ok(())
     }
 
-    /// Keep a piece of an unfinished line. Pieces are copied together as they come: the held
-    /// line costs its own size (a slice would keep alive the whole read buffer it points into,
-    /// so an event split into tiny chunks would cost many times its size), and it is whole and
-    /// contiguous when its end arrives, with no second copy beside the pieces. (A line that
-    /// comes whole in one chunk is never held, so never copied.)
+    /// Keep a piece of an unfinished line (no copy).
     fn hold(&mut self, piece: Bytes) -> Result<(), StreamError> {
-        if self.partial.len() + piece.len() > self.max_line {
+        if self.partial_len + piece.len() > self.max_line {
             return Err(StreamError::LineTooLong(self.max_line));
         }
-        self.partial.extend_from_slice(&piece);
+        self.partial_len += piece.len();
+        // A large line (a long-context routing event) is copied into one buffer as it comes,
+        // which grows without copying (its pages are its own); its pieces go back to the heap
+        // at once instead of waiting, every one, for the line's end.
+        if !self.joined.is_empty() {
+            self.joined.extend_from_slice(&piece);
+            return Ok(());
+        }
+        if self.partial_len >= OWN_PAGES_ABOVE {
+            self.flush_small();
+            let mut joined = Vec::with_capacity(self.partial_len.saturating_mul(2));
+            for p in std::mem::take(&mut self.partial) {
+                joined.extend_from_slice(&p);
+            }
+            joined.extend_from_slice(&piece);
+            self.joined = joined;
+            return Ok(());
+        }
+        // Small pieces are copied together: a slice would keep alive the whole read buffer it
+        // points into, so an event split into tiny chunks would cost many times its size (and
+        // a piece each). Large pieces are kept as they came (no copy).
+        if piece.len() < COPY_BELOW {
+            self.small.extend_from_slice(&piece);
+            if self.small.len() >= COPY_BELOW * 16 {
+                self.flush_small();
+            }
+            return Ok(());
+        }
+        self.flush_small();
+        self.partial.push(piece);
         Ok(())
     }
 
-    /// The held line, now complete.
+    /// The held line, now complete, joined once (a line that came in one piece is not copied).
+    /// The small pieces copied so far, as one piece of the held line.
+    fn flush_small(&mut self) {
+        if !self.small.is_empty() {
+            let small = std::mem::take(&mut self.small);
+            self.partial.push(Bytes::from(small));
+        }
+    }
+
     fn take_line(&mut self) -> Bytes {
-        Bytes::from(std::mem::take(&mut self.partial))
+        let len = std::mem::take(&mut self.partial_len);
+        if !self.joined.is_empty() {
+            return Bytes::from(std::mem::take(&mut self.joined));
+        }
+        self.flush_small();
+        let pieces = std::mem::take(&mut self.partial);
+        if pieces.len() == 1 {
+            return pieces.into_iter().next().unwrap_or_default();
+        }
+        // Each piece is let go once copied: the line and its pieces are never both whole in
+        // memory (a piece shares at most one upstream read buffer, 256 KiB).
+        let mut line = Vec::with_capacity(len);
+        for p in pieces {
+            line.extend_from_slice(&p);
+        }
+        Bytes::from(line)
     }
 
     /// Whole lines: passed on as one piece unless one may hold routing or the stream's end.
@@ -324,7 +386,7 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
     }
 
     #[test]
-    fn an_event_in_one_byte_chunks_is_held_at_its_size_and_merges_the_same() {
+    fn an_event_in_one_byte_chunks_is_held_in_few_pieces_and_merges_the_same() {
         // A long routing event, one byte at a time, with a large chunk in the middle of it.
         let pad = "x".repeat(200_000);
         let event = format!(
@@ -342,13 +404,9 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
             m.feed(Bytes::copy_from_slice(&[*b]), &mut out).unwrap();
         }
         m.feed(Bytes::copy_from_slice(big), &mut out).unwrap();
-        // Its size held, in one buffer (not a piece, nor a read buffer, per byte).
+        // About its size held, in a piece per 64 KiB of small chunks (not one per byte).
         assert_eq!(m.buffered(), 150_000);
-        assert!(
-            m.partial.capacity() < 2 * 150_000,
-            "{}",
-            m.partial.capacity()
-        );
+        assert!(m.partial.len() <= 4, "{} pieces", m.partial.len());
         for b in tail {
             m.feed(Bytes::copy_from_slice(&[*b]), &mut out).unwrap();
         }
@@ -358,6 +416,30 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
         let merged = r#""data":"CgsUFR4fKCk=","shape":[4,1,2],"start":0"#;
         assert!(got.starts_with(&format!("data: {{\"pad\":\"{pad}\",")));
         assert!(got.contains(merged) && got.ends_with(": a comment\n\ndata: [DONE]\n\n"));
+    }
+
+    #[test]
+    fn a_line_past_the_large_size_is_held_in_one_buffer_and_passes_the_same() {
+        let pad = vec![b'x'; OWN_PAGES_ABOVE + 100_000];
+        let mut line = b": ".to_vec();
+        line.extend_from_slice(&pad);
+        line.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+        let prefill = Bytes::from_static(PREFILL);
+        let found = crate::read_body(&prefill).unwrap();
+        let opts = MergeOptions::new(DEFAULT_MAX_BYTES);
+        let mut m = StreamMerger::new(&prefill, &found, opts, 64 << 20);
+        let mut out = Vec::new();
+        let cut = line.len() - 20;
+        for piece in line[..cut].chunks(300_000) {
+            m.feed(Bytes::copy_from_slice(piece), &mut out).unwrap();
+        }
+        assert!(m.partial.is_empty() && !m.joined.is_empty()); // one buffer, no pieces
+        assert_eq!(m.buffered(), cut);
+        m.feed(Bytes::copy_from_slice(&line[cut..]), &mut out)
+            .unwrap();
+        assert_eq!(m.buffered(), 0);
+        assert!(m.finish(&mut out).is_err()); // prefill had routing and no event carried it
+        assert_eq!(out.concat(), line);
     }
 
     #[test]

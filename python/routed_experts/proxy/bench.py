@@ -727,10 +727,10 @@ def _reliable(results: dict[str, Any]) -> bool:
     """No wrong 200, no stream left hanging, the budget empty after, memory within its bound."""
     ok = True
     for r in results.get("lockup", []):
-        for kind in ("proxy",):
-            s = r[kind]
-            ok &= "wrong" not in s["outcomes"] and "0" not in s["outcomes"]
-            ok &= s["after"] == {"buffered_bytes": 0, "in_flight": 0} and s["after_ok"]
+        s = r["proxy"]
+        ok &= "wrong" not in s["outcomes"] and "0" not in s["outcomes"]
+        ok &= s["after"] == {"buffered_bytes": 0, "in_flight": 0} and s["after_ok"]
+        ok &= s["within_bound"] and s["small_not_ok"] == 0
     for s in results.get("slow", {}).values():
         if isinstance(s, dict) and "within_bound" in s:
             ok &= s["within_bound"] and s["after"]["buffered_bytes"] == 0

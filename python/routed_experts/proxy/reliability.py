@@ -217,6 +217,8 @@ def bench_lockup(
                     h = _health(server.url)
                     r["after"] = {"buffered_bytes": h["buffered_bytes"],
                                   "in_flight": h["in_flight"]}
+                    bound = idle + h["buffered_limit"] / 2**20 + PER_CONNECTION_MB * (streams + 1)
+                    r["bound_mb"], r["within_bound"] = round(bound), peak.peak_mb <= bound
                 again = asyncio.run(_lockup_load(
                     server.url, big, expect, small, small_expect, 1, timeout))
                 r["after_ok"] = again["outcomes"] == {"merged": 1} and not again["small_not_ok"]
@@ -378,7 +380,14 @@ def _print_lockup(r: dict[str, Any]) -> None:
         print(f"  {kind:12} {s['outcomes']}  wall {s['wall_s']} s (slowest {s['slowest_s']} s)  "
               f"small: {s['small_requests']} sent, {s['small_not_ok']} not ok, p50 "
               f"{s['small_p50_ms']} ms, max {s['small_max_ms']} ms  RSS {s['idle_rss_mb']} -> "
-              f"{s['peak_rss_mb']} MB  after: {after} served again: {s['after_ok']}", flush=True)
+              f"{s['peak_rss_mb']} MB{_bound(s)}  after: {after} served again: {s['after_ok']}",
+              flush=True)
+
+
+def _bound(s: dict[str, Any]) -> str:
+    if "bound_mb" not in s:
+        return ""
+    return f" (bound {s['bound_mb']} MB: {'within' if s['within_bound'] else 'PAST IT'})"
 
 
 def _print_slow(r: dict[str, Any]) -> None:
