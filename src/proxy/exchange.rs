@@ -758,6 +758,10 @@ impl Call {
         let began = Instant::now();
         let (mut guard, head) = self.post(side, lease, data).await;
         let reply = match head {
+            Ok(r) if encoding(&r).is_some() => {
+                guard.outcome = Outcome::of_status(r.status().as_u16());
+                Err(encoded_fault(side, url, encoding(&r).unwrap_or_default()))
+            }
             Ok(r) => {
                 let status = r.status().as_u16();
                 let json = is_mime(r.headers().get(CONTENT_TYPE), "application/json");
@@ -914,6 +918,10 @@ impl Call {
                 .map(|(b, _)| b);
             let body = body.unwrap_or_default();
             return Err(status_fault(Side::Decode, url, status, &body));
+        }
+        if let Some(enc) = encoding(&r) {
+            guard.outcome = Outcome::Ok;
+            return Err(encoded_fault(Side::Decode, url, enc));
         }
         if !is_mime(r.headers().get(CONTENT_TYPE), "text/event-stream") {
             guard.outcome = Outcome::Ok;
@@ -1224,7 +1232,11 @@ fn is_mime(value: Option<&HeaderValue>, mime: &str) -> bool {
 }
 
 fn upstream_headers(id: &str, auth: Option<HeaderValue>) -> Vec<(&'static str, HeaderValue)> {
-    let mut h = vec![("content-type", HeaderValue::from_static("application/json"))];
+    // Bodies are merged as they come: a compressed one could not be read.
+    let mut h = vec![
+        ("content-type", HeaderValue::from_static("application/json")),
+        ("accept-encoding", HeaderValue::from_static("identity")),
+    ];
     if let Ok(v) = HeaderValue::from_str(id) {
         h.push(("x-request-id", v));
     }
@@ -1232,6 +1244,30 @@ fn upstream_headers(id: &str, auth: Option<HeaderValue>) -> Vec<(&'static str, H
         h.push(("authorization", a));
     }
     h
+}
+
+/// A reply's content coding other than identity (which the proxy asked for), as sent.
+fn encoding(r: &Response<Incoming>) -> Option<String> {
+    let v = r.headers().get(hyper::header::CONTENT_ENCODING)?;
+    let text = String::from_utf8_lossy(v.as_bytes())
+        .trim()
+        .to_ascii_lowercase();
+    (text != "identity" && !text.is_empty()).then_some(text)
+}
+
+/// A reply in a content coding the proxy cannot merge (it asks for identity).
+fn encoded_fault(side: Side, url: &str, encoding: String) -> Fault {
+    let s = side.name();
+    let shown = encoding.escape_debug().take(40).collect::<String>();
+    log::warn!(target: "routed_experts::proxy", "{s} server {url} answered in Content-Encoding {shown}");
+    Fault::new(
+        s,
+        502,
+        format!(
+            "the {s} server answered in Content-Encoding \"{shown}\"; the proxy merges only \
+             identity bodies (it sends Accept-Encoding: identity)"
+        ),
+    )
 }
 
 /// `X-Request-Id: id` on a response (ids are printable ASCII, so it always fits a header).
