@@ -483,6 +483,23 @@ fn check_expert_load(routings: &[(&Payload, &Vec<i64>)], num_experts: usize) {
     }
 }
 
+/// A JSON object's fields, each as its raw text.
+#[cfg(feature = "proxy")]
+fn raw_fields(json: &[u8]) -> std::collections::BTreeMap<String, Box<serde_json::value::RawValue>> {
+    serde_json::from_slice(json).expect("a JSON object")
+}
+
+/// One field of `raw_fields`, parsed (null when absent).
+#[cfg(feature = "proxy")]
+fn field(
+    fields: &std::collections::BTreeMap<String, Box<serde_json::value::RawValue>>,
+    key: &str,
+) -> serde_json::Value {
+    fields.get(key).map_or(serde_json::Value::Null, |r| {
+        serde_json::from_str(r.get()).expect("a field the proxy wrote")
+    })
+}
+
 /// A client body and a decode stream (split at the first 0xff): what the proxy accepts from a
 /// client it rewrites into JSON objects for prefill and decode with the protocol's fields set,
 /// and a decode stream merged in any chunking gives the same bytes (or the same refusal).
@@ -497,18 +514,18 @@ pub fn proxy(data: &[u8]) {
         let Ok(body) = ClientBody::parse(client, api) else {
             continue;
         };
-        let p: serde_json::Map<String, serde_json::Value> =
-            serde_json::from_slice(&body.prefill_request()).expect("prefill JSON");
-        assert_eq!(p["stream"], false);
+        // Fields are read one by one: the client's own values pass byte for byte, and JSON
+        // allows numbers (`2e5550`) that serde_json's f64 cannot hold.
+        let p = raw_fields(&body.prefill_request());
+        assert_eq!(field(&p, "stream"), false);
         let limits = match api {
-            Api::Generate => p["sampling_params"].clone(),
-            _ => serde_json::Value::Object(p.clone()),
+            Api::Generate => raw_fields(p["sampling_params"].get().as_bytes()),
+            _ => p.clone(),
         };
-        assert_eq!(limits["max_tokens"], 1);
-        assert!(p["kv_transfer_params"]["do_remote_decode"] == true);
-        let d: serde_json::Map<String, serde_json::Value> =
-            serde_json::from_slice(&body.decode_request(Some(b"{\"k\":1}"))).expect("decode JSON");
-        assert_eq!(d["kv_transfer_params"]["k"], 1);
+        assert_eq!(field(&limits, "max_tokens"), 1);
+        assert!(field(&p, "kv_transfer_params")["do_remote_decode"] == true);
+        let d = raw_fields(&body.decode_request(Some(b"{\"k\":1}")));
+        assert_eq!(field(&d, "kv_transfer_params")["k"], 1);
     }
     const PREFILL: &[u8] = br#"{"choices":[{"index":0,"routed_experts":{"data":"CgsUFR4f","shape":[3,1,2],"start":0,"dtype":"uint8"}}]}"#;
     let prefill = bytes::Bytes::from_static(PREFILL);
