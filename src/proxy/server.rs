@@ -474,8 +474,7 @@ async fn give_back_memory(proxy: Arc<Proxy>) {
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let (used, peak) = (proxy.budget.used(), proxy.budget.peak());
-        let freed = peak.saturating_sub(used);
-        if freed >= GIVE_BACK_AFTER.max(peak / 2) {
+        if burst_ended(used, peak) {
             proxy.budget.take_peak();
             give_back().await;
             continue;
@@ -491,6 +490,12 @@ async fn give_back_memory(proxy: Arc<Proxy>) {
             give_back().await;
         }
     }
+}
+
+/// Whether a burst has ended: the budget holds half its peak since memory was last given back
+/// or less, and at least [`GIVE_BACK_AFTER`] bytes fewer.
+fn burst_ended(used: usize, peak: usize) -> bool {
+    peak.saturating_sub(used) >= GIVE_BACK_AFTER.max(peak / 2)
 }
 
 /// The heap's free pages back to the system, on a blocking thread (it walks the heap).
@@ -658,5 +663,21 @@ impl Write for ConnIo {
     fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
         shutdown_write(&self.stream);
         Poll::Ready(Ok(()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_is_given_back_once_a_burst_has_freed_half_its_peak() {
+        const MIB: usize = 1 << 20;
+        assert!(!burst_ended(0, 0)); // nothing ever held
+        assert!(!burst_ended(0, 32 * MIB)); // a small burst: the quiet rule is enough
+        assert!(burst_ended(0, 64 * MIB));
+        assert!(burst_ended(500 * MIB, 1000 * MIB)); // requests still in flight
+        assert!(!burst_ended(600 * MIB, 1000 * MIB)); // still most of the peak
+        assert!(!burst_ended(1000 * MIB, 1000 * MIB));
     }
 }
