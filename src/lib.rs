@@ -117,6 +117,9 @@ mod payload;
 pub mod proxy;
 /// Routing inside whole response bodies: finding it, and merging bodies (format.md §3.2, §4).
 pub mod response;
+/// One rank's share of a packed batch: context and sequence parallelism, pipeline stages
+/// (format.md §6.1).
+pub mod shard;
 /// The compact sidecar (format.md §3.1).
 pub mod sidecar;
 /// vLLM 0.21's split routing: prompt rows at the top of the body, generated rows per choice.
@@ -156,6 +159,7 @@ mod _core {
     #[pymodule_export]
     use crate::python::functions::{
         _read_prefill, decode, detect_format, encode, from_response, merge, merge_response, pack,
+        shard,
     };
     #[pymodule_export]
     use crate::python::payload::{_from_raw, RoutedExperts};

@@ -24,6 +24,7 @@ from routed_experts._core import (
     merge_response,
     pack,
     set_max_bytes,
+    shard,
 )
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "merge_response",
     "pack",
     "set_max_bytes",
+    "shard",
 ]
 
 __version__ = "0.1.0"

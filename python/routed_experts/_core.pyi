@@ -29,6 +29,7 @@ __all__ = [
     "merge_response",
     "pack",
     "set_max_bytes",
+    "shard",
 ]
 
 _DTypeLike: TypeAlias = str | npt.DTypeLike
@@ -229,6 +230,18 @@ def detect_format(value: Any) -> str: ...
 def pack(
     samples: list[RoutedExperts], dtype: str | None = "int32", pad_to_multiple: int | None = None
 ) -> tuple[_IntArray, np.ndarray[Any, np.dtype[np.int32]]]: ...
+def shard(
+    batch: Any,
+    cu_seqlens: Any,
+    mask: Any | None = None,
+    *,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    cp_split: Literal["zigzag", "contiguous"] = "zigzag",
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    layers: tuple[int, int] | None = None,
+) -> tuple[_IntArray, np.ndarray[Any, np.dtype[np.int32]], _BoolArray | None]: ...
 def set_max_bytes(n: int) -> None: ...
 def get_max_bytes() -> int: ...
 def _from_raw(data: Any, shape: tuple[int, int, int], start: int, dtype: str) -> RoutedExperts: ...

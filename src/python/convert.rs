@@ -292,3 +292,127 @@ fn shape3(shape: &[usize]) -> PyResult<Shape> {
         .into()),
     }
 }
+
+/// A count or index argument: a Python int from 0 to 2**63 - 1, else a `RoutedExpertsError`
+/// naming the argument (never `OverflowError` or a conversion's `TypeError`).
+pub fn count_arg(name: &str, v: &Bound<'_, PyAny>) -> PyResult<usize> {
+    if !v.is_instance_of::<PyInt>() || v.is_instance_of::<PyBool>() {
+        let t = v.get_type().name()?.to_string();
+        return Err(crate::Error::field(name, "an integer", format!("a {t}")).into());
+    }
+    match v.extract::<i64>() {
+        Ok(n) => usize::try_from(n)
+            .map_err(|_| crate::Error::field(name, "a non-negative integer", n).into()),
+        Err(_) => {
+            Err(crate::Error::field(name, "an integer below 2**63", v.repr()?.to_string()).into())
+        }
+    }
+}
+
+/// A 1-d array of non-negative integer offsets (such as `cu_seqlens`), from anything
+/// `numpy.asarray` takes.
+pub fn offsets_arg(name: &str, v: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    let py = v.py();
+    let arr = py.import("numpy")?.getattr("asarray")?.call1((v,))?;
+    let kind: String = arr.getattr("dtype")?.getattr("kind")?.extract()?;
+    let ndim: usize = arr.getattr("ndim")?.extract()?;
+    if ndim != 1 || !(kind == "i" || kind == "u") {
+        let dt = arr.getattr("dtype")?.str()?.to_string();
+        return Err(crate::Error::field(
+            name,
+            "a 1-d integer array",
+            format!("{ndim} dimensions of {dt}"),
+        )
+        .into());
+    }
+    let values = arr.call_method1("astype", ("int64",))?;
+    let values = values.cast::<numpy::PyArray1<i64>>()?.readonly();
+    values
+        .as_array()
+        .iter()
+        .enumerate()
+        .map(|(i, &c)| {
+            usize::try_from(c).map_err(|_| {
+                crate::Error::field(name, "non-negative entries", format!("{c} at {i}")).into()
+            })
+        })
+        .collect()
+}
+
+/// A new array of `batch`'s dtype holding the share `rank` takes (format.md §6.1), the plan it
+/// followed, and the batch's row count.
+pub fn shard_array<'py>(
+    batch: &Bound<'py, PyAny>,
+    cu_seqlens: &[usize],
+    rank: &crate::shard::Rank,
+) -> PyResult<(Bound<'py, PyAny>, crate::shard::Plan, usize)> {
+    let py = batch.py();
+    let arr = py.import("numpy")?.getattr("asarray")?.call1((batch,))?;
+    macro_rules! try_element {
+        ($($t:ty),*) => {$(
+            if let Ok(a) = arr.cast::<PyArrayDyn<$t>>() {
+                let &[rows, layers, top_k] = a.shape() else {
+                    return Err(crate::Error::field(
+                        "batch",
+                        "3 dimensions (rows, num_layers, top_k)",
+                        format!("shape {:?}", a.shape()),
+                    ).into());
+                };
+                let plan = crate::shard::plan(cu_seqlens, rows, layers, rank)?;
+                let dims = [plan.num_rows(), plan.layers.len(), top_k];
+                let out = numpy::PyArray3::<$t>::zeros(py, dims, false);
+                let ro = a.readonly();
+                let owned;
+                let src: &[$t] = match ro.as_slice() {
+                    Ok(s) => s,
+                    Err(_) => { owned = ro.as_array().iter().copied().collect::<Vec<$t>>(); &owned }
+                };
+                // SAFETY: `out` was just created here, C-contiguous; nothing else sees it yet.
+                let dst = unsafe { out.as_slice_mut() }
+                    .map_err(|_| crate::Error::payload("a new numpy array is not contiguous"))?;
+                py.detach(|| crate::shard::gather(src, layers, top_k, &plan, dst));
+                return Ok((out.into_any(), plan, rows));
+            }
+        )*};
+    }
+    try_element!(u8, i8, u16, i16, u32, i32, u64, i64);
+    let dt = arr.getattr("dtype")?.str()?.to_cow()?.into_owned();
+    Err(crate::Error::field("batch", "an integer array", format!("dtype {dt}")).into())
+}
+
+/// The rows of a 1-d boolean `mask` (one entry per batch row) that `plan` takes.
+pub fn shard_mask<'py>(
+    mask: &Bound<'py, PyAny>,
+    plan: &crate::shard::Plan,
+    num_rows: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = mask.py();
+    let arr = py.import("numpy")?.getattr("asarray")?.call1((mask,))?;
+    let Ok(a) = arr.cast::<numpy::PyArray1<bool>>() else {
+        let dt = arr.getattr("dtype")?.str()?.to_string();
+        let shape = arr.getattr("shape")?.repr()?.to_string();
+        return Err(crate::Error::field(
+            "mask",
+            format!("a 1-d bool array of {num_rows} entries"),
+            format!("{dt} of shape {shape}"),
+        )
+        .into());
+    };
+    if a.len() != num_rows {
+        return Err(crate::Error::field(
+            "mask",
+            format!("{num_rows} entries (one per batch row)"),
+            a.len(),
+        )
+        .into());
+    }
+    let ro = a.readonly();
+    let m = ro.as_array();
+    let taken: Vec<bool> = plan
+        .rows
+        .iter()
+        .flat_map(|r| r.clone())
+        .map(|i| m[i])
+        .collect();
+    Ok(numpy::PyArray1::from_vec(py, taken).into_any())
+}

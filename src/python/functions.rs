@@ -289,6 +289,65 @@ pub fn pack<'py>(
     Ok((packed, cu_seqlens))
 }
 
+/// What `shard` returns: the rank's rows, its `cu_seqlens`, its mask rows (None without a mask).
+type Share<'py> = (
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Option<Bound<'py, PyAny>>,
+);
+
+/// One rank's share of a packed batch (format.md §6.1): `batch` (rows x layers x top_k, any
+/// integer dtype, numpy or anything `numpy.asarray` takes without a copy, such as a CPU tensor)
+/// and its `cu_seqlens`, cut for context parallelism (`cp_split` "zigzag": rank r takes chunks
+/// r and 2 x cp_size - 1 - r of each sample's 2 x cp_size; "contiguous": chunk r of cp_size),
+/// then for sequence parallelism (the rank's rows in tp_size equal parts, part tp_rank), then
+/// to the layers `(start, stop)`. Returns `(batch, cu_seqlens, mask)` for the rank: a new array
+/// of the batch's dtype holding only its rows (the GIL released while copied), int32
+/// `cu_seqlens` of the context-parallel rank's sample lengths, and the mask's rows (None without
+/// a mask). Rows past `cu_seqlens[-1]` (padding) belong to no sample and are left out.
+#[pyfunction]
+#[pyo3(signature = (batch, cu_seqlens, mask = None, *, cp_size = None, cp_rank = None, cp_split = "zigzag", tp_size = None, tp_rank = None, layers = None), text_signature = "(batch, cu_seqlens, mask=None, *, cp_size=1, cp_rank=0, cp_split='zigzag', tp_size=1, tp_rank=0, layers=None)")]
+#[allow(clippy::too_many_arguments)]
+pub fn shard<'py>(
+    py: Python<'py>,
+    batch: &Bound<'py, PyAny>,
+    cu_seqlens: &Bound<'py, PyAny>,
+    mask: Option<&Bound<'py, PyAny>>,
+    cp_size: Option<&Bound<'py, PyAny>>,
+    cp_rank: Option<&Bound<'py, PyAny>>,
+    cp_split: &str,
+    tp_size: Option<&Bound<'py, PyAny>>,
+    tp_rank: Option<&Bound<'py, PyAny>>,
+    layers: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+) -> PyResult<Share<'py>> {
+    use crate::python::convert::count_arg;
+    use crate::shard::{CpSplit, Rank};
+    let arg = |name, v: Option<&Bound<'py, PyAny>>, default| match v {
+        Some(v) => count_arg(name, v),
+        None => Ok(default),
+    };
+    let rank = Rank {
+        cp_size: arg("cp_size", cp_size, 1)?,
+        cp_rank: arg("cp_rank", cp_rank, 0)?,
+        cp_split: CpSplit::parse(cp_split)?,
+        tp_size: arg("tp_size", tp_size, 1)?,
+        tp_rank: arg("tp_rank", tp_rank, 0)?,
+        layers: match &layers {
+            Some((a, b)) => Some((count_arg("layers", a)?, count_arg("layers", b)?)),
+            None => None,
+        },
+    };
+    let cu = crate::python::convert::offsets_arg("cu_seqlens", cu_seqlens)?;
+    let (share, plan, num_rows) = crate::python::convert::shard_array(batch, &cu, &rank)?;
+    let cu: Vec<i64> = plan.cu_seqlens.iter().map(|&c| c as i64).collect();
+    let cu_out = numpy::PyArray1::from_vec(py, cu).call_method1("astype", ("int32",))?;
+    let mask_out = match mask {
+        Some(m) => Some(crate::python::convert::shard_mask(m, &plan, num_rows)?),
+        None => None,
+    };
+    Ok((share, cu_out, mask_out))
+}
+
 /// What the proxy reads from a prefill body before it calls decode, in one walk (GIL released):
 /// the raw JSON text of top-level `kv_transfer_params` (None when absent or null), and, with
 /// `count_rows`, the number of rows of each routing value (what the proxy's check of
