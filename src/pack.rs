@@ -1,21 +1,56 @@
-//! Packing samples into one batch for the trainer (format.md §6): one dtype, concatenated rows,
-//! cumulative sequence lengths, optional padding to a multiple of N rows.
+//! Packing samples into one batch for the trainer (format.md §6): one dtype, each sample's rows
+//! where its tokens are, cumulative sequence lengths, a mask of the rows that carry routing,
+//! optional padding of each sample and of the batch.
 
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::merge::check_same_rows;
 use crate::payload::{Payload, Shape};
 
-/// Rows of the packed batch and the cumulative sequence lengths `[0, n0, n0+n1, ...]`.
-/// Padding rows (zeros, to reach a multiple of `pad_to_multiple`) come after the last sample
-/// and are not counted in `cu_seqlens`. The packed shape (in `dtype`) is held to `max_bytes`
+/// How samples are laid out in the batch.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PackOptions {
+    /// Each sample's token count: its rows are positions `0..n`, the payload's rows at their
+    /// positions; rows it has no routing for (before its start, after its stop: vLLM's last
+    /// sampled token has none) are filled and masked. Routing past `n` is an error. `None`:
+    /// each sample is its payload's rows as they are.
+    pub num_tokens: Option<Vec<usize>>,
+    /// Pad every sample at its end to a multiple of this many rows (counted in `cu_seqlens`:
+    /// what context parallelism needs).
+    pub pad_each_to_multiple: Option<usize>,
+    /// Pad the batch at its end to a multiple of this many rows (not counted in `cu_seqlens`).
+    pub pad_to_multiple: Option<usize>,
+}
+
+/// Where each sample goes: the batch's rows, `cu_seqlens` (`[0, n0, n0+n1, ...]`, padded
+/// sample lengths), and the batch row each payload's first row lands on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// Rows of the batch, trailing padding included.
+    pub rows: usize,
+    /// Cumulative sample lengths.
+    pub cu_seqlens: Vec<usize>,
+    places: Vec<usize>,
+}
+
+fn multiple_of(name: &str, n: usize, m: Option<usize>) -> Result<usize> {
+    match m {
+        None => Ok(n),
+        Some(0) => Err(Error::field(name, "a positive integer", 0)),
+        Some(m) => n.div_ceil(m).checked_mul(m).ok_or_else(|| {
+            Error::payload(format!("{n} rows padded to a multiple of {m} overflow"))
+        }),
+    }
+}
+
+/// The layout of `samples` under `opts`, the packed shape (in `dtype`) held to `max_bytes`
 /// before anything is allocated.
 pub fn layout(
     samples: &[&Payload],
-    pad_to_multiple: Option<usize>,
+    opts: &PackOptions,
     dtype: DType,
     max_bytes: usize,
-) -> Result<(usize, Vec<usize>)> {
+) -> Result<Layout> {
     let Some(first) = samples.first() else {
         return Err(Error::field(
             "samples",
@@ -23,46 +58,171 @@ pub fn layout(
             "an empty list",
         ));
     };
+    if let Some(n) = &opts.num_tokens {
+        if n.len() != samples.len() {
+            return Err(Error::field(
+                "num_tokens",
+                format!("one count per sample ({})", samples.len()),
+                n.len(),
+            ));
+        }
+    }
     let mut cu = Vec::with_capacity(samples.len() + 1);
+    let mut places = Vec::with_capacity(samples.len());
     let mut rows = 0usize;
     cu.push(rows);
     for (i, s) in samples.iter().enumerate() {
         check_same_rows(first.shape(), s.shape(), "sample 0", &format!("sample {i}"))?;
+        let (len, offset) = match &opts.num_tokens {
+            None => (s.num_tokens(), 0),
+            Some(counts) => {
+                let n = counts[i];
+                let start = usize::try_from(s.start()).unwrap_or(usize::MAX);
+                let stop = start.saturating_add(s.num_tokens());
+                if stop > n {
+                    return Err(Error::payload(format!(
+                        "sample {i}: routing covers positions {start}..{stop}, past its \
+                         num_tokens of {n} (routing covers at most every token)"
+                    )));
+                }
+                (n, start)
+            }
+        };
+        let len = multiple_of("pad_each_to_multiple", len, opts.pad_each_to_multiple)?;
+        places.push(rows + offset);
         rows = rows
-            .checked_add(s.num_tokens())
+            .checked_add(len)
             .ok_or_else(|| Error::payload("pack: more than 2**64 rows in all"))?;
         cu.push(rows);
     }
-    let total = match pad_to_multiple {
-        None => rows,
-        Some(0) => return Err(Error::field("pad_to_multiple", "a positive integer", 0)),
-        Some(n) => rows.div_ceil(n).checked_mul(n).ok_or_else(|| {
-            Error::payload(format!(
-                "pack: {rows} rows padded to a multiple of {n} overflow"
-            ))
-        })?,
-    };
+    let samples_rows = rows;
+    let total = multiple_of("pad_to_multiple", rows, opts.pad_to_multiple)?;
     let shape = Shape {
         tokens: total,
         ..first.shape()
     };
-    crate::limits::check_shape(shape, dtype, max_bytes).map_err(|e| match pad_to_multiple {
-        Some(n) => e.context(format!("pack of {rows} rows with pad_to_multiple={n}")),
-        None => e.context(format!("pack of {rows} rows")),
+    crate::limits::check_shape(shape, dtype, max_bytes).map_err(|e| {
+        let mut what = format!("pack of {samples_rows} rows");
+        if let Some(m) = opts.pad_each_to_multiple {
+            what += &format!(" with pad_each_to_multiple={m}");
+        }
+        if let Some(m) = opts.pad_to_multiple {
+            what += &format!(" with pad_to_multiple={m}");
+        }
+        e.context(what)
     })?;
-    Ok((total, cu))
+    Ok(Layout {
+        rows: total,
+        cu_seqlens: cu,
+        places,
+    })
 }
 
-/// Write every sample's values, converted to `D`, one after the other into `dst` (whose tail past
-/// the samples is left as it is: zeros in a fresh array).
-pub fn pack_into<D: Element>(samples: &[&Payload], dst: &mut [D]) -> Result<()> {
-    let mut rest = dst;
-    for (i, s) in samples.iter().enumerate() {
-        let n = s.num_tokens() * s.num_layers() * s.top_k();
-        let (head, tail) = rest.split_at_mut(n);
-        s.write_as::<D>(head)
+/// Write every sample's values, converted to `D`, where `layout` puts them in `dst` (zeros
+/// everywhere else, as in a fresh array), and mark in `mask` (one entry per batch row, all
+/// false to begin with) the rows that carry routing. A row marked missing (all `-1`) is written
+/// as zeros and left unmarked: no `-1` reaches the batch; a `-1` beside real ids is an error.
+pub fn pack_into<D: Element>(
+    samples: &[&Payload],
+    layout: &Layout,
+    dst: &mut [D],
+    mut mask: Option<&mut [bool]>,
+) -> Result<()> {
+    let Some(first) = samples.first() else {
+        return Ok(());
+    };
+    let row = first.num_layers() * first.top_k();
+    for (i, (s, &at)) in samples.iter().zip(&layout.places).enumerate() {
+        let n = s.num_tokens();
+        let out = &mut dst[at * row..(at + n) * row];
+        s.write_as::<D>(out)
             .map_err(|e| e.context(format!("sample {i}")))?;
-        rest = tail;
+        let signed = matches!(s.dtype(), DType::I8 | DType::I16 | DType::I32 | DType::I64);
+        for (t, r) in out.chunks_exact_mut(row.max(1)).enumerate().take(n) {
+            let real = if signed {
+                let sentinels = r.iter().filter(|&&v| Into::<i64>::into(v) == -1).count();
+                if sentinels == r.len() {
+                    r.fill(D::zeroed());
+                    false
+                } else if sentinels > 0 {
+                    let at = r
+                        .iter()
+                        .position(|&v| Into::<i64>::into(v) == -1)
+                        .unwrap_or(0);
+                    return Err(Error::payload(format!(
+                        "sample {i}: position {} has -1 in layer {} beside real ids (a missing \
+                         row is -1 throughout)",
+                        s.start() + t as u64,
+                        at / first.top_k().max(1)
+                    )));
+                } else {
+                    true
+                }
+            } else {
+                true
+            };
+            if let Some(m) = mask.as_deref_mut() {
+                m[at + t] = real;
+            }
+        }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DTypeChoice;
+
+    fn payload(values: &[i64], tokens: usize, start: u64) -> Payload {
+        Payload::from_values(
+            values,
+            Shape::new(tokens, 1, 2),
+            start,
+            DTypeChoice::Compact,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn samples_land_at_their_positions_padded_and_masked() {
+        let a = payload(&[1, 2, 3, 4, -1, -1], 3, 1); // positions 1..4, the last missing
+        let b = payload(&[5, 6], 1, 0);
+        let opts = PackOptions {
+            num_tokens: Some(vec![5, 2]),
+            pad_each_to_multiple: Some(3),
+            pad_to_multiple: Some(4),
+        };
+        let l = layout(&[&a, &b], &opts, DType::I32, 1 << 20).unwrap();
+        assert_eq!((l.rows, l.cu_seqlens.clone()), (12, vec![0, 6, 9]));
+        let mut dst = vec![0i32; l.rows * 2];
+        let mut mask = vec![false; l.rows];
+        pack_into(&[&a, &b], &l, &mut dst, Some(&mut mask)).unwrap();
+        assert_eq!(&dst[..14], &[0, 0, 1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 5, 6]);
+        let on: Vec<usize> = (0..12).filter(|&i| mask[i]).collect();
+        assert_eq!(on, [1, 2, 6]);
+    }
+
+    #[test]
+    fn routing_past_num_tokens_and_half_missing_rows_are_errors() {
+        let a = payload(&[1, 2, 3, 4], 2, 3);
+        let opts = PackOptions {
+            num_tokens: Some(vec![4]),
+            ..PackOptions::default()
+        };
+        let e = layout(&[&a], &opts, DType::I32, 1 << 20).unwrap_err();
+        assert!(e
+            .to_string()
+            .contains("covers positions 3..5, past its num_tokens of 4"));
+        let bad = payload(&[1, -1], 1, 0);
+        let l = layout(&[&bad], &PackOptions::default(), DType::I32, 1 << 20).unwrap();
+        let e = pack_into(&[&bad], &l, &mut [0i32; 2], None).unwrap_err();
+        assert!(e.to_string().contains("-1 in layer 0 beside real ids"));
+        let counts = PackOptions {
+            num_tokens: Some(vec![1, 2]),
+            ..PackOptions::default()
+        };
+        let e = layout(&[&bad], &counts, DType::I32, 1 << 20).unwrap_err();
+        assert!(e.to_string().contains("one count per sample (1)"));
+    }
 }

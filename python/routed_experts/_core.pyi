@@ -1,5 +1,6 @@
 """Type stubs for the Rust extension module (checked by mypy.stubtest)."""
 
+from collections.abc import Sequence
 from typing import Any, Literal, SupportsIndex, TypeAlias, final, overload
 
 import numpy as np
@@ -129,10 +130,17 @@ class Trajectory:
         max_missing: int = 1,
         *,
         mask: Literal[False] = False,
+        dtype: str | None = None,
     ) -> _IntArray: ...
     @overload
     def to_training(
-        self, num_tokens: int, pad: str = "repeat", max_missing: int = 1, *, mask: Literal[True]
+        self,
+        num_tokens: int,
+        pad: str = "repeat",
+        max_missing: int = 1,
+        *,
+        mask: Literal[True],
+        dtype: str | None = None,
     ) -> tuple[_IntArray, _BoolArray]: ...
 
 @final
@@ -227,9 +235,28 @@ def decode(
 ) -> RoutedExperts: ...
 def encode(payload: RoutedExperts, format: str = "compact") -> Any: ...
 def detect_format(value: Any) -> str: ...
+_Sample: TypeAlias = RoutedExperts | Trajectory | Any  # or an integer array (rows from 0)
+
+@overload
 def pack(
-    samples: list[RoutedExperts], dtype: str | None = "int32", pad_to_multiple: int | None = None
+    samples: Sequence[_Sample],
+    dtype: str | None = "int32",
+    pad_to_multiple: int | None = None,
+    *,
+    num_tokens: Sequence[int] | None = None,
+    pad_each_to_multiple: int | None = None,
+    mask: Literal[False] = False,
 ) -> tuple[_IntArray, np.ndarray[Any, np.dtype[np.int32]]]: ...
+@overload
+def pack(
+    samples: Sequence[_Sample],
+    dtype: str | None = "int32",
+    pad_to_multiple: int | None = None,
+    *,
+    num_tokens: Sequence[int] | None = None,
+    pad_each_to_multiple: int | None = None,
+    mask: Literal[True],
+) -> tuple[_IntArray, np.ndarray[Any, np.dtype[np.int32]], _BoolArray]: ...
 def shard(
     batch: Any,
     cu_seqlens: Any,

@@ -256,20 +256,39 @@ pub fn detect_format(value: &Bound<'_, PyAny>) -> PyResult<&'static str> {
     Ok(formats::detect(&text_arg(value)?).name())
 }
 
-/// Pack samples into one batch: every sample converted to `dtype` (default int32; None for the
-/// smallest dtype that holds them all) and concatenated, plus `cu_seqlens` (int32,
-/// `[0, n0, n0+n1, ...]`). With `pad_to_multiple`, zero rows follow the last sample up to a
-/// multiple of that many rows; they are not counted in `cu_seqlens`.
+/// Pack samples into one batch (format.md §6): `samples` are payloads, trajectories, or integer
+/// arrays (numpy, CPU tensors; their rows count from position 0), converted to `dtype` (default
+/// int32; int64 on request; None for the smallest that holds them all) and laid end to end.
+/// Returns `(batch, cu_seqlens)` (int32, `[0, n0, n0+n1, ...]`), or with `mask=True`
+/// `(batch, cu_seqlens, mask)`: a bool per batch row, False for padding, for rows a sample has
+/// no routing for, and for rows marked missing (all -1). Those rows are zeros in the batch:
+/// no -1 reaches it. `num_tokens` (one count per sample) puts each sample's rows at their
+/// positions in a sample of that many tokens (routing covers at most every token; vLLM's last
+/// sampled token has none). `pad_each_to_multiple` pads every sample to a multiple of that many
+/// rows (counted in `cu_seqlens`: what `shard`'s context parallelism needs); `pad_to_multiple`
+/// pads the batch at its end (not counted).
 #[pyfunction]
-#[pyo3(signature = (samples, dtype = Some("int32"), pad_to_multiple = None), text_signature = "(samples, dtype='int32', pad_to_multiple=None)")]
+#[pyo3(signature = (samples, dtype = Some("int32"), pad_to_multiple = None, *, num_tokens = None, pad_each_to_multiple = None, mask = false), text_signature = "(samples, dtype='int32', pad_to_multiple=None, *, num_tokens=None, pad_each_to_multiple=None, mask=False)")]
 pub fn pack<'py>(
     py: Python<'py>,
-    samples: Vec<Bound<'py, RoutedExperts>>,
+    samples: &Bound<'py, PyAny>,
     dtype: Option<&str>,
-    pad_to_multiple: Option<usize>,
-) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    pad_to_multiple: Option<&Bound<'py, PyAny>>,
+    num_tokens: Option<&Bound<'py, PyAny>>,
+    pad_each_to_multiple: Option<&Bound<'py, PyAny>>,
+    mask: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    use crate::python::convert::{count_arg, offsets_arg};
     use numpy::PyArray1;
-    let payloads: Vec<&Payload> = samples.iter().map(|s| &s.get().inner).collect();
+    let (held, owned) = pack_samples(samples)?;
+    let mut payloads: Vec<&Payload> = Vec::with_capacity(held.len());
+    let mut owned_iter = owned.iter();
+    for h in &held {
+        match h {
+            Some(p) => payloads.push(&p.get().inner),
+            None => payloads.push(owned_iter.next().expect("one owned payload per array")),
+        }
+    }
     let Some(first) = payloads.first() else {
         return Err(crate::Error::field("samples", "at least one sample", "an empty list").into());
     };
@@ -279,14 +298,83 @@ pub fn pack<'py>(
             .iter()
             .fold(first.dtype(), |d, p| crate::DType::promote(d, p.dtype())),
     };
-    let (rows, cu) = crate::pack::layout(&payloads, pad_to_multiple, dtype, limits::max_bytes())?;
-    let cu: Vec<i64> = cu.into_iter().map(|c| c as i64).collect();
+    let opts = crate::pack::PackOptions {
+        num_tokens: num_tokens
+            .map(|n| offsets_arg("num_tokens", n))
+            .transpose()?,
+        pad_each_to_multiple: pad_each_to_multiple
+            .map(|n| count_arg("pad_each_to_multiple", n))
+            .transpose()?,
+        pad_to_multiple: pad_to_multiple
+            .map(|n| count_arg("pad_to_multiple", n))
+            .transpose()?,
+    };
+    let layout = crate::pack::layout(&payloads, &opts, dtype, limits::max_bytes())?;
+    let cu: Vec<i64> = layout.cu_seqlens.iter().map(|&c| c as i64).collect();
     let cu_seqlens = PyArray1::from_vec(py, cu).call_method1("astype", ("int32",))?;
-    let dims = (rows, first.num_layers(), first.top_k());
-    let packed = crate::with_element!(dtype, D => {
-        super::numpy_filled::<D>(py, dims, |dst| crate::pack::pack_into(&payloads, dst))?
+    let dims = (layout.rows, first.num_layers(), first.top_k());
+    let mut rows_mask = vec![false; if mask { layout.rows } else { 0 }];
+    let batch = crate::with_element!(dtype, D => {
+        super::numpy_filled::<D>(py, dims, |dst| {
+            let m = mask.then_some(&mut rows_mask[..]);
+            crate::pack::pack_into(&payloads, &layout, dst, m)
+        })?
     });
-    Ok((packed, cu_seqlens))
+    if !mask {
+        return Ok(PyTuple::new(py, [batch, cu_seqlens])?.into_any());
+    }
+    let rows_mask = PyArray1::from_vec(py, rows_mask).into_any();
+    Ok(PyTuple::new(py, [batch, cu_seqlens, rows_mask])?.into_any())
+}
+
+/// `pack`'s samples: payloads as they are (`Some`), and in order beside them (`None` in the
+/// first list), the payloads of trajectories and arrays (an array's rows from position 0).
+#[allow(clippy::type_complexity)]
+fn pack_samples<'py>(
+    samples: &Bound<'py, PyAny>,
+) -> PyResult<(Vec<Option<Bound<'py, RoutedExperts>>>, Vec<Payload>)> {
+    if samples.is_instance_of::<pyo3::types::PyString>() || samples.cast::<RoutedExperts>().is_ok()
+    {
+        return Err(crate::Error::field("samples", "a list of samples", "one sample").into());
+    }
+    let mut held = Vec::new();
+    let mut owned = Vec::new();
+    for (i, s) in samples.try_iter()?.enumerate() {
+        let s = s?;
+        if let Ok(p) = s.cast::<RoutedExperts>() {
+            held.push(Some(p.clone()));
+            continue;
+        }
+        if let Ok(t) = s.cast::<crate::python::trajectory::Trajectory>() {
+            match t.getattr("payload")?.cast_into::<RoutedExperts>() {
+                Ok(p) => held.push(Some(p)),
+                Err(_) => {
+                    return Err(crate::Error::field(
+                        "samples",
+                        "trajectories with rows",
+                        format!("an empty trajectory at {i}"),
+                    )
+                    .into())
+                }
+            }
+            continue;
+        }
+        let choice = crate::DTypeChoice::Compact;
+        let p = crate::python::convert::payload_from_array(&s, 0, choice)
+            .map_err(|e| prefix_error(s.py(), e, &format!("sample {i}: ")))?;
+        owned.push(p);
+        held.push(None);
+    }
+    Ok((held, owned))
+}
+
+/// `e` with `prefix` before its message (a `RoutedExpertsError` keeps its class).
+fn prefix_error(py: Python<'_>, e: PyErr, prefix: &str) -> PyErr {
+    let msg = e.value(py).str().map(|s| s.to_string()).unwrap_or_default();
+    if e.is_instance_of::<crate::python::RoutedExpertsError>(py) {
+        return crate::Error::payload(format!("{prefix}{msg}")).into();
+    }
+    e
 }
 
 /// What `shard` returns: the rank's rows, its `cu_seqlens`, its mask rows (None without a mask).

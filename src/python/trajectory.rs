@@ -128,10 +128,13 @@ impl Trajectory {
     /// truncated, or padded at the end ("repeat" the last row, or "zero") by at most
     /// `max_missing` rows. The trajectory must start at position 0.
     ///
+    /// In `dtype`: the payload's by default (as the golden vectors of format.md pin it); ask for
+    /// "int32" or "int64" before `torch.from_numpy` (torch reads a uint8 tensor as a mask).
+    ///
     /// With `mask=True`, returns `(array, mask)`: `mask` is a bool array of `num_tokens`, True
     /// where the row carries real routing; padded rows and rows marked missing (all -1) are
     /// False.
-    #[pyo3(signature = (num_tokens, pad = "repeat", max_missing = 1, *, mask = false))]
+    #[pyo3(signature = (num_tokens, pad = "repeat", max_missing = 1, *, mask = false, dtype = None))]
     fn to_training<'py>(
         &self,
         py: Python<'py>,
@@ -139,6 +142,7 @@ impl Trajectory {
         pad: &str,
         max_missing: usize,
         mask: bool,
+        dtype: Option<&str>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let pad = Pad::parse(pad)?;
         let limit = limits::max_bytes();
@@ -147,7 +151,11 @@ impl Trajectory {
             t.to_training(num_tokens, pad, max_missing, limit)
                 .map(|a| (a, real))
         })?;
-        let array = new_numpy(py, &aligned, aligned.dtype())?;
+        let dtype = match dtype {
+            Some(name) => crate::DType::parse(name)?,
+            None => aligned.dtype(),
+        };
+        let array = new_numpy(py, &aligned, dtype)?;
         if !mask {
             return Ok(array);
         }
