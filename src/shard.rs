@@ -208,6 +208,16 @@ pub fn plan(cu_seqlens: &[usize], num_rows: usize, num_layers: usize, rank: &Ran
 /// rows x `num_layers` x `top_k`, row-major).
 pub fn gather<T: Copy>(src: &[T], num_layers: usize, top_k: usize, plan: &Plan, dst: &mut [T]) {
     let row = num_layers * top_k;
+    if plan.layers == (0..num_layers) {
+        // Whole rows: one copy a run.
+        let mut at = 0;
+        for run in &plan.rows {
+            let n = run.len() * row;
+            dst[at..at + n].copy_from_slice(&src[run.start * row..run.end * row]);
+            at += n;
+        }
+        return;
+    }
     let (from, to) = (plan.layers.start * top_k, plan.layers.end * top_k);
     let mut out = dst.chunks_exact_mut(to - from);
     for run in &plan.rows {

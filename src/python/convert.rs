@@ -370,6 +370,7 @@ pub fn shard_array<'py>(
                 // SAFETY: `out` was just created here, C-contiguous; nothing else sees it yet.
                 let dst = unsafe { out.as_slice_mut() }
                     .map_err(|_| crate::Error::payload("a new numpy array is not contiguous"))?;
+                crate::buffer::prefault(dst.as_mut_ptr().cast(), std::mem::size_of_val(dst));
                 py.detach(|| crate::shard::gather(src, layers, top_k, &plan, dst));
                 return Ok((out.into_any(), plan, rows));
             }
