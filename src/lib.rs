@@ -175,7 +175,7 @@ mod _core {
     /// Cap on the decoded size of one payload, in bytes (default 1 GiB); larger payloads are
     /// refused before anything is allocated.
     #[pyfunction]
-    fn set_max_bytes(n: usize) {
+    fn set_max_bytes(#[pyo3(from_py_with = crate::python::convert::arg::n)] n: usize) {
         crate::limits::set_max_bytes(n)
     }
 

@@ -289,7 +289,7 @@ def test_expert_load_refuses_batches_that_disagree() -> None:
         rx.expert_load([payload([[[0, 1]]]), payload([[[0], [1]]])], 4)
     with pytest.raises(rx.PayloadError, match="at least one routing"):
         rx.expert_load([], 4)
-    with pytest.raises(rx.PayloadError, match="`num_experts`: expected a count of experts"):
+    with pytest.raises(rx.PayloadError, match="`num_experts`: expected a non-negative integer"):
         rx.expert_load(payload([[[0, 1]]]), -1)
 
 

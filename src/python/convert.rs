@@ -296,10 +296,26 @@ fn shape3(shape: &[usize]) -> PyResult<Shape> {
 /// A count or index argument: a Python int from 0 to 2**63 - 1, else a `RoutedExpertsError`
 /// naming the argument (never `OverflowError` or a conversion's `TypeError`).
 pub fn count_arg(name: &str, v: &Bound<'_, PyAny>) -> PyResult<usize> {
-    if !v.is_instance_of::<PyInt>() || v.is_instance_of::<PyBool>() {
+    let not_an_integer = || -> PyResult<PyErr> {
         let t = v.get_type().name()?.to_string();
-        return Err(crate::Error::field(name, "an integer", format!("a {t}")).into());
+        Ok(crate::Error::field(name, "an integer", format!("a {t}")).into())
+    };
+    if v.is_instance_of::<PyBool>() {
+        return Err(not_an_integer()?);
     }
+    // numpy's integers (and anything else with __index__) count as integers.
+    let index;
+    let v = if v.is_instance_of::<PyInt>() {
+        v
+    } else {
+        match v.py().import("operator")?.getattr("index")?.call1((v,)) {
+            Ok(i) => {
+                index = i;
+                &index
+            }
+            Err(_) => return Err(not_an_integer()?),
+        }
+    };
     match v.extract::<i64>() {
         Ok(n) => usize::try_from(n)
             .map_err(|_| crate::Error::field(name, "a non-negative integer", n).into()),
@@ -417,3 +433,52 @@ pub fn shard_mask<'py>(
         .collect();
     Ok(numpy::PyArray1::from_vec(py, taken).into_any())
 }
+
+/// Extractors for `#[pyo3(from_py_with = ...)]`: each integer argument checked by its own name
+/// (PyO3 passes a conversion's `OverflowError` through unnamed), so a negative, huge or
+/// non-integer value is a `RoutedExpertsError` naming the argument.
+macro_rules! named_counts {
+    ($($name:ident),* $(,)?) => {
+        /// One extractor per argument name (see `named_counts`).
+        #[allow(dead_code)] // not every name is taken both ways
+        pub mod arg {
+            use pyo3::prelude::*;
+            $(
+                pub fn $name<T: TryFrom<usize>>(v: &Bound<'_, PyAny>) -> PyResult<T> {
+                    let n = super::count_arg(stringify!($name), v)?;
+                    T::try_from(n).map_err(|_| {
+                        crate::Error::field(stringify!($name), "a smaller integer", n).into()
+                    })
+                }
+            )*
+        }
+        /// The same, for arguments that may be None.
+        #[allow(dead_code)]
+        pub mod opt {
+            use pyo3::prelude::*;
+            $(
+                pub fn $name<T: TryFrom<usize>>(v: &Bound<'_, PyAny>) -> PyResult<Option<T>> {
+                    if v.is_none() {
+                        return Ok(None);
+                    }
+                    super::arg::$name(v).map(Some)
+                }
+            )*
+        }
+    };
+}
+
+named_counts!(
+    start,
+    stop,
+    num_layers,
+    top_k,
+    choice,
+    max_bytes,
+    decode_start,
+    num_experts,
+    num_tokens,
+    max_missing,
+    max_line_bytes,
+    n,
+);

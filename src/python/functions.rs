@@ -72,12 +72,12 @@ fn hints(
 pub fn from_response(
     py: Python<'_>,
     body: &Bound<'_, PyAny>,
-    choice: u64,
-    start: Option<u64>,
-    num_layers: Option<usize>,
-    top_k: Option<usize>,
+    #[pyo3(from_py_with = crate::python::convert::arg::choice)] choice: u64,
+    #[pyo3(from_py_with = crate::python::convert::opt::start)] start: Option<u64>,
+    #[pyo3(from_py_with = crate::python::convert::opt::num_layers)] num_layers: Option<usize>,
+    #[pyo3(from_py_with = crate::python::convert::opt::top_k)] top_k: Option<usize>,
     dtype: Option<&Bound<'_, PyAny>>,
-    max_bytes: Option<usize>,
+    #[pyo3(from_py_with = crate::python::convert::opt::max_bytes)] max_bytes: Option<usize>,
 ) -> PyResult<Option<RoutedExperts>> {
     let text = convert::body_arg(body)?;
     let hints = hints(start, num_layers, top_k, dtype)?;
@@ -104,14 +104,14 @@ pub fn merge_response<'py>(
     py: Python<'py>,
     prefill_body: &Bound<'py, PyAny>,
     decode_body: &Bound<'py, PyAny>,
-    start: Option<u64>,
-    decode_start: Option<u64>,
-    num_layers: Option<usize>,
-    top_k: Option<usize>,
+    #[pyo3(from_py_with = crate::python::convert::opt::start)] start: Option<u64>,
+    #[pyo3(from_py_with = crate::python::convert::opt::decode_start)] decode_start: Option<u64>,
+    #[pyo3(from_py_with = crate::python::convert::opt::num_layers)] num_layers: Option<usize>,
+    #[pyo3(from_py_with = crate::python::convert::opt::top_k)] top_k: Option<usize>,
     dtype: Option<&Bound<'py, PyAny>>,
     keep_format: bool,
     splice: bool,
-    max_bytes: Option<usize>,
+    #[pyo3(from_py_with = crate::python::convert::opt::max_bytes)] max_bytes: Option<usize>,
     require_routing: bool,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let (p, d) = (
@@ -141,11 +141,11 @@ pub fn merge_response<'py>(
 pub fn decode(
     py: Python<'_>,
     value: &Bound<'_, PyAny>,
-    start: Option<u64>,
-    num_layers: Option<usize>,
-    top_k: Option<usize>,
+    #[pyo3(from_py_with = crate::python::convert::opt::start)] start: Option<u64>,
+    #[pyo3(from_py_with = crate::python::convert::opt::num_layers)] num_layers: Option<usize>,
+    #[pyo3(from_py_with = crate::python::convert::opt::top_k)] top_k: Option<usize>,
     dtype: Option<&Bound<'_, PyAny>>,
-    max_bytes: Option<usize>,
+    #[pyo3(from_py_with = crate::python::convert::opt::max_bytes)] max_bytes: Option<usize>,
 ) -> PyResult<RoutedExperts> {
     Ok(RoutedExperts::new(
         decode_any(
@@ -445,7 +445,7 @@ pub fn shard<'py>(
 pub fn _read_prefill<'py>(
     py: Python<'py>,
     body: &Bound<'py, PyAny>,
-    start: Option<u64>,
+    #[pyo3(from_py_with = crate::python::convert::opt::start)] start: Option<u64>,
     count_rows: bool,
 ) -> PyResult<(Option<Bound<'py, PyBytes>>, Vec<usize>)> {
     let text = convert::body_arg(body)?;

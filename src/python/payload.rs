@@ -46,7 +46,10 @@ impl RoutedExperts {
     /// from JSON bytes, a JSON str or an already parsed dict.
     #[staticmethod]
     #[pyo3(signature = (value, *, max_bytes = None))]
-    fn from_json(value: &Bound<'_, PyAny>, max_bytes: Option<usize>) -> PyResult<Self> {
+    fn from_json(
+        value: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = crate::python::convert::opt::max_bytes)] max_bytes: Option<usize>,
+    ) -> PyResult<Self> {
         Ok(Self::new(decode_sidecar_obj(value, max_bytes)?))
     }
 
@@ -59,9 +62,9 @@ impl RoutedExperts {
     #[pyo3(signature = (array, start = 0, dtype = None, num_experts = None))]
     fn from_array(
         array: &Bound<'_, PyAny>,
-        start: u64,
+        #[pyo3(from_py_with = crate::python::convert::arg::start)] start: u64,
         dtype: Option<&Bound<'_, PyAny>>,
-        num_experts: Option<u64>,
+        #[pyo3(from_py_with = crate::python::convert::opt::num_experts)] num_experts: Option<u64>,
     ) -> PyResult<Self> {
         let choice = convert::dtype_choice(dtype, num_experts)?;
         Ok(Self::new(convert::payload_from_array(
@@ -171,7 +174,12 @@ impl RoutedExperts {
 
     /// The rows for absolute positions [start, stop) (Python slice semantics are not used:
     /// both bounds are positions in the request's token sequence and must lie inside).
-    fn slice(&self, py: Python<'_>, start: u64, stop: u64) -> PyResult<Self> {
+    fn slice(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = crate::python::convert::arg::start)] start: u64,
+        #[pyo3(from_py_with = crate::python::convert::arg::stop)] stop: u64,
+    ) -> PyResult<Self> {
         let p = &self.inner;
         Ok(Self::new(py.detach(|| p.slice(start, stop))?))
     }
@@ -192,7 +200,7 @@ impl RoutedExperts {
     fn validate(
         &self,
         py: Python<'_>,
-        num_experts: Option<u64>,
+        #[pyo3(from_py_with = crate::python::convert::opt::num_experts)] num_experts: Option<u64>,
         duplicates: bool,
         zero_rows: bool,
         missing_rows: bool,
@@ -214,7 +222,7 @@ impl RoutedExperts {
     fn validation_report<'py>(
         &self,
         py: Python<'py>,
-        num_experts: Option<u64>,
+        #[pyo3(from_py_with = crate::python::convert::opt::num_experts)] num_experts: Option<u64>,
         duplicates: bool,
         zero_rows: bool,
         missing_rows: bool,
@@ -289,7 +297,11 @@ impl RoutedExperts {
     /// aligned memory.
     #[staticmethod]
     #[pyo3(signature = (value, start = 0))]
-    fn from_transport(py: Python<'_>, value: &Bound<'_, PyAny>, start: u64) -> PyResult<Self> {
+    fn from_transport(
+        py: Python<'_>,
+        value: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = crate::python::convert::arg::start)] start: u64,
+    ) -> PyResult<Self> {
         let (data, shape, dtype): (Bound<'_, PyAny>, Vec<usize>, String) =
             value.extract().map_err(|_| {
                 crate::Error::field(
@@ -374,7 +386,7 @@ pub fn _from_raw(
     py: Python<'_>,
     data: &Bound<'_, PyAny>,
     shape: (usize, usize, usize),
-    start: u64,
+    #[pyo3(from_py_with = crate::python::convert::arg::start)] start: u64,
     dtype: &str,
 ) -> PyResult<RoutedExperts> {
     let dtype = DType::parse(dtype)?;

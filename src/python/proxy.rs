@@ -204,8 +204,10 @@ impl StreamMerger {
     #[pyo3(signature = (prefill_body, start = None, max_line_bytes = None))]
     fn new(
         prefill_body: &Bound<'_, PyAny>,
-        start: Option<u64>,
-        max_line_bytes: Option<usize>,
+        #[pyo3(from_py_with = crate::python::convert::opt::start)] start: Option<u64>,
+        #[pyo3(from_py_with = crate::python::convert::opt::max_line_bytes)] max_line_bytes: Option<
+            usize,
+        >,
     ) -> PyResult<Self> {
         let prefill = bytes::Bytes::copy_from_slice(&super::convert::body_arg(prefill_body)?);
         let opts = crate::MergeOptions {

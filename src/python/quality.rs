@@ -265,13 +265,8 @@ impl ExpertLoad {
 pub fn expert_load(
     py: Python<'_>,
     routing: &Bound<'_, PyAny>,
-    num_experts: i64,
+    #[pyo3(from_py_with = crate::python::convert::arg::num_experts)] num_experts: usize,
 ) -> PyResult<ExpertLoad> {
-    // Taken as a signed integer so that a negative count is our error naming the argument,
-    // not a conversion error; a count past usize cannot fit any table.
-    let num_experts = usize::try_from(num_experts).map_err(|_| {
-        crate::Error::field("num_experts", "a count of experts from 1 up", num_experts)
-    })?;
     let items: Vec<Bound<'_, PyAny>> =
         if routing.is_instance_of::<PyList>() || routing.is_instance_of::<PyTuple>() {
             routing.try_iter()?.collect::<PyResult<_>>()?

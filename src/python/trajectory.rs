@@ -92,7 +92,11 @@ impl Trajectory {
     }
 
     /// Drop every row at position `stop` and after.
-    fn truncate(&self, py: Python<'_>, stop: u64) -> PyResult<()> {
+    fn truncate(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = crate::python::convert::arg::stop)] stop: u64,
+    ) -> PyResult<()> {
         Ok(self.locked(py, |t| t.truncate(stop))?)
     }
 
@@ -138,9 +142,9 @@ impl Trajectory {
     fn to_training<'py>(
         &self,
         py: Python<'py>,
-        num_tokens: usize,
+        #[pyo3(from_py_with = crate::python::convert::arg::num_tokens)] num_tokens: usize,
         pad: &str,
-        max_missing: usize,
+        #[pyo3(from_py_with = crate::python::convert::arg::max_missing)] max_missing: usize,
         mask: bool,
         dtype: Option<&str>,
     ) -> PyResult<Bound<'py, PyAny>> {
