@@ -161,3 +161,20 @@ def test_to_training_gives_an_index_dtype_on_request_and_the_payloads_by_default
     assert out.dtype == np.int32 and mask.tolist() == [True, True, True, False]
     with pytest.raises(rx.RoutedExpertsError):
         t.to_training(4, dtype="float32")
+
+
+def test_expert_load_has_a_plain_dict_like_agreement() -> None:
+    load = rx.expert_load(rx.RoutedExperts.from_array(np.array([[[0, 1]], [[0, 2]]])), 4)
+    d = load.to_dict()
+    assert d["counts"] == [[2, 1, 1, 0]] and d["rows"] == 2 and d["never_chosen"] == [3]
+    assert set(d) >= {"imbalance", "cv", "never_chosen_per_layer", "missing_rows", "num_layers",
+                      "num_experts"}
+
+
+def test_python_dash_m_runs_the_command_line() -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "routed_experts", "--help"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "usage: routed-experts" in r.stdout

@@ -120,7 +120,7 @@ def test_a_read_only_batch_and_a_packed_pair_shard_without_complaint() -> None:
     [
         ({"cp_size": 0}, "`cp_size`: expected a positive integer, got 0"),
         ({"cp_size": -2}, "`cp_size`: expected a non-negative integer, got -2"),
-        ({"cp_size": 2**70}, "`cp_size`: expected an integer below 2**63"),
+        ({"cp_size": 2**70}, "`cp_size`: expected an integer below 2**64"),
         ({"cp_size": 2, "cp_rank": 2}, "`cp_rank`: expected 0 to 1 (cp_size=2), got 2"),
         ({"tp_rank": -1}, "`tp_rank`: expected a non-negative integer, got -1"),
         ({"tp_size": 1.5}, "`tp_size`: expected an integer, got a float"),

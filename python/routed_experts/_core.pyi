@@ -36,6 +36,9 @@ __all__ = [
 _DTypeLike: TypeAlias = str | npt.DTypeLike
 _JsonInput: TypeAlias = bytes | bytearray | memoryview | str | dict[str, Any]
 _Body: TypeAlias = bytes | bytearray | memoryview | str
+_Overlap: TypeAlias = Literal["keep", "replace", "check"]
+_Pad: TypeAlias = Literal["repeat", "zero"]
+_Format: TypeAlias = Literal["compact", "vllm_npy", "sglang", "nemo", "lists"]
 _IntArray: TypeAlias = np.ndarray[Any, np.dtype[np.integer[Any]]]
 _FloatArray: TypeAlias = np.ndarray[Any, np.dtype[np.float64]]
 _BoolArray: TypeAlias = np.ndarray[Any, np.dtype[np.bool_]]
@@ -109,7 +112,9 @@ class RoutedExperts:
 @final
 class Trajectory:
     def __init__(self) -> None: ...
-    def append(self, payload: RoutedExperts | _JsonInput, overlap: str = "keep") -> None: ...
+    def append(
+        self, payload: RoutedExperts | _JsonInput, overlap: _Overlap = "keep"
+    ) -> None: ...
     @property
     def start(self) -> int | None: ...
     @property
@@ -126,7 +131,7 @@ class Trajectory:
     def to_training(
         self,
         num_tokens: int,
-        pad: str = "repeat",
+        pad: _Pad = "repeat",
         max_missing: int = 1,
         *,
         mask: Literal[False] = False,
@@ -136,7 +141,7 @@ class Trajectory:
     def to_training(
         self,
         num_tokens: int,
-        pad: str = "repeat",
+        pad: _Pad = "repeat",
         max_missing: int = 1,
         *,
         mask: Literal[True],
@@ -191,6 +196,7 @@ class ExpertLoad:
     def num_layers(self) -> int: ...
     @property
     def num_experts(self) -> int: ...
+    def to_dict(self) -> dict[str, Any]: ...
 
 def agreement(a: _Routing, b: _Routing) -> Agreement: ...
 def expert_load(
@@ -233,8 +239,8 @@ def decode(
     dtype: _DTypeLike | None = None,
     max_bytes: int | None = None,
 ) -> RoutedExperts: ...
-def encode(payload: RoutedExperts, format: str = "compact") -> Any: ...
-def detect_format(value: Any) -> str: ...
+def encode(payload: RoutedExperts, format: _Format = "compact") -> Any: ...
+def detect_format(value: Any) -> _Format: ...
 _Sample: TypeAlias = RoutedExperts | Trajectory | Any  # or an integer array (rows from 0)
 
 @overload

@@ -293,7 +293,7 @@ fn shape3(shape: &[usize]) -> PyResult<Shape> {
     }
 }
 
-/// A count or index argument: a Python int from 0 to 2**63 - 1, else a `RoutedExpertsError`
+/// A count or index argument: a Python int from 0 to 2**64 - 1, else a `RoutedExpertsError`
 /// naming the argument (never `OverflowError` or a conversion's `TypeError`).
 pub fn count_arg(name: &str, v: &Bound<'_, PyAny>) -> PyResult<usize> {
     let not_an_integer = || -> PyResult<PyErr> {
@@ -319,9 +319,15 @@ pub fn count_arg(name: &str, v: &Bound<'_, PyAny>) -> PyResult<usize> {
     match v.extract::<i64>() {
         Ok(n) => usize::try_from(n)
             .map_err(|_| crate::Error::field(name, "a non-negative integer", n).into()),
-        Err(_) => {
-            Err(crate::Error::field(name, "an integer below 2**63", v.repr()?.to_string()).into())
-        }
+        // Positions are u64 (a payload's start may be any of them).
+        Err(_) => v
+            .extract::<u64>()
+            .ok()
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or_else(|| {
+                let shown = v.repr().map(|r| r.to_string()).unwrap_or_default();
+                crate::Error::field(name, "an integer below 2**64", shown).into()
+            }),
     }
 }
 

@@ -240,6 +240,27 @@ impl ExpertLoad {
         self.inner.num_experts()
     }
 
+    /// Every figure as a plain dict (lists per layer; `counts` as nested lists), for logging.
+    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let e = &self.inner;
+        let d = PyDict::new(py);
+        let counts: Vec<Vec<u64>> = e
+            .counts()
+            .chunks(e.num_experts().max(1))
+            .map(|r| r.to_vec())
+            .collect();
+        d.set_item("counts", counts)?;
+        d.set_item("imbalance", e.imbalance())?;
+        d.set_item("cv", e.coefficient_of_variation())?;
+        d.set_item("never_chosen_per_layer", e.never_chosen_per_layer())?;
+        d.set_item("never_chosen", e.never_chosen())?;
+        d.set_item("rows", e.rows())?;
+        d.set_item("missing_rows", e.missing_rows())?;
+        d.set_item("num_layers", e.num_layers())?;
+        d.set_item("num_experts", e.num_experts())?;
+        Ok(d)
+    }
+
     fn __repr__(&self) -> String {
         let imbalance = self.inner.imbalance();
         let worst = imbalance.iter().copied().fold(f64::NAN, f64::max);
