@@ -78,3 +78,21 @@ def test_bad_input_exits_2_with_the_error(
     assert main(["inspect", write(tmp_path, "bad.json", '{"data": 1}')]) == 2
     assert "PayloadError" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "missing.json")]) == 2
+
+
+def test_a_reader_that_leaves_ends_inspect_quietly(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    p = rx.RoutedExperts.from_array(np.arange(4000 * 4 * 2).reshape(4000, 4, 2) % 100)
+    path = write(tmp_path, "s.json", p.to_json())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "routed_experts", "inspect", "--stats", path],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # `| head -0`: the reader is gone before anything is written
+    with proc.stderr:
+        err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, err
+    assert "BrokenPipeError" not in err and "Traceback" not in err, err

@@ -178,3 +178,19 @@ def test_python_dash_m_runs_the_command_line() -> None:
     r = subprocess.run([sys.executable, "-m", "routed_experts", "--help"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and "usage: routed-experts" in r.stdout
+
+
+def test_from_transport_takes_prime_rls_struct_itself() -> None:
+    from dataclasses import dataclass
+
+    @dataclass
+    class RoutedExperts:  # the shape of prime-rl's msgspec struct: data, shape, dtype
+        data: bytes
+        shape: list[int]
+        dtype: str
+
+    p = rx.RoutedExperts.from_array(np.arange(12).reshape(3, 2, 2) % 7, start=4)
+    data, shape, dtype = p.to_transport()
+    assert rx.RoutedExperts.from_transport(RoutedExperts(data, shape, dtype), start=4) == p
+    with pytest.raises(rx.RoutedExpertsError, match="or an object with those attributes"):
+        rx.RoutedExperts.from_transport(object())

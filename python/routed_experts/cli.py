@@ -607,7 +607,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         args = parser.parse_args(["demo", *(argv or [])])
     try:
-        return int(args.func(args))
+        rc = int(args.func(args))
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:
+        # The reader left (`inspect ... | head`): end quietly, and let nothing more be written
+        # to the closed pipe at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     except (RoutedExpertsError, OSError) as e:
         print(f"routed-experts: {type(e).__name__}: {_as_flags(str(e))}", file=sys.stderr)
         return 2

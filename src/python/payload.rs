@@ -292,9 +292,10 @@ impl RoutedExperts {
         (PyBytes::new(py, p.bytes()), shape, p.dtype().name()).into_pyobject(py)
     }
 
-    /// From the transport tuple `(data, shape, dtype)`; `start` supplies the position it does
-    /// not carry. `data` is any buffer (bytes, memoryview, numpy array), copied once into
-    /// aligned memory.
+    /// From the transport tuple `(data, shape, dtype)`, or any object with those three
+    /// attributes (prime-rl's msgspec `RoutedExperts` struct itself); `start` supplies the
+    /// position it does not carry. `data` is any buffer (bytes, memoryview, numpy array),
+    /// copied once into aligned memory.
     #[staticmethod]
     #[pyo3(signature = (value, start = 0))]
     fn from_transport(
@@ -302,11 +303,27 @@ impl RoutedExperts {
         value: &Bound<'_, PyAny>,
         #[pyo3(from_py_with = crate::python::convert::arg::start)] start: u64,
     ) -> PyResult<Self> {
+        let fields = ["data", "shape", "dtype"];
+        let parts = if fields.iter().all(|f| value.hasattr(*f).unwrap_or(false))
+            && !value.is_instance_of::<PyTuple>()
+        {
+            PyTuple::new(
+                py,
+                fields
+                    .map(|f| value.getattr(f))
+                    .into_iter()
+                    .collect::<PyResult<Vec<_>>>()?,
+            )?
+            .into_any()
+        } else {
+            value.clone()
+        };
         let (data, shape, dtype): (Bound<'_, PyAny>, Vec<usize>, String) =
-            value.extract().map_err(|_| {
+            parts.extract().map_err(|_| {
                 crate::Error::field(
                     "transport",
-                    "a tuple (data: bytes, shape: [T, L, K], dtype: str)",
+                    "a tuple (data: bytes, shape: [T, L, K], dtype: str) or an object with \
+                     those attributes",
                     // The type, not the repr: a transport tuple holds megabytes of bytes.
                     value
                         .get_type()
