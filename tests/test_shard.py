@@ -104,6 +104,19 @@ def test_the_worked_example_of_the_docs() -> None:
     assert t1.ravel().tolist() == [7, 8, 11] and cut.tolist() == [0, 4, 6]
 
 
+def test_a_strided_batch_gives_the_same_share_as_its_contiguous_copy() -> None:
+    wide = np.arange(24 * 4 * 6).reshape(24, 4, 6) % 1000
+    view = wide[:, :, 1::2]  # top_k 3, every other column: not one contiguous slice
+    assert not view.flags.c_contiguous
+    cu = [0, 16, 24]
+    for layers in (None, (1, 3)):
+        got, got_cu, _ = rx.shard(view, cu, cp_size=2, cp_rank=1, layers=layers)
+        want, want_cu, _ = rx.shard(np.ascontiguousarray(view), cu, cp_size=2, cp_rank=1,
+                                    layers=layers)
+        np.testing.assert_array_equal(got, want)
+        assert got_cu.tolist() == want_cu.tolist()
+
+
 def test_a_read_only_batch_and_a_packed_pair_shard_without_complaint() -> None:
     a = rx.RoutedExperts.from_array(np.arange(16 * 3 * 2).reshape(16, 3, 2) % 200)
     b = rx.RoutedExperts.from_array(np.arange(8 * 3 * 2).reshape(8, 3, 2) % 200)

@@ -384,16 +384,16 @@ pub fn shard_array<'py>(
                 let dims = [plan.num_rows(), plan.layers.len(), top_k];
                 let out = numpy::PyArray3::<$t>::zeros(py, dims, false);
                 let ro = a.readonly();
-                let owned;
-                let src: &[$t] = match ro.as_slice() {
-                    Ok(s) => s,
-                    Err(_) => { owned = ro.as_array().iter().copied().collect::<Vec<$t>>(); &owned }
-                };
                 // SAFETY: `out` was just created here, C-contiguous; nothing else sees it yet.
                 let dst = unsafe { out.as_slice_mut() }
                     .map_err(|_| crate::Error::payload("a new numpy array is not contiguous"))?;
                 crate::buffer::prefault(dst.as_mut_ptr().cast(), std::mem::size_of_val(dst));
-                py.detach(|| crate::shard::gather(src, layers, top_k, &plan, dst));
+                match ro.as_slice() {
+                    Ok(src) => py.detach(|| crate::shard::gather(src, layers, top_k, &plan, dst)),
+                    // A strided batch (a view into a larger array): only the rank's rows are
+                    // read from it, never a copy of the whole batch.
+                    Err(_) => gather_strided(&ro.as_array(), &plan, top_k, dst),
+                }
                 return Ok((out.into_any(), plan, rows));
             }
         )*};
@@ -401,6 +401,28 @@ pub fn shard_array<'py>(
     try_element!(u8, i8, u16, i16, u32, i32, u64, i64);
     let dt = arr.getattr("dtype")?.str()?.to_cow()?.into_owned();
     Err(crate::Error::field("batch", "an integer array", format!("dtype {dt}")).into())
+}
+
+/// `shard::gather` for a batch that is not one contiguous slice: the plan's rows and layers,
+/// read through the view's strides into `dst`.
+fn gather_strided<T: Copy>(
+    view: &numpy::ndarray::ArrayViewD<'_, T>,
+    plan: &crate::shard::Plan,
+    top_k: usize,
+    dst: &mut [T],
+) {
+    use numpy::ndarray::{Axis, Slice};
+    let width = plan.layers.len() * top_k;
+    let mut out = dst.chunks_exact_mut(width.max(1));
+    for r in plan.rows.iter().flat_map(|r| r.clone()) {
+        let row = view.index_axis(Axis(0), r);
+        let kept = row.slice_axis(Axis(0), Slice::from(plan.layers.clone()));
+        if let Some(d) = out.next() {
+            for (o, &v) in d.iter_mut().zip(kept.iter()) {
+                *o = v;
+            }
+        }
+    }
 }
 
 /// The rows of a 1-d boolean `mask` (one entry per batch row) that `plan` takes.
@@ -487,4 +509,10 @@ named_counts!(
     max_missing,
     max_line_bytes,
     n,
+    pad_to_multiple,
+    pad_each_to_multiple,
+    cp_size,
+    cp_rank,
+    tp_size,
+    tp_rank,
 );

@@ -273,22 +273,14 @@ pub fn pack<'py>(
     py: Python<'py>,
     samples: &Bound<'py, PyAny>,
     dtype: Option<&str>,
-    pad_to_multiple: Option<&Bound<'py, PyAny>>,
+    #[pyo3(from_py_with = convert::opt::pad_to_multiple)] pad_to_multiple: Option<usize>,
     num_tokens: Option<&Bound<'py, PyAny>>,
-    pad_each_to_multiple: Option<&Bound<'py, PyAny>>,
+    #[pyo3(from_py_with = convert::opt::pad_each_to_multiple)] pad_each_to_multiple: Option<usize>,
     mask: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
-    use crate::python::convert::{count_arg, offsets_arg};
     use numpy::PyArray1;
-    let (held, owned) = pack_samples(samples)?;
-    let mut payloads: Vec<&Payload> = Vec::with_capacity(held.len());
-    let mut owned_iter = owned.iter();
-    for h in &held {
-        match h {
-            Some(p) => payloads.push(&p.get().inner),
-            None => payloads.push(owned_iter.next().expect("one owned payload per array")),
-        }
-    }
+    let samples = pack_samples(samples)?;
+    let payloads: Vec<&Payload> = samples.iter().map(Sample::payload).collect();
     let Some(first) = payloads.first() else {
         return Err(crate::Error::field("samples", "at least one sample", "an empty list").into());
     };
@@ -300,14 +292,10 @@ pub fn pack<'py>(
     };
     let opts = crate::pack::PackOptions {
         num_tokens: num_tokens
-            .map(|n| offsets_arg("num_tokens", n))
+            .map(|n| convert::offsets_arg("num_tokens", n))
             .transpose()?,
-        pad_each_to_multiple: pad_each_to_multiple
-            .map(|n| count_arg("pad_each_to_multiple", n))
-            .transpose()?,
-        pad_to_multiple: pad_to_multiple
-            .map(|n| count_arg("pad_to_multiple", n))
-            .transpose()?,
+        pad_each_to_multiple,
+        pad_to_multiple,
     };
     let layout = crate::pack::layout(&payloads, &opts, dtype, limits::max_bytes())?;
     let cu: Vec<i64> = layout.cu_seqlens.iter().map(|&c| c as i64).collect();
@@ -327,45 +315,53 @@ pub fn pack<'py>(
     Ok(PyTuple::new(py, [batch, cu_seqlens, rows_mask])?.into_any())
 }
 
-/// `pack`'s samples: payloads as they are (`Some`), and in order beside them (`None` in the
-/// first list), the payloads of trajectories and arrays (an array's rows from position 0).
-#[allow(clippy::type_complexity)]
-fn pack_samples<'py>(
-    samples: &Bound<'py, PyAny>,
-) -> PyResult<(Vec<Option<Bound<'py, RoutedExperts>>>, Vec<Payload>)> {
+/// One of `pack`'s samples: a payload as it is, or the payload made from an array (its rows from
+/// position 0).
+enum Sample<'py> {
+    Held(Bound<'py, RoutedExperts>),
+    Owned(Payload),
+}
+
+impl Sample<'_> {
+    fn payload(&self) -> &Payload {
+        match self {
+            Sample::Held(p) => &p.get().inner,
+            Sample::Owned(p) => p,
+        }
+    }
+}
+
+/// `pack`'s samples: payloads, trajectories (their payload) and integer arrays.
+fn pack_samples<'py>(samples: &Bound<'py, PyAny>) -> PyResult<Vec<Sample<'py>>> {
     if samples.is_instance_of::<pyo3::types::PyString>() || samples.cast::<RoutedExperts>().is_ok()
     {
         return Err(crate::Error::field("samples", "a list of samples", "one sample").into());
     }
-    let mut held = Vec::new();
-    let mut owned = Vec::new();
+    let mut out = Vec::new();
     for (i, s) in samples.try_iter()?.enumerate() {
         let s = s?;
         if let Ok(p) = s.cast::<RoutedExperts>() {
-            held.push(Some(p.clone()));
+            out.push(Sample::Held(p.clone()));
             continue;
         }
         if let Ok(t) = s.cast::<crate::python::trajectory::Trajectory>() {
-            match t.getattr("payload")?.cast_into::<RoutedExperts>() {
-                Ok(p) => held.push(Some(p)),
-                Err(_) => {
-                    return Err(crate::Error::field(
-                        "samples",
-                        "trajectories with rows",
-                        format!("an empty trajectory at {i}"),
-                    )
-                    .into())
-                }
-            }
+            let Ok(p) = t.getattr("payload")?.cast_into::<RoutedExperts>() else {
+                return Err(crate::Error::field(
+                    "samples",
+                    "trajectories with rows",
+                    format!("an empty trajectory at {i}"),
+                )
+                .into());
+            };
+            out.push(Sample::Held(p));
             continue;
         }
         let choice = crate::DTypeChoice::Compact;
-        let p = crate::python::convert::payload_from_array(&s, 0, choice)
+        let p = convert::payload_from_array(&s, 0, choice)
             .map_err(|e| prefix_error(s.py(), e, &format!("sample {i}: ")))?;
-        owned.push(p);
-        held.push(None);
+        out.push(Sample::Owned(p));
     }
-    Ok((held, owned))
+    Ok(out)
 }
 
 /// `e` with `prefix` before its message (a `RoutedExpertsError` keeps its class).
@@ -394,43 +390,41 @@ type Share<'py> = (
 /// `cu_seqlens` of the context-parallel rank's sample lengths, and the mask's rows (None without
 /// a mask). Rows past `cu_seqlens[-1]` (padding) belong to no sample and are left out.
 #[pyfunction]
-#[pyo3(signature = (batch, cu_seqlens, mask = None, *, cp_size = None, cp_rank = None, cp_split = "zigzag", tp_size = None, tp_rank = None, layers = None), text_signature = "(batch, cu_seqlens, mask=None, *, cp_size=1, cp_rank=0, cp_split='zigzag', tp_size=1, tp_rank=0, layers=None)")]
+#[pyo3(signature = (batch, cu_seqlens, mask = None, *, cp_size = 1, cp_rank = 0, cp_split = "zigzag", tp_size = 1, tp_rank = 0, layers = None))]
 #[allow(clippy::too_many_arguments)]
 pub fn shard<'py>(
     py: Python<'py>,
     batch: &Bound<'py, PyAny>,
     cu_seqlens: &Bound<'py, PyAny>,
     mask: Option<&Bound<'py, PyAny>>,
-    cp_size: Option<&Bound<'py, PyAny>>,
-    cp_rank: Option<&Bound<'py, PyAny>>,
+    #[pyo3(from_py_with = convert::arg::cp_size)] cp_size: usize,
+    #[pyo3(from_py_with = convert::arg::cp_rank)] cp_rank: usize,
     cp_split: &str,
-    tp_size: Option<&Bound<'py, PyAny>>,
-    tp_rank: Option<&Bound<'py, PyAny>>,
+    #[pyo3(from_py_with = convert::arg::tp_size)] tp_size: usize,
+    #[pyo3(from_py_with = convert::arg::tp_rank)] tp_rank: usize,
     layers: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
 ) -> PyResult<Share<'py>> {
-    use crate::python::convert::count_arg;
     use crate::shard::{CpSplit, Rank};
-    let arg = |name, v: Option<&Bound<'py, PyAny>>, default| match v {
-        Some(v) => count_arg(name, v),
-        None => Ok(default),
-    };
     let rank = Rank {
-        cp_size: arg("cp_size", cp_size, 1)?,
-        cp_rank: arg("cp_rank", cp_rank, 0)?,
+        cp_size,
+        cp_rank,
         cp_split: CpSplit::parse(cp_split)?,
-        tp_size: arg("tp_size", tp_size, 1)?,
-        tp_rank: arg("tp_rank", tp_rank, 0)?,
+        tp_size,
+        tp_rank,
         layers: match &layers {
-            Some((a, b)) => Some((count_arg("layers", a)?, count_arg("layers", b)?)),
+            Some((a, b)) => Some((
+                convert::count_arg("layers", a)?,
+                convert::count_arg("layers", b)?,
+            )),
             None => None,
         },
     };
-    let cu = crate::python::convert::offsets_arg("cu_seqlens", cu_seqlens)?;
-    let (share, plan, num_rows) = crate::python::convert::shard_array(batch, &cu, &rank)?;
+    let cu = convert::offsets_arg("cu_seqlens", cu_seqlens)?;
+    let (share, plan, num_rows) = convert::shard_array(batch, &cu, &rank)?;
     let cu: Vec<i64> = plan.cu_seqlens.iter().map(|&c| c as i64).collect();
     let cu_out = numpy::PyArray1::from_vec(py, cu).call_method1("astype", ("int32",))?;
     let mask_out = match mask {
-        Some(m) => Some(crate::python::convert::shard_mask(m, &plan, num_rows)?),
+        Some(m) => Some(convert::shard_mask(m, &plan, num_rows)?),
         None => None,
     };
     Ok((share, cu_out, mask_out))
