@@ -133,25 +133,11 @@ impl Share {
             return false; // it can never fit
         }
         let budget = Arc::clone(&self.budget);
-        let _turn = match self.held + self.beside {
-            0 => None,
-            _ => {
-                let grace = (tokio::time::Instant::now() + HOLDER_GRACE).min(deadline);
-                loop {
-                    let freed = budget.freed.notified();
-                    tokio::pin!(freed);
-                    freed.as_mut().enable();
-                    if self.grow_within(n, ceiling) {
-                        return true;
-                    }
-                    tokio::select! {
-                        turn = budget.turn.lock() => break Some(turn),
-                        _ = freed => {}
-                        _ = tokio::time::sleep_until(grace) => return false,
-                    }
-                }
-            }
-        };
+        // A share that holds bytes waits for room with the turn; without it, for room or the
+        // turn, until the grace runs out.
+        let holder = self.held + self.beside > 0;
+        let grace = (tokio::time::Instant::now() + HOLDER_GRACE).min(deadline);
+        let mut turn = None;
         loop {
             let freed = budget.freed.notified();
             tokio::pin!(freed);
@@ -159,9 +145,12 @@ impl Share {
             if self.grow_within(n, ceiling) {
                 return true;
             }
+            let waiting_for_turn = holder && turn.is_none();
+            let until = if waiting_for_turn { grace } else { deadline };
             tokio::select! {
+                t = budget.turn.lock(), if waiting_for_turn => turn = Some(t),
                 _ = freed => {}
-                _ = tokio::time::sleep_until(deadline) => return false,
+                _ = tokio::time::sleep_until(until) => return false,
             }
         }
     }

@@ -363,13 +363,7 @@ impl Proxy {
         };
         let answer = tokio::time::timeout(self.config.request_timeout, answer);
         let mut response = match answer.await {
-            Ok(Ok((status, body))) => {
-                let mut r = Response::new(Full::new(body).boxed());
-                *r.status_mut() = status;
-                r.headers_mut()
-                    .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-                r
-            }
+            Ok(Ok((status, body))) => json_response(status.as_u16(), body),
             Ok(Err(fault)) => fault_response(&fault),
             Err(_) => fault_response(&self.request_timeout_fault()),
         };
@@ -1296,13 +1290,18 @@ pub fn request_id<B>(req: &Request<B>) -> String {
 }
 
 /// A JSON response with `body`.
-pub fn json_response(status: u16, body: Bytes) -> Response<Body> {
+pub fn json_response(status: u16, body: impl Into<Outgoing>) -> Response<Body> {
     response(status, "application/json", body)
 }
 
-/// A response with a content type and a whole body.
-pub fn response(status: u16, content_type: &'static str, body: Bytes) -> Response<Body> {
-    let mut r = Response::new(Full::new(Outgoing::from(body)).boxed());
+/// A response with a content type and a whole body (bytes, or bytes that hold their budget
+/// share until written).
+pub fn response(
+    status: u16,
+    content_type: &'static str,
+    body: impl Into<Outgoing>,
+) -> Response<Body> {
+    let mut r = Response::new(Full::new(body.into()).boxed());
     *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
     r.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
