@@ -386,7 +386,14 @@ def children(*specs: list[str]) -> Iterator[list[Child]]:
 
 
 def _engine(role: str, args: argparse.Namespace, fault: str | None = None) -> list[str]:
-    spec = ["engine", role, str(args.tokens), str(args.layers), str(args.top_k)]
+    return engine_spec(role, args.tokens, args.layers, args.top_k, fault)
+
+
+def engine_spec(
+    role: str, tokens: int, layers: int, top_k: int, fault: str | None = None
+) -> list[str]:
+    """The child spec of a stand-in engine serving bodies of this shape."""
+    spec = ["engine", role, str(tokens), str(layers), str(top_k)]
     return spec + ([fault] if fault else [])
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -26,25 +25,20 @@ from .bench import (
     Bodies,
     Child,
     RouterChild,
+    _get,
     children,
+    engine_spec,
     vllm_router,
 )
+from .bench import _server as server_spec
 
 # Memory a client connection may cost beyond the bodies the budget counts: hyper's read and
 # write buffers on both the client's and the upstream's connection (each at most ~400 KiB).
 PER_CONNECTION_MB = 2.0
 
 
-def _engine(role: str, tokens: int, layers: int, top_k: int, fault: str | None = None) -> list[str]:
-    return ["engine", role, str(tokens), str(layers), str(top_k)] + ([fault] if fault else [])
-
-
-def _proxy(prefill: Child, decode: Child, **settings: Any) -> list[str]:
-    return ["serve", "proxy", prefill.url, decode.url, json.dumps(settings)]
-
-
 @contextmanager
-def _server(kind: str, prefill: Child, decode: Child, **settings: Any) -> Iterator[Child]:
+def _running(kind: str, prefill: Child, decode: Child, **settings: Any) -> Iterator[Child]:
     if kind == "vllm-router":
         router = RouterChild([prefill], [decode])
         try:
@@ -52,7 +46,7 @@ def _server(kind: str, prefill: Child, decode: Child, **settings: Any) -> Iterat
         finally:
             router.stop()
     else:
-        with children(_proxy(prefill, decode, **settings)) as (proxy,):
+        with children(server_spec("proxy", [prefill], [decode], **settings)) as (proxy,):
             yield proxy
 
 
@@ -82,10 +76,7 @@ class _Peak:
 
 
 def _health(url: str) -> dict[str, Any]:
-    import urllib.request
-
-    with urllib.request.urlopen(url + "/health", timeout=10) as f:  # noqa: S310 (loopback)
-        return dict(json.loads(f.read()))
+    return dict(_get(url + "/health")[1])
 
 
 def _outcome(status: int, content: bytes, expect: bytes) -> str:
@@ -200,12 +191,12 @@ def bench_lockup(
     }
     settings = {"max_buffered_bytes": budget} if budget else {}
     with children(
-        _engine("prefill", tokens, layers, top_k), _engine("decode", tokens, layers, top_k)
+        engine_spec("prefill", tokens, layers, top_k), engine_spec("decode", tokens, layers, top_k)
     ) as (p, d):
         for kind in kinds:
             if kind == "vllm-router" and not vllm_router():
                 continue
-            with _server(kind, p, d, max_in_flight=4 * streams, **settings) as server:
+            with _running(kind, p, d, max_in_flight=4 * streams, **settings) as server:
                 idle = server.memory_mb()[0]
                 expect = bodies.merged_stream if kind == "proxy" else bodies.stream
                 small_expect = small_bodies.merged if kind == "proxy" else None
@@ -279,11 +270,11 @@ def bench_slow(
         "rate_kib_s": rate // 1024,
     }
     with children(
-        _engine("prefill", tokens, layers, top_k), _engine("decode", tokens, layers, top_k)
+        engine_spec("prefill", tokens, layers, top_k), engine_spec("decode", tokens, layers, top_k)
     ) as (p, d):
         for stream in (False, True):
             body = bodies.request[:-1] + (b',"stream":true}' if stream else b"}")
-            with _server("proxy", p, d, max_buffered_bytes=budget) as proxy:
+            with _running("proxy", p, d, max_buffered_bytes=budget) as proxy:
                 host, port = proxy.url.rsplit("/", 1)[1].split(":")
                 request = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
                            b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
@@ -332,9 +323,9 @@ def bench_split(tokens: int, layers: int = 94, top_k: int = 8) -> dict[str, Any]
                            "prefill_body_mib": round(len(bodies.prefill) / 2**20, 2)}
     for fault in (None, "byte_split"):
         with children(
-            _engine("prefill", tokens, layers, top_k),
-            _engine("decode", tokens, layers, top_k, fault),
-        ) as (p, d), _server("proxy", p, d) as proxy:
+            engine_spec("prefill", tokens, layers, top_k),
+            engine_spec("decode", tokens, layers, top_k, fault),
+        ) as (p, d), _running("proxy", p, d) as proxy:
             idle = proxy.memory_mb()[0]
             began = time.perf_counter()
             with _Peak(proxy) as peak:
