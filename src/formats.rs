@@ -10,6 +10,7 @@ use crate::buffer::AlignedBytes;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::jsonscan::Scanner;
+use crate::not_routing;
 use crate::npy;
 use crate::payload::{DTypeChoice, Header, Payload, Shape};
 use crate::sidecar::{self, SidecarFields};
@@ -83,20 +84,47 @@ const NEMO_PREFIX: &[u8] = b"nrlre1:";
 /// How a base64 `.npy` file begins (the magic `\x93NUMPY`): what `detect` reads as vLLM's format.
 pub const NPY_B64_PREFIX: &[u8] = b"k05VTVBZ";
 
-/// The format of a text value: JSON text, or the content of a JSON string.
-pub fn detect(text: &[u8]) -> Format {
+/// The format of a text value: JSON text, or the content of a JSON string. Text that is none of
+/// them (binary, an image, plain text, an SSE capture) is a `PayloadError` that says what it
+/// looks like: SGLang's flat base64 is chosen only for text that reads as base64.
+pub fn detect(text: &[u8]) -> Result<Format> {
     match text.iter().find(|c| !c.is_ascii_whitespace()) {
-        Some(b'{') => Format::Compact,
-        Some(b'[') => Format::Lists,
-        _ if text.starts_with(NEMO_PREFIX) => Format::Nemo,
-        _ if text.starts_with(NPY_B64_PREFIX) => Format::VllmNpy,
-        _ => Format::Sglang,
+        Some(b'{') => Ok(Format::Compact),
+        Some(b'[') => Ok(Format::Lists),
+        _ if text.starts_with(NEMO_PREFIX) => Ok(Format::Nemo),
+        _ if text.starts_with(NPY_B64_PREFIX) => Ok(Format::VllmNpy),
+        _ if looks_like_base64(text) => Ok(Format::Sglang),
+        _ => Err(Error::payload(format!(
+            "not routing in any known format (compact, vllm_npy, sglang, nemo, lists): {}",
+            not_routing::describe(text)
+        ))),
     }
+}
+
+/// How many bytes of a long text `looks_like_base64` reads: enough to tell base64 from anything
+/// else without a second pass over tens of MB (the decoder validates every byte anyway).
+const SNIFF_BYTES: usize = 4096;
+
+/// Whole 4-character groups whose head and tail are base64: what SGLang's values are (the empty
+/// text is zero rows). The middle of a long text is left to the decoder, which reads every byte
+/// and names a bad one.
+fn looks_like_base64(text: &[u8]) -> bool {
+    if text.is_empty() {
+        return true;
+    }
+    if text.len() % 4 != 0 {
+        return false;
+    }
+    let (head, tail) = text.split_at(text.len() - 4);
+    let body = |c: &u8| c.is_ascii_alphanumeric() || *c == b'+' || *c == b'/';
+    let head_ok = head[..head.len().min(SNIFF_BYTES)].iter().all(body);
+    let pad = tail.iter().rev().take_while(|&&c| c == b'=').count();
+    head_ok && pad <= 2 && tail[..4 - pad].iter().all(body)
 }
 
 /// Decode a value of any format given as text, detecting which.
 pub fn decode_text(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<(Format, Payload)> {
-    let format = detect(text);
+    let format = detect(text)?;
     Ok((format, decode_as(format, text, hints, max_bytes)?))
 }
 
@@ -337,14 +365,6 @@ fn refuse_lmdeploy_reference(text: &[u8]) -> Result<()> {
 
 fn decode_sglang(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Payload> {
     refuse_lmdeploy_reference(text)?;
-    if text.len() < 256 {
-        b64::check(text, "sglang").map_err(|e| {
-            e.context(
-                "sglang (a short string that is not base64 may be a key into lmdeploy's Ray \
-                 shared store, to be fetched from that store first)",
-            )
-        })?;
-    }
     let (Some(layers), Some(top_k)) = (hints.num_layers, hints.top_k) else {
         return Err(Error::payload(
             "sglang: flat base64 values carry no shape: give num_layers and top_k".to_string(),

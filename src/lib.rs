@@ -106,6 +106,7 @@ mod jsonscan;
 pub mod limits;
 /// Prefill/decode merge by absolute position (format.md §4).
 pub mod merge;
+mod not_routing;
 /// The `.npy` header (vLLM's format): parsing and writing.
 pub mod npy;
 /// Packing samples into one batch for the trainer (format.md §6).

@@ -33,7 +33,7 @@ pub fn decode_found(f: &Found, hints: &Hints, max_bytes: usize) -> Result<(Forma
         ),
         None => {
             let text = formats::json_string_content(f.text)?;
-            let format = formats::detect(&text);
+            let format = formats::detect(&text).map_err(|e| e.context(&f.path))?;
             if !f.place.allows(format) {
                 return Err(Error::payload(format!(
                     "{}: a value read as {} where producers write {}: not read as routing of \

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -96,3 +97,70 @@ def test_a_reader_that_leaves_ends_inspect_quietly(tmp_path: Path) -> None:
         err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 0, err
     assert "BrokenPipeError" not in err and "Traceback" not in err, err
+
+
+NOT_ROUTING = [
+    ("q.png", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x10", "a PNG image"),
+    ("passwd", b"root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1::/usr/sbin:/bin/sh\n",
+     "plain text of"),
+    ("capture.sse", b'data: {"choices":[{"index":0,"text":"a"}]}\n\ndata: [DONE]\n\n',
+     "server-sent event stream"),
+    ("blob.bin", bytes(range(1, 40)), "binary data of 39 bytes"),
+]
+
+
+@pytest.mark.parametrize(("name", "data", "said"), NOT_ROUTING)
+def test_inspect_of_what_is_not_routing_says_what_it_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, data: bytes, said: str
+) -> None:
+    path = write(tmp_path, name, data)
+    assert main(["inspect", path]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: not routing in any known format" in err and said in err, err
+    assert "sglang" not in err.replace("(compact, vllm_npy, sglang, nemo, lists)", ""), err
+    assert "--num-layers" not in err, err
+
+
+def test_a_field_of_the_file_is_named_as_the_files_not_as_a_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    p = rx.RoutedExperts.from_array(np.arange(12).reshape(2, 3, 2))
+    bad = json.loads(p.to_json())
+    bad["start"] = -4
+    path = write(tmp_path, "s.json", json.dumps(bad))
+    assert main(["inspect", path]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: " in err and "`start`" in err and "-4" in err and "--start" not in err, err
+    # A flag that contradicts the file is named as the flag.
+    good = write(tmp_path, "g.json", p.to_json())
+    assert main(["inspect", good, "--num-layers", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "`num_layers`: expected 5 (as given by --num-layers), got 3" in err, err
+    # SGLang's flat values need the shape flags, and the message says which.
+    flat = write(tmp_path, "flat.txt", rx.encode(p, "sglang"))
+    assert main(["inspect", flat]) == 2
+    assert "give --num-layers and --top-k" in capsys.readouterr().err
+
+
+def test_size_flags_take_units_and_help_states_each_default_once() -> None:
+    from routed_experts.cli import build_parser
+
+    parser = build_parser()
+    urls = ["--prefill", "http://p", "--decode", "http://d"]
+    args = parser.parse_args(["proxy", *urls, "--max-request-bytes", "64MiB",
+                              "--max-upstream-bytes", "1.5GB", "--max-buffered-bytes", "4096"])
+    assert (args.max_request_bytes, args.max_upstream_bytes) == (64 * 2**20, 1_500_000_000)
+    assert args.max_buffered_bytes == 4096 and args.max_header_bytes == 64 * 2**10
+    for bad in ("64XB", "-1", "MiB", "1e9"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["proxy", *urls, "--max-request-bytes", bad])
+    with pytest.raises(SystemExit):  # below the smallest head a client may send
+        parser.parse_args(["proxy", *urls, "--max-header-bytes", "1KiB"])
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in subparsers.choices.items():
+        text = sub.format_help()
+        assert "(default: None)" not in text and "(default: False)" not in text, name
+        for block in text.split("\n  -"):
+            assert block.count("default") <= 1, (name, block)
+    proxy_help = subparsers.choices["proxy"].format_help()
+    assert "(default: 64MiB)" in proxy_help and "(default: 1GiB)" in proxy_help

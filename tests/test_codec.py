@@ -214,10 +214,11 @@ def test_malformed_fields_name_field_expected_and_actual(
 
 
 def test_wrong_input_type() -> None:
-    # Parsed JSON of the wrong kind is malformed input; a non-JSON object is a programming error.
-    with pytest.raises(rx.PayloadError, match="expected a JSON object, got a number"):
+    # Parsed JSON of the wrong kind and a non-JSON object are both refused in our family, naming
+    # the argument (format.md §8).
+    with pytest.raises(rx.PayloadError, match="`value`: expected a JSON object, got a number"):
         rx.RoutedExperts.from_json(12)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="bytes, str or a dict, got object"):
+    with pytest.raises(rx.PayloadError, match="`value`: .*bytes, str or a dict, got an object"):
         rx.RoutedExperts.from_json(object())  # type: ignore[arg-type]
 
 

@@ -1,10 +1,11 @@
-"""The error contract for integer arguments: every public function and method that takes a
-count, position or size refuses a negative, a huge and a non-integer value with a
-`RoutedExpertsError` naming the argument (never `OverflowError` or a conversion's `TypeError`),
-and takes numpy's integers as integers."""
+"""The error contract (format.md §8): every public function and method refuses a negative, a
+huge and a wrong-typed argument with a `RoutedExpertsError` naming the argument (never
+`OverflowError`, a conversion's `TypeError` or a panic), and takes numpy's integers as
+integers."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -91,3 +92,110 @@ def test_numpy_integers_are_integers(name: str, arg: str, call: Callable[[Any], 
         call(value)
     except rx.RoutedExpertsError as e:
         assert "expected an integer" not in str(e), (name, str(e))
+
+
+# Every public callable with arguments, and a call of it that succeeds: the sweep below sets one
+# argument at a time to a bad value. A public callable missing here fails
+# `test_the_sweep_covers_every_public_callable`.
+def _merger(**kw: Any) -> Any:
+    from routed_experts.proxy import StreamMerger
+
+    return StreamMerger(**kw)
+
+
+def _traj(method: str) -> Callable[..., Any]:
+    return lambda **kw: getattr(trajectory(), method)(**kw)
+
+
+VALID: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
+    "agreement": (rx.agreement, {"a": P, "b": P}),
+    "decode": (rx.decode, {"value": P.to_json()}),
+    "detect_format": (rx.detect_format, {"value": P.to_json()}),
+    "encode": (rx.encode, {"payload": P}),
+    "expert_load": (rx.expert_load, {"routing": P, "num_experts": 8}),
+    "from_response": (rx.from_response, {"body": BODY}),
+    "merge": (rx.merge, {"prefill": P, "decode": P}),
+    "merge_response": (rx.merge_response, {"prefill_body": BODY, "decode_body": BODY}),
+    "pack": (rx.pack, {"samples": [P]}),
+    "set_max_bytes": (rx.set_max_bytes, {"n": 2**30}),
+    "shard": (rx.shard, {"batch": P.array, "cu_seqlens": [0, 6]}),
+    "RoutedExperts.from_json": (rx.RoutedExperts.from_json, {"value": P.to_json()}),
+    "RoutedExperts.from_array": (rx.RoutedExperts.from_array, {"array": P.array}),
+    "RoutedExperts.from_transport": (
+        rx.RoutedExperts.from_transport, {"value": P.to_transport()}
+    ),
+    "RoutedExperts.to_numpy": (P.to_numpy, {}),
+    "RoutedExperts.slice": (P.slice, {"start": 0, "stop": 2}),
+    "RoutedExperts.astype": (P.astype, {"dtype": "uint16"}),
+    "RoutedExperts.validate": (P.validate, {}),
+    "RoutedExperts.validation_report": (P.validation_report, {}),
+    "Trajectory.append": (_traj("append"), {"payload": P}),
+    "Trajectory.truncate": (_traj("truncate"), {"stop": 3}),
+    "Trajectory.to_training": (_traj("to_training"), {"num_tokens": 6}),
+    "StreamMerger": (_merger, {"prefill_body": BODY}),
+    "StreamMerger.feed": (
+        lambda **kw: _merger(prefill_body=BODY).feed(**kw), {"chunk": b"data: {}\n\n"}
+    ),
+    "StreamMerger.line": (
+        lambda **kw: _merger(prefill_body=BODY).line(**kw), {"line": b"data: {}"}
+    ),
+}
+# Public callables the sweep leaves out, and why.
+NOT_SWEPT = {
+    "RoutedExperts.to_torch": "needs torch; its dtype is read as to_numpy's is",
+}
+
+
+def _public() -> dict[str, Any]:
+    """Every public function, class and method (of `routed_experts` and the proxy's
+    StreamMerger) that takes an argument."""
+    import routed_experts.proxy as proxy
+
+    found: dict[str, Any] = {}
+    tops = [(n, getattr(rx, n)) for n in rx.__all__] + [("StreamMerger", proxy.StreamMerger)]
+    for name, obj in tops:
+        if inspect.isclass(obj):
+            if issubclass(obj, BaseException):
+                continue
+            found[name] = obj
+            for m in vars(obj):
+                if not m.startswith("_") and callable(getattr(obj, m)):
+                    found[f"{name}.{m}"] = getattr(obj, m)
+        elif callable(obj):
+            found[name] = obj
+    return {n: o for n, o in found.items() if _params(o)}
+
+
+def _params(obj: Any) -> list[str]:
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return []
+    return [p for p in sig.parameters if p not in ("self", "args", "kwargs")]
+
+
+def test_the_sweep_covers_every_public_callable() -> None:
+    public = set(_public())
+    assert public - set(VALID) - set(NOT_SWEPT) == set()
+    assert set(VALID) - public == set(), "the sweep names a callable that is not public"
+
+
+SWEEP = [(name, arg) for name, obj in _public().items() if name in VALID for arg in _params(obj)]
+# Values of the right type whose content is read later (a stream's pieces), so a str is taken.
+TEXT_TAKEN = {("StreamMerger", "prefill_body"), ("StreamMerger.feed", "chunk"),
+              ("StreamMerger.line", "line")}
+
+
+@pytest.mark.parametrize(("name", "arg"), SWEEP, ids=[f"{n}-{a}" for n, a in SWEEP])
+def test_every_argument_of_every_public_callable_refuses_bad_values_in_our_family(
+    name: str, arg: str
+) -> None:
+    call, valid = VALID[name]
+    call(**valid)  # the valid call succeeds: what fails below is the one bad argument
+    for bad in (-3, 2**70, 1.5, object(), "x"):
+        if bad == "x" and (name, arg) in TEXT_TAKEN:
+            continue
+        with pytest.raises(rx.RoutedExpertsError) as e:
+            call(**{**valid, arg: bad})
+        if not isinstance(bad, str):  # a wrong type or range names the argument
+            assert f"`{arg}`" in str(e.value), (name, arg, bad, str(e.value))

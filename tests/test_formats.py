@@ -104,7 +104,13 @@ def test_nemo_matches_the_envelope_layout() -> None:
             {"num_layers": 4, "top_k": 2},
             "sglang: 6 bytes is not a whole number of rows",
         ),
-        ("AAAA*AAA", {"num_layers": 1, "top_k": 1, "dtype": "uint8"}, "sglang"),
+        ("AAAA*AAA", {"num_layers": 1, "top_k": 1, "dtype": "uint8"}, "not routing .*plain text"),
+        # Past the sniffed head, the decoder reads every byte and names the bad one.
+        (
+            "A" * 8000 + "*AAA" + "A" * 4,
+            {"num_layers": 1, "top_k": 1, "dtype": "uint8"},
+            "sglang.*got '\\*' at offset 8000",
+        ),
         ("k05VTVBZAQB2", {}, "vllm_npy"),
         ("k05VTVBZAQB2AHsnZGVzY3I=", {}, "vllm_npy: header says 118 bytes"),
         ([[[1, 2]], [[3]]], {}, "lists: expected a rectangular .* got top_k 1 at token 1, layer 0"),
@@ -299,3 +305,53 @@ def test_vllm_npy_delta_decode_needs_its_start() -> None:
     out = rx.from_response(merged)
     assert out is not None and out.start == 2
     np.testing.assert_array_equal(out.array, truth[2:])
+
+
+NOT_ROUTING = [
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "a PNG image"),
+    (b"\x1f\x8b\x08\x00\x00\x00", "gzip-compressed data"),
+    (b"\x00\x01\x02\xff\xfe", "binary data of 5 bytes, starting 00 01 02 ff fe"),
+    ("not routing at all!", 'plain text of 19 bytes, "not routing at all!"'),
+    ("root:x:0:0:root:/root:/bin/bash\n", "plain text of 31 bytes"),
+    ('data: {"choices":[]}\n\ndata: [DONE]\n\n', "server-sent event stream"),
+    ("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n{}", "HTTP response"),
+    ("AAAAAAA", "7 base64 characters, not a whole number of 4-character groups"),
+    (" \n", "only whitespace"),
+]
+
+
+@pytest.mark.parametrize(("value", "said"), NOT_ROUTING)
+def test_what_is_not_routing_is_called_what_it_is(value: str | bytes, said: str) -> None:
+    # Not guessed to be SGLang, with or without SGLang's hints.
+    for hints in ({}, {"num_layers": 1, "top_k": 1, "dtype": "uint8"}):
+        with pytest.raises(rx.PayloadError) as e:
+            rx.decode(value, **hints)
+        assert str(e.value).startswith("not routing in any known format"), str(e.value)
+        assert said in str(e.value), str(e.value)
+    with pytest.raises(rx.PayloadError, match="not routing in any known format"):
+        rx.detect_format(value)
+    text = value.decode("latin-1") if isinstance(value, bytes) else value
+    body = json.dumps({"text": "x", "meta_info": {"routed_experts": text}})
+    with pytest.raises(rx.PayloadError, match="meta_info.routed_experts: not routing"):
+        rx.from_response(body, num_layers=1, top_k=1, dtype="uint8")
+
+
+@settings(max_examples=300)
+@given(data=st.binary(min_size=1, max_size=600))
+def test_base64_of_any_bytes_is_read_as_sglang(data: bytes) -> None:
+    text = base64.b64encode(data)
+    expected = "vllm_npy" if text.startswith(b"k05VTVBZ") else "sglang"
+    assert rx.detect_format(text) == expected
+
+
+@settings(max_examples=300)
+@given(text=st.text(max_size=200))
+def test_sglang_is_chosen_only_for_text_that_reads_as_base64(text: str) -> None:
+    try:
+        fmt = rx.detect_format(text)
+    except rx.PayloadError as e:
+        assert str(e).startswith("not routing in any known format"), str(e)
+        return
+    if fmt == "sglang":
+        assert len(text) % 4 == 0
+        assert all(c.isascii() and (c.isalnum() or c in "+/=") for c in text), text

@@ -99,7 +99,7 @@ def test_transport_tuple_round_trip() -> None:
     assert rx.RoutedExperts.from_transport((p.array, shape, dtype), start=7) == p
     with pytest.raises(rx.PayloadError, match="`data`: expected 48 bytes"):
         rx.RoutedExperts.from_transport((data[:-1], shape, dtype))
-    with pytest.raises(rx.PayloadError, match="`transport`"):
+    with pytest.raises(rx.PayloadError, match="`value`: expected a tuple"):
         rx.RoutedExperts.from_transport(("x",))  # type: ignore[arg-type]
 
 

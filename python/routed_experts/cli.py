@@ -9,7 +9,8 @@ import json
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"decode: {mb:.2f} MB sidecar in {t_dec * 1e3:.2f} ms ({mb / t_dec / 1e3:.2f} GB/s)")
     print("verified: decode(encode(rollout)) == rollout, array read-only and zero-copy")
     return 0
+
+
+@contextmanager
+def _in_file(path: str) -> Iterator[None]:
+    """An error about a file's content names the file: a field it names is the file's, not a
+    flag."""
+    try:
+        yield
+    except RoutedExpertsError as e:
+        raise type(e)(f"{'stdin' if path == '-' else path}: {e}") from None
 
 
 def _read_input(path: str) -> bytes:
@@ -82,15 +93,16 @@ def _is_response_body(text: bytes) -> bool:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     text = _read_input(args.file).strip()
-    if _is_response_body(text):
-        print("format: response body")
-        p = rx.from_response(text, args.choice, **_hints(args))
-        if p is None:
-            print(f"choice {args.choice}: no routing")
-            return 0
-    else:
-        print(f"format: {rx.detect_format(text)}")
-        p = rx.decode(text, **_hints(args))
+    with _in_file(args.file):
+        if _is_response_body(text):
+            print("format: response body")
+            p = rx.from_response(text, args.choice, **_hints(args))
+            if p is None:
+                print(f"choice {args.choice}: no routing")
+                return 0
+        else:
+            print(f"format: {rx.detect_format(text)}")
+            p = rx.decode(text, **_hints(args))
     print(f"shape: {p.shape} (tokens, layers, top_k)")
     print(f"dtype: {p.dtype}")
     print(f"positions: [{p.start}, {p.stop})")
@@ -132,14 +144,15 @@ def print_load(load: rx.ExpertLoad) -> None:
 def _routing(path: str, args: argparse.Namespace) -> RoutedExperts:
     """The routing in a file: a routing value in any format, or one choice of a body."""
     data = _read_input(path).strip()
-    if _is_response_body(data):
+    with _in_file(path):
+        if not _is_response_body(data):
+            return rx.decode(data, **_hints(args))
         found = rx.from_response(data, args.choice, **_hints(args))
-        if found is None:
-            raise RoutedExpertsError(
-                f"{path}: the response body has no routing for choice {args.choice}"
-            )
-        return found
-    return rx.decode(data, **_hints(args))
+    if found is None:
+        raise RoutedExpertsError(
+            f"{path}: the response body has no routing for choice {args.choice}"
+        )
+    return found
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -176,7 +189,11 @@ def cmd_merge(args: argparse.Namespace) -> int:
         out = rx.merge_response(prefill, decode, **_hints(args))
     else:
         hints = _hints(args)
-        merged = rx.merge(rx.decode(prefill, **hints), rx.decode(decode, **hints))
+        with _in_file(args.prefill):
+            first = rx.decode(prefill, **hints)
+        with _in_file(args.decode):
+            second = rx.decode(decode, **hints)
+        merged = rx.merge(first, second)
         out = merged.to_json()
     _write_output(args.output, out)
     return 0
@@ -273,6 +290,30 @@ def _count(minimum: int) -> Any:
     return parse
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def _size(minimum: int) -> Any:
+    """An argparse type: a byte count >= `minimum`, as an integer or with a unit (`64MiB`,
+    `1.5GB`; KiB/MiB/GiB are powers of 2, KB/MB/GB of 10)."""
+
+    def parse(text: str) -> int:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+        unit = m and _UNITS.get(m.group(2).lower())
+        if m is None or unit is None:
+            raise argparse.ArgumentTypeError(
+                f"expected a byte count such as 67108864 or 64MiB, got {text!r}"
+            )
+        number = m.group(1)
+        n = int(number) * unit if "." not in number else round(float(number) * unit)
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"expected at least {minimum} bytes, got {text}")
+        return n
+
+    return parse
+
+
 def _url(text: str) -> str:
     """An argparse type: an upstream server's URL, checked before the proxy starts."""
     from routed_experts.proxy.config import check_url
@@ -311,20 +352,37 @@ def _add_hints(p: argparse.ArgumentParser) -> None:
 
 
 # The library names its hints as Python arguments; on the command line they are flags.
-_FLAGS = {"`num_layers`": "`--num-layers`", "`top_k`": "`--top-k`", "`start`": "`--start`"}
+# The flags that give what a format may not carry, by the field they set.
+_FLAGS = {"num_layers": "--num-layers", "top_k": "--top-k", "start": "--start"}
 
 
-def _as_flags(message: str) -> str:
-    for arg, flag in _FLAGS.items():
-        message = message.replace(arg, flag)
+def _as_flags(message: str, args: argparse.Namespace) -> str:
+    """The core's words for the hints, in the CLI's: a field contradicted by a flag's value
+    names the flag; any other field is the file's and keeps its name."""
+    for field, flag in _FLAGS.items():
+        if getattr(args, field, None) is not None:
+            message = message.replace(
+                f"`{field}`: expected {getattr(args, field)} (as given)",
+                f"`{field}`: expected {getattr(args, field)} (as given by {flag})",
+            )
     return message.replace("give num_layers and top_k", "give --num-layers and --top-k")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default, unless it has none or its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False) or "default" in text:
+            return text
+        return super()._get_help_string(action) or text
 
 
 class _Parser(argparse.ArgumentParser):
     """Every (sub-)command's --help shows each option's default."""
 
     def __init__(self, **kw: Any) -> None:
-        kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kw.setdefault("formatter_class", _HelpFormatter)
         super().__init__(**kw)
 
 
@@ -466,10 +524,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_proxy.add_argument(
         "--memory-budget",
-        type=_count(0),
-        default=128 * 2**20,
-        help="the proxy's --max-buffered-bytes in the memory rounds (default 128 MiB: what "
-        "keeps 64 requests of 8192 x 48 x 8 under 300 MB; 0 for the proxy's own default)",
+        type=_size(0),
+        default="128MiB",
+        help="the proxy's --max-buffered-bytes in the memory rounds (what "
+        "keeps 64 requests of 8192 x 48 x 8 under 300 MB; 0 keeps ProxyConfig's)",
     )
     bench_proxy.add_argument(
         "--idle-wait",
@@ -502,8 +560,8 @@ def _add_proxy_limits(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-request-bytes",
-        type=_count(1),
-        default=64 * 2**20,
+        type=_size(1),
+        default="64MiB",
         help="largest client body; larger gets 413",
     )
     p.add_argument(
@@ -515,15 +573,15 @@ def _add_proxy_limits(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-buffered-bytes",
-        type=_count(1),
-        default=1024 * 2**20,
+        type=_size(1),
+        default="1GiB",
         help="bytes held in bodies at once (client bodies being received, upstream replies "
         "being read and merged); beyond gets 503 + Retry-After",
     )
     p.add_argument(
         "--max-upstream-bytes",
-        type=_count(1),
-        default=256 * 2**20,
+        type=_size(1),
+        default="256MiB",
         help="largest upstream body or stream event; larger is a 502",
     )
     p.add_argument(
@@ -547,8 +605,8 @@ def _add_proxy_limits(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-header-bytes",
-        type=_count(8192),
-        default=64 * 1024,
+        type=_size(8192),
+        default="64KiB",
         help="largest request head (request line and headers); larger gets 431",
     )
     p.add_argument(
@@ -617,7 +675,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 0
     except (RoutedExpertsError, OSError) as e:
-        print(f"routed-experts: {type(e).__name__}: {_as_flags(str(e))}", file=sys.stderr)
+        print(f"routed-experts: {type(e).__name__}: {_as_flags(str(e), args)}", file=sys.stderr)
         return 2
 
 

@@ -3,7 +3,6 @@
 use std::borrow::Cow;
 
 use numpy::{PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{
     PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PyString, PyTuple,
@@ -14,19 +13,17 @@ use crate::formats::{self, Hints};
 use crate::sidecar::{DataField, SidecarFields};
 use crate::{DType, DTypeChoice, Payload, Shape};
 
-/// Text that JSON can be parsed from: borrowed from `bytes`/`str`, copied from mutable buffers
-/// (a `bytearray` could change while the GIL is released).
 /// A response body: JSON text as `text_arg` takes it, or a body already parsed into a dict (or
 /// a list, for SGLang batches), written back to JSON text first.
-pub fn body_arg<'a>(value: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u8]>> {
+pub fn body_arg<'a>(value: &'a Bound<'_, PyAny>, name: &str) -> PyResult<Cow<'a, [u8]>> {
     if value.is_instance_of::<PyDict>() || value.is_instance_of::<PyList>() {
         return Ok(Cow::Owned(json_text(
             value,
-            "body",
+            name,
             "a JSON-serialisable dict",
         )?));
     }
-    text_arg(value)
+    text_arg(value, name)
 }
 
 /// A parsed Python value written back to JSON text with `json.dumps`; what it refuses (objects
@@ -45,12 +42,15 @@ pub fn json_text(value: &Bound<'_, PyAny>, field: &str, expected: &str) -> PyRes
         .to_vec())
 }
 
-pub fn text_arg<'a>(value: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u8]>> {
+/// Text that JSON can be parsed from: borrowed from `bytes`/`str`, copied from mutable buffers
+/// (a `bytearray` could change while the GIL is released). Anything else is a `PayloadError`
+/// naming the argument `name`.
+pub fn text_arg<'a>(value: &'a Bound<'_, PyAny>, name: &str) -> PyResult<Cow<'a, [u8]>> {
     if let Ok(b) = value.cast::<PyBytes>() {
         return Ok(Cow::Borrowed(b.as_bytes()));
     }
     if let Ok(s) = value.cast::<PyString>() {
-        return Ok(Cow::Borrowed(str_utf8(s, "value")?.as_bytes()));
+        return Ok(Cow::Borrowed(str_utf8(s, name)?.as_bytes()));
     }
     if let Ok(b) = value.cast::<PyByteArray>() {
         return Ok(Cow::Owned(b.to_vec()));
@@ -62,12 +62,9 @@ pub fn text_arg<'a>(value: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u8]>> {
     let kind = py_type_name(value);
     if kind != NOT_JSON {
         // Already parsed JSON, but not an object: malformed input, not a programming error.
-        return Err(crate::Error::field("sidecar", "a JSON object", kind).into());
+        return Err(crate::Error::field(name, "a JSON object", kind).into());
     }
-    Err(PyTypeError::new_err(format!(
-        "expected JSON as bytes, str or a dict, got {}",
-        value.get_type().name()?
-    )))
+    Err(crate::Error::field(name, "JSON as bytes, str or a dict", a_value_of(value)).into())
 }
 
 const NOT_JSON: &str = "a non-JSON Python object";
@@ -223,7 +220,17 @@ pub fn dtype_arg(v: &Bound<'_, PyAny>) -> PyResult<DType> {
     if let Ok(s) = v.cast::<PyString>() {
         return Ok(DType::parse(str_utf8(s, "dtype")?)?);
     }
-    let np_dtype = v.py().import("numpy")?.getattr("dtype")?.call1((v,))?;
+    // numpy's dtypes and scalar types (np.int32, np.dtype("uint16")), by the name numpy gives.
+    let not_a_dtype = || -> PyErr {
+        crate::Error::field("dtype", "a dtype name or numpy dtype", a_value_of(v)).into()
+    };
+    if v.is_instance_of::<PyBool>() || v.is_instance_of::<PyInt>() || v.is_instance_of::<PyFloat>()
+    {
+        return Err(not_a_dtype());
+    }
+    let Ok(np_dtype) = v.py().import("numpy")?.getattr("dtype")?.call1((v,)) else {
+        return Err(not_a_dtype());
+    };
     Ok(DType::parse(
         &np_dtype.getattr("name")?.cast::<PyString>()?.to_cow()?,
     )?)
@@ -296,12 +303,10 @@ fn shape3(shape: &[usize]) -> PyResult<Shape> {
 /// A count or index argument: a Python int from 0 to 2**64 - 1, else a `RoutedExpertsError`
 /// naming the argument (never `OverflowError` or a conversion's `TypeError`).
 pub fn count_arg(name: &str, v: &Bound<'_, PyAny>) -> PyResult<usize> {
-    let not_an_integer = || -> PyResult<PyErr> {
-        let t = v.get_type().name()?.to_string();
-        Ok(crate::Error::field(name, "an integer", format!("a {t}")).into())
-    };
+    let not_an_integer =
+        || -> PyErr { crate::Error::field(name, "an integer", a_value_of(v)).into() };
     if v.is_instance_of::<PyBool>() {
-        return Err(not_an_integer()?);
+        return Err(not_an_integer());
     }
     // numpy's integers (and anything else with __index__) count as integers.
     let index;
@@ -313,7 +318,7 @@ pub fn count_arg(name: &str, v: &Bound<'_, PyAny>) -> PyResult<usize> {
                 index = i;
                 &index
             }
-            Err(_) => return Err(not_an_integer()?),
+            Err(_) => return Err(not_an_integer()),
         }
     };
     match v.extract::<i64>() {
@@ -465,38 +470,41 @@ pub fn shard_mask<'py>(
 /// Extractors for `#[pyo3(from_py_with = ...)]`: each integer argument checked by its own name
 /// (PyO3 passes a conversion's `OverflowError` through unnamed), so a negative, huge or
 /// non-integer value is a `RoutedExpertsError` naming the argument.
-macro_rules! named_counts {
-    ($($name:ident),* $(,)?) => {
-        /// One extractor per argument name (see `named_counts`).
+/// One extractor per argument name, for `#[pyo3(from_py_with = ...)]`: `$module::name` reads
+/// the argument with `$read(name, value)` and `$opt::name` does the same for one that may be
+/// None. Errors name the argument (what PyO3's own conversions do not do in our error family).
+macro_rules! named_args {
+    ($module:ident, $opt:ident, $read:ident -> $t:ty: $($name:ident),* $(,)?) => {
         #[allow(dead_code)] // not every name is taken both ways
-        pub mod arg {
+        pub mod $module {
             use pyo3::prelude::*;
             $(
-                pub fn $name<T: TryFrom<usize>>(v: &Bound<'_, PyAny>) -> PyResult<T> {
-                    let n = super::count_arg(stringify!($name), v)?;
-                    T::try_from(n).map_err(|_| {
-                        crate::Error::field(stringify!($name), "a smaller integer", n).into()
+                pub fn $name<T: TryFrom<$t>>(v: &Bound<'_, PyAny>) -> PyResult<T> {
+                    let read: $t = super::$read(stringify!($name), v)?;
+                    let shown = format!("{read:?}");
+                    T::try_from(read).map_err(|_| {
+                        crate::Error::field(stringify!($name), "a smaller integer", shown).into()
                     })
                 }
             )*
         }
-        /// The same, for arguments that may be None.
         #[allow(dead_code)]
-        pub mod opt {
+        pub mod $opt {
             use pyo3::prelude::*;
             $(
-                pub fn $name<T: TryFrom<usize>>(v: &Bound<'_, PyAny>) -> PyResult<Option<T>> {
+                pub fn $name<T: TryFrom<$t>>(v: &Bound<'_, PyAny>) -> PyResult<Option<T>> {
                     if v.is_none() {
                         return Ok(None);
                     }
-                    super::arg::$name(v).map(Some)
+                    super::$module::$name(v).map(Some)
                 }
             )*
         }
     };
 }
 
-named_counts!(
+named_args!(
+    arg, opt, count_arg -> usize:
     start,
     stop,
     num_layers,
@@ -516,3 +524,114 @@ named_counts!(
     tp_size,
     tp_rank,
 );
+
+/// The name arguments, each read as the choice it names (an unknown name or a non-str is a
+/// `RoutedExpertsError` naming the argument).
+pub mod word {
+    use pyo3::prelude::*;
+
+    use super::word_arg;
+    use crate::formats::Format;
+    use crate::shard::CpSplit;
+    use crate::trajectory::{Overlap, Pad};
+
+    pub fn format(v: &Bound<'_, PyAny>) -> PyResult<Format> {
+        Ok(Format::parse(&word_arg("format", v)?)?)
+    }
+
+    pub fn cp_split(v: &Bound<'_, PyAny>) -> PyResult<CpSplit> {
+        Ok(CpSplit::parse(&word_arg("cp_split", v)?)?)
+    }
+
+    pub fn overlap(v: &Bound<'_, PyAny>) -> PyResult<Overlap> {
+        Ok(Overlap::parse(&word_arg("overlap", v)?)?)
+    }
+
+    pub fn pad(v: &Bound<'_, PyAny>) -> PyResult<Pad> {
+        Ok(Pad::parse(&word_arg("pad", v)?)?)
+    }
+}
+named_args!(
+    flag, opt_flag, flag_arg -> bool:
+    keep_format,
+    splice,
+    require_routing,
+    mask,
+    count_rows,
+    writable,
+    duplicates,
+    zero_rows,
+    missing_rows,
+);
+named_args!(typed, opt_typed, dtype_named -> crate::DType: dtype);
+named_args!(pair, opt_pair, pair_arg -> (usize, usize): layers);
+
+/// "a str", "an int", "an ndarray": what a wrong-typed argument was, for its error.
+pub fn a_value_of(v: &Bound<'_, PyAny>) -> String {
+    let t = v
+        .get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_default();
+    let article = if t.starts_with(['a', 'e', 'i', 'o', 'u']) {
+        "an"
+    } else {
+        "a"
+    };
+    format!("{article} {t}")
+}
+
+/// `e` with `prefix` before its message, when it is one of ours (same class); else `e` as it is.
+pub fn prefix_error(py: Python<'_>, e: PyErr, prefix: &str) -> PyErr {
+    if !e.is_instance_of::<crate::python::RoutedExpertsError>(py) {
+        return e;
+    }
+    let msg = e.value(py).str().map(|s| s.to_string()).unwrap_or_default();
+    match e.get_type(py).call1((format!("{prefix}{msg}"),)) {
+        Ok(v) => PyErr::from_value(v),
+        Err(_) => e,
+    }
+}
+
+/// A name argument (a format, a split, a mode): a str, else a `RoutedExpertsError` naming it.
+pub fn word_arg(name: &str, v: &Bound<'_, PyAny>) -> PyResult<String> {
+    match v.cast::<PyString>() {
+        Ok(s) => Ok(str_utf8(s, name)?.to_owned()),
+        Err(_) => Err(crate::Error::field(name, "a str", a_value_of(v)).into()),
+    }
+}
+
+/// A yes/no argument: True or False (numpy's too), never a truthy int or str taken as one.
+pub fn flag_arg(name: &str, v: &Bound<'_, PyAny>) -> PyResult<bool> {
+    if v.is_instance_of::<PyBool>() {
+        return v.extract();
+    }
+    let t = v.get_type();
+    let module = t.module()?.to_string();
+    let type_name = t.name()?.to_string();
+    if module == "numpy" && (type_name == "bool" || type_name == "bool_") {
+        return v.is_truthy();
+    }
+    Err(crate::Error::field(name, "True or False", a_value_of(v)).into())
+}
+
+fn dtype_named(_name: &str, v: &Bound<'_, PyAny>) -> PyResult<DType> {
+    dtype_arg(v)
+}
+
+/// A `(start, stop)` pair of counts (a tuple or list of two).
+pub fn pair_arg(name: &str, v: &Bound<'_, PyAny>) -> PyResult<(usize, usize)> {
+    let items: Option<Vec<Bound<'_, PyAny>>> =
+        if v.is_instance_of::<PyTuple>() || v.is_instance_of::<PyList>() {
+            v.try_iter()?.collect::<PyResult<Vec<_>>>().ok()
+        } else {
+            None
+        };
+    match items.as_deref() {
+        Some([a, b]) => Ok((count_arg(name, a)?, count_arg(name, b)?)),
+        _ => {
+            let shown = v.repr().map(|r| r.to_string()).unwrap_or_default();
+            Err(crate::Error::field(name, "a (start, stop) pair of integers", shown).into())
+        }
+    }
+}

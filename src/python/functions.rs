@@ -10,11 +10,22 @@ use crate::response::{self, MergeOptions};
 use crate::{limits, merge as core_merge, DTypeChoice, Payload};
 
 /// A payload argument: a `RoutedExperts`, or a compact sidecar (bytes, str or dict).
-pub fn payload_arg(value: &Bound<'_, PyAny>) -> PyResult<Payload> {
+pub fn payload_arg(value: &Bound<'_, PyAny>, name: &str) -> PyResult<Payload> {
     match value.cast::<RoutedExperts>() {
         Ok(p) => Ok(p.get().inner.clone()),
-        Err(_) => decode_sidecar_obj(value, None),
+        Err(_) => decode_sidecar_obj(value, name, None),
     }
+}
+
+/// A payload argument that must be a `RoutedExperts` (borrowed, never copied); anything else is a
+/// `PayloadError` naming the argument.
+fn payload_ref<'a, 'py>(
+    value: &'a Bound<'py, PyAny>,
+    name: &str,
+) -> PyResult<&'a Bound<'py, RoutedExperts>> {
+    value.cast::<RoutedExperts>().map_err(|_| {
+        crate::Error::field(name, "a RoutedExperts", convert::a_value_of(value)).into()
+    })
 }
 
 /// Merge the prompt routing from a prefill server with the routing a decode server returned,
@@ -36,7 +47,10 @@ pub fn merge(
         let (p, d) = (&p.get().inner, &d.get().inner);
         return Ok(RoutedExperts::new(py.detach(|| core_merge::merge(p, d))?));
     }
-    let (p, d) = (payload_arg(prefill)?, payload_arg(decode)?);
+    let (p, d) = (
+        payload_arg(prefill, "prefill")?,
+        payload_arg(decode, "decode")?,
+    );
     Ok(RoutedExperts::new(py.detach(|| core_merge::merge(&p, &d))?))
 }
 
@@ -79,7 +93,7 @@ pub fn from_response(
     dtype: Option<&Bound<'_, PyAny>>,
     #[pyo3(from_py_with = crate::python::convert::opt::max_bytes)] max_bytes: Option<usize>,
 ) -> PyResult<Option<RoutedExperts>> {
-    let text = convert::body_arg(body)?;
+    let text = convert::body_arg(body, "body")?;
     let hints = hints(start, num_layers, top_k, dtype)?;
     let limit = max_bytes.unwrap_or_else(limits::max_bytes);
     let found = py.detach(|| response::from_response(&text, choice, &hints, limit))?;
@@ -109,14 +123,14 @@ pub fn merge_response<'py>(
     #[pyo3(from_py_with = crate::python::convert::opt::num_layers)] num_layers: Option<usize>,
     #[pyo3(from_py_with = crate::python::convert::opt::top_k)] top_k: Option<usize>,
     dtype: Option<&Bound<'py, PyAny>>,
-    keep_format: bool,
-    splice: bool,
+    #[pyo3(from_py_with = crate::python::convert::flag::keep_format)] keep_format: bool,
+    #[pyo3(from_py_with = crate::python::convert::flag::splice)] splice: bool,
     #[pyo3(from_py_with = crate::python::convert::opt::max_bytes)] max_bytes: Option<usize>,
-    require_routing: bool,
+    #[pyo3(from_py_with = crate::python::convert::flag::require_routing)] require_routing: bool,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let (p, d) = (
-        convert::body_arg(prefill_body)?,
-        convert::body_arg(decode_body)?,
+        convert::body_arg(prefill_body, "prefill_body")?,
+        convert::body_arg(decode_body, "decode_body")?,
     );
     let opts = MergeOptions {
         max_bytes: max_bytes.unwrap_or_else(limits::max_bytes),
@@ -185,21 +199,20 @@ pub fn decode_any(
         formats::check_hints(Format::Lists, &p.header(), hints)?;
         return Ok((Format::Lists, p));
     }
-    let text = text_arg(value)?;
+    let text = text_arg(value, "value")?;
     Ok(py.detach(|| formats::decode_text(&text, hints, limit))?)
 }
 
 /// The payload in `format`: "compact" gives the sidecar dict; "vllm_npy", "sglang" and "nemo"
 /// give the str those producers emit; "lists" gives nested lists.
 #[pyfunction]
-#[pyo3(signature = (payload, format = "compact"))]
+#[pyo3(signature = (payload, format = Format::Compact), text_signature = "(payload, format='compact')")]
 pub fn encode<'py>(
     py: Python<'py>,
-    payload: &Bound<'py, RoutedExperts>,
-    format: &str,
+    payload: &Bound<'py, PyAny>,
+    #[pyo3(from_py_with = crate::python::convert::word::format)] format: Format,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let format = Format::parse(format)?;
-    let p = &payload.get().inner;
+    let p = &payload_ref(payload, "payload")?.get().inner;
     if format == Format::Lists {
         check_list_objects(p, limits::max_bytes())?;
     }
@@ -245,6 +258,7 @@ fn check_list_objects(p: &Payload, limit: usize) -> PyResult<()> {
 }
 
 /// The format `decode` would detect for a value: "compact", "vllm_npy", "sglang", "nemo", "lists".
+/// Text that is none of them is a PayloadError saying what it looks like (format.md §3.2).
 #[pyfunction]
 pub fn detect_format(value: &Bound<'_, PyAny>) -> PyResult<&'static str> {
     if value.is_instance_of::<PyDict>() || value.cast::<RoutedExperts>().is_ok() {
@@ -253,7 +267,7 @@ pub fn detect_format(value: &Bound<'_, PyAny>) -> PyResult<&'static str> {
     if value.is_instance_of::<PyList>() || value.is_instance_of::<PyTuple>() {
         return Ok(Format::Lists.name());
     }
-    Ok(formats::detect(&text_arg(value)?).name())
+    Ok(formats::detect(&text_arg(value, "value")?)?.name())
 }
 
 /// Pack samples into one batch (format.md §6): `samples` are payloads, trajectories, or integer
@@ -268,15 +282,15 @@ pub fn detect_format(value: &Bound<'_, PyAny>) -> PyResult<&'static str> {
 /// rows (counted in `cu_seqlens`: what `shard`'s context parallelism needs); `pad_to_multiple`
 /// pads the batch at its end (not counted).
 #[pyfunction]
-#[pyo3(signature = (samples, dtype = Some("int32"), pad_to_multiple = None, *, num_tokens = None, pad_each_to_multiple = None, mask = false), text_signature = "(samples, dtype='int32', pad_to_multiple=None, *, num_tokens=None, pad_each_to_multiple=None, mask=False)")]
+#[pyo3(signature = (samples, dtype = Some(crate::DType::I32), pad_to_multiple = None, *, num_tokens = None, pad_each_to_multiple = None, mask = false), text_signature = "(samples, dtype='int32', pad_to_multiple=None, *, num_tokens=None, pad_each_to_multiple=None, mask=False)")]
 pub fn pack<'py>(
     py: Python<'py>,
     samples: &Bound<'py, PyAny>,
-    dtype: Option<&str>,
+    #[pyo3(from_py_with = convert::opt_typed::dtype)] dtype: Option<crate::DType>,
     #[pyo3(from_py_with = convert::opt::pad_to_multiple)] pad_to_multiple: Option<usize>,
     num_tokens: Option<&Bound<'py, PyAny>>,
     #[pyo3(from_py_with = convert::opt::pad_each_to_multiple)] pad_each_to_multiple: Option<usize>,
-    mask: bool,
+    #[pyo3(from_py_with = convert::flag::mask)] mask: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     use numpy::PyArray1;
     let samples = pack_samples(samples)?;
@@ -285,7 +299,7 @@ pub fn pack<'py>(
         return Err(crate::Error::field("samples", "at least one sample", "an empty list").into());
     };
     let dtype = match dtype {
-        Some(name) => crate::DType::parse(name)?,
+        Some(dtype) => dtype,
         None => payloads
             .iter()
             .fold(first.dtype(), |d, p| crate::DType::promote(d, p.dtype())),
@@ -338,7 +352,11 @@ fn pack_samples<'py>(samples: &Bound<'py, PyAny>) -> PyResult<Vec<Sample<'py>>> 
         return Err(crate::Error::field("samples", "a list of samples", "one sample").into());
     }
     let mut out = Vec::new();
-    for (i, s) in samples.try_iter()?.enumerate() {
+    let Ok(items) = samples.try_iter() else {
+        let got = convert::a_value_of(samples);
+        return Err(crate::Error::field("samples", "a list of samples", got).into());
+    };
+    for (i, s) in items.enumerate() {
         let s = s?;
         if let Ok(p) = s.cast::<RoutedExperts>() {
             out.push(Sample::Held(p.clone()));
@@ -358,19 +376,10 @@ fn pack_samples<'py>(samples: &Bound<'py, PyAny>) -> PyResult<Vec<Sample<'py>>> 
         }
         let choice = crate::DTypeChoice::Compact;
         let p = convert::payload_from_array(&s, 0, choice)
-            .map_err(|e| prefix_error(s.py(), e, &format!("sample {i}: ")))?;
+            .map_err(|e| convert::prefix_error(s.py(), e, &format!("sample {i}: ")))?;
         out.push(Sample::Owned(p));
     }
     Ok(out)
-}
-
-/// `e` with `prefix` before its message (a `RoutedExpertsError` keeps its class).
-fn prefix_error(py: Python<'_>, e: PyErr, prefix: &str) -> PyErr {
-    let msg = e.value(py).str().map(|s| s.to_string()).unwrap_or_default();
-    if e.is_instance_of::<crate::python::RoutedExpertsError>(py) {
-        return crate::Error::payload(format!("{prefix}{msg}")).into();
-    }
-    e
 }
 
 /// What `shard` returns: the rank's rows, its `cu_seqlens`, its mask rows (None without a mask).
@@ -390,7 +399,7 @@ type Share<'py> = (
 /// `cu_seqlens` of the context-parallel rank's sample lengths, and the mask's rows (None without
 /// a mask). Rows past `cu_seqlens[-1]` (padding) belong to no sample and are left out.
 #[pyfunction]
-#[pyo3(signature = (batch, cu_seqlens, mask = None, *, cp_size = 1, cp_rank = 0, cp_split = "zigzag", tp_size = 1, tp_rank = 0, layers = None))]
+#[pyo3(signature = (batch, cu_seqlens, mask = None, *, cp_size = 1, cp_rank = 0, cp_split = crate::shard::CpSplit::Zigzag, tp_size = 1, tp_rank = 0, layers = None), text_signature = "(batch, cu_seqlens, mask=None, *, cp_size=1, cp_rank=0, cp_split='zigzag', tp_size=1, tp_rank=0, layers=None)")]
 #[allow(clippy::too_many_arguments)]
 pub fn shard<'py>(
     py: Python<'py>,
@@ -399,25 +408,19 @@ pub fn shard<'py>(
     mask: Option<&Bound<'py, PyAny>>,
     #[pyo3(from_py_with = convert::arg::cp_size)] cp_size: usize,
     #[pyo3(from_py_with = convert::arg::cp_rank)] cp_rank: usize,
-    cp_split: &str,
+    #[pyo3(from_py_with = convert::word::cp_split)] cp_split: crate::shard::CpSplit,
     #[pyo3(from_py_with = convert::arg::tp_size)] tp_size: usize,
     #[pyo3(from_py_with = convert::arg::tp_rank)] tp_rank: usize,
-    layers: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+    #[pyo3(from_py_with = convert::opt_pair::layers)] layers: Option<(usize, usize)>,
 ) -> PyResult<Share<'py>> {
-    use crate::shard::{CpSplit, Rank};
+    use crate::shard::Rank;
     let rank = Rank {
         cp_size,
         cp_rank,
-        cp_split: CpSplit::parse(cp_split)?,
+        cp_split,
         tp_size,
         tp_rank,
-        layers: match &layers {
-            Some((a, b)) => Some((
-                convert::count_arg("layers", a)?,
-                convert::count_arg("layers", b)?,
-            )),
-            None => None,
-        },
+        layers,
     };
     let cu = convert::offsets_arg("cu_seqlens", cu_seqlens)?;
     let (share, plan, num_rows) = convert::shard_array(batch, &cu, &rank)?;
@@ -440,9 +443,9 @@ pub fn _read_prefill<'py>(
     py: Python<'py>,
     body: &Bound<'py, PyAny>,
     #[pyo3(from_py_with = crate::python::convert::opt::start)] start: Option<u64>,
-    count_rows: bool,
+    #[pyo3(from_py_with = crate::python::convert::flag::count_rows)] count_rows: bool,
 ) -> PyResult<(Option<Bound<'py, PyBytes>>, Vec<usize>)> {
-    let text = convert::body_arg(body)?;
+    let text = convert::body_arg(body, "body")?;
     let hints = hints(start, None, None, None)?;
     let limit = limits::max_bytes();
     let (kv, rows) = py.detach(|| -> crate::Result<_> {

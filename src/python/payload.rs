@@ -30,13 +30,17 @@ impl RoutedExperts {
 }
 
 /// Decode a compact sidecar given as bytes, str or dict, with the GIL released.
-pub fn decode_sidecar_obj(value: &Bound<'_, PyAny>, max_bytes: Option<usize>) -> PyResult<Payload> {
+pub fn decode_sidecar_obj(
+    value: &Bound<'_, PyAny>,
+    name: &str,
+    max_bytes: Option<usize>,
+) -> PyResult<Payload> {
     let py = value.py();
     let limit = max_bytes.unwrap_or_else(limits::max_bytes);
     if let Ok(d) = value.cast::<PyDict>() {
         return convert::decode_dict(d, &Default::default(), limit);
     }
-    let text = convert::text_arg(value)?;
+    let text = convert::text_arg(value, name)?;
     Ok(py.detach(|| sidecar::decode(&text, limit))?)
 }
 
@@ -50,7 +54,7 @@ impl RoutedExperts {
         value: &Bound<'_, PyAny>,
         #[pyo3(from_py_with = crate::python::convert::opt::max_bytes)] max_bytes: Option<usize>,
     ) -> PyResult<Self> {
-        Ok(Self::new(decode_sidecar_obj(value, max_bytes)?))
+        Ok(Self::new(decode_sidecar_obj(value, "value", max_bytes)?))
     }
 
     /// Build from an integer array of shape (num_tokens, num_layers, top_k).
@@ -83,7 +87,7 @@ impl RoutedExperts {
     fn to_numpy<'py>(
         slf: &Bound<'py, Self>,
         dtype: Option<&Bound<'py, PyAny>>,
-        writable: bool,
+        #[pyo3(from_py_with = crate::python::convert::flag::writable)] writable: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let p = &slf.get().inner;
         let target = dtype
@@ -201,9 +205,9 @@ impl RoutedExperts {
         &self,
         py: Python<'_>,
         #[pyo3(from_py_with = crate::python::convert::opt::num_experts)] num_experts: Option<u64>,
-        duplicates: bool,
-        zero_rows: bool,
-        missing_rows: bool,
+        #[pyo3(from_py_with = crate::python::convert::flag::duplicates)] duplicates: bool,
+        #[pyo3(from_py_with = crate::python::convert::flag::zero_rows)] zero_rows: bool,
+        #[pyo3(from_py_with = crate::python::convert::flag::missing_rows)] missing_rows: bool,
     ) -> PyResult<()> {
         let checks = validate::Checks {
             num_experts,
@@ -223,9 +227,9 @@ impl RoutedExperts {
         &self,
         py: Python<'py>,
         #[pyo3(from_py_with = crate::python::convert::opt::num_experts)] num_experts: Option<u64>,
-        duplicates: bool,
-        zero_rows: bool,
-        missing_rows: bool,
+        #[pyo3(from_py_with = crate::python::convert::flag::duplicates)] duplicates: bool,
+        #[pyo3(from_py_with = crate::python::convert::flag::zero_rows)] zero_rows: bool,
+        #[pyo3(from_py_with = crate::python::convert::flag::missing_rows)] missing_rows: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         let checks = validate::Checks {
             num_experts,
@@ -321,7 +325,7 @@ impl RoutedExperts {
         let (data, shape, dtype): (Bound<'_, PyAny>, Vec<usize>, String) =
             parts.extract().map_err(|_| {
                 crate::Error::field(
-                    "transport",
+                    "value",
                     "a tuple (data: bytes, shape: [T, L, K], dtype: str) or an object with \
                      those attributes",
                     // The type, not the repr: a transport tuple holds megabytes of bytes.

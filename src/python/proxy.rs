@@ -209,7 +209,8 @@ impl StreamMerger {
             usize,
         >,
     ) -> PyResult<Self> {
-        let prefill = bytes::Bytes::copy_from_slice(&super::convert::body_arg(prefill_body)?);
+        let prefill =
+            bytes::Bytes::copy_from_slice(&super::convert::body_arg(prefill_body, "prefill_body")?);
         let opts = crate::MergeOptions {
             hints: crate::Hints {
                 start,
@@ -229,7 +230,7 @@ impl StreamMerger {
         py: Python<'_>,
         chunk: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<Py<pyo3::types::PyBytes>>> {
-        let chunk = bytes::Bytes::copy_from_slice(&super::convert::body_arg(chunk)?);
+        let chunk = bytes::Bytes::copy_from_slice(&super::convert::body_arg(chunk, "chunk")?);
         self.run(py, |m, out| m.feed(chunk, out))
     }
 
@@ -240,7 +241,7 @@ impl StreamMerger {
         py: Python<'_>,
         line: &Bound<'_, PyAny>,
     ) -> PyResult<Vec<Py<pyo3::types::PyBytes>>> {
-        let line = bytes::Bytes::copy_from_slice(&super::convert::body_arg(line)?);
+        let line = bytes::Bytes::copy_from_slice(&super::convert::body_arg(line, "line")?);
         self.run(py, |m, out| m.line(line, out))
     }
 

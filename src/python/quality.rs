@@ -5,7 +5,7 @@ use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
-use super::convert::payload_from_array;
+use super::convert::{payload_from_array, prefix_error};
 use super::payload::RoutedExperts;
 use crate::agreement::Agreement as CoreAgreement;
 use crate::expert_load::ExpertLoad as CoreExpertLoad;
@@ -27,15 +27,13 @@ impl Routing<'_> {
     }
 }
 
-fn routing_arg<'py>(value: &Bound<'py, PyAny>) -> PyResult<Routing<'py>> {
+fn routing_arg<'py>(value: &Bound<'py, PyAny>, name: &str) -> PyResult<Routing<'py>> {
     if let Ok(p) = value.cast::<RoutedExperts>() {
         return Ok(Routing::Borrowed(p.clone()));
     }
-    Ok(Routing::Owned(payload_from_array(
-        value,
-        0,
-        DTypeChoice::Compact,
-    )?))
+    payload_from_array(value, 0, DTypeChoice::Compact)
+        .map(Routing::Owned)
+        .map_err(|e| prefix_error(value.py(), e, &format!("`{name}`: ")))
 }
 
 /// How two routings of the same positions agree (from `agreement`). Fractions are over the
@@ -169,7 +167,7 @@ pub fn agreement(
     a: &Bound<'_, PyAny>,
     b: &Bound<'_, PyAny>,
 ) -> PyResult<Agreement> {
-    let (a, b) = (routing_arg(a)?, routing_arg(b)?);
+    let (a, b) = (routing_arg(a, "a")?, routing_arg(b, "b")?);
     let (a, b) = (a.get(), b.get());
     let inner = py.detach(|| crate::agreement::agreement(a, b))?;
     Ok(Agreement { inner })
@@ -296,7 +294,7 @@ pub fn expert_load(
         };
     let routings = items
         .iter()
-        .map(routing_arg)
+        .map(|r| routing_arg(r, "routing"))
         .collect::<PyResult<Vec<_>>>()?;
     let Some(first) = routings.first() else {
         return Err(crate::Error::field("routing", "at least one routing", "an empty list").into());

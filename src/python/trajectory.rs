@@ -49,15 +49,19 @@ impl Trajectory {
     }
 
     /// Add a turn's payload (a RoutedExperts or a compact sidecar).
-    #[pyo3(signature = (payload, overlap = "keep"))]
-    fn append(&self, py: Python<'_>, payload: &Bound<'_, PyAny>, overlap: &str) -> PyResult<()> {
-        let overlap = Overlap::parse(overlap)?;
+    #[pyo3(signature = (payload, overlap = Overlap::Keep), text_signature = "($self, payload, overlap='keep')")]
+    fn append(
+        &self,
+        py: Python<'_>,
+        payload: &Bound<'_, PyAny>,
+        #[pyo3(from_py_with = crate::python::convert::word::overlap)] overlap: Overlap,
+    ) -> PyResult<()> {
         let limit = limits::max_bytes();
         if let Ok(p) = payload.cast::<RoutedExperts>() {
             let p = &p.get().inner;
             return Ok(self.locked(py, |t| t.append(p, overlap, limit))?);
         }
-        let p = payload_arg(payload)?;
+        let p = payload_arg(payload, "payload")?;
         Ok(self.locked(py, |t| t.append(&p, overlap, limit))?)
     }
 
@@ -138,27 +142,25 @@ impl Trajectory {
     /// With `mask=True`, returns `(array, mask)`: `mask` is a bool array of `num_tokens`, True
     /// where the row carries real routing; padded rows and rows marked missing (all -1) are
     /// False.
-    #[pyo3(signature = (num_tokens, pad = "repeat", max_missing = 1, *, mask = false, dtype = None))]
+    #[pyo3(signature = (num_tokens, pad = Pad::Repeat, max_missing = 1, *, mask = false, dtype = None), text_signature = "($self, num_tokens, pad='repeat', max_missing=1, *, mask=False, dtype=None)")]
     fn to_training<'py>(
         &self,
         py: Python<'py>,
         #[pyo3(from_py_with = crate::python::convert::arg::num_tokens)] num_tokens: usize,
-        pad: &str,
+        #[pyo3(from_py_with = crate::python::convert::word::pad)] pad: Pad,
         #[pyo3(from_py_with = crate::python::convert::arg::max_missing)] max_missing: usize,
-        mask: bool,
-        dtype: Option<&str>,
+        #[pyo3(from_py_with = crate::python::convert::flag::mask)] mask: bool,
+        #[pyo3(from_py_with = crate::python::convert::opt_typed::dtype)] dtype: Option<
+            crate::DType,
+        >,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let pad = Pad::parse(pad)?;
         let limit = limits::max_bytes();
         let (aligned, real) = self.locked(py, |t| {
             let real = t.len().min(num_tokens);
             t.to_training(num_tokens, pad, max_missing, limit)
                 .map(|a| (a, real))
         })?;
-        let dtype = match dtype {
-            Some(name) => crate::DType::parse(name)?,
-            None => aligned.dtype(),
-        };
+        let dtype = dtype.unwrap_or(aligned.dtype());
         let array = new_numpy(py, &aligned, dtype)?;
         if !mask {
             return Ok(array);
