@@ -57,7 +57,7 @@ run: build-dev
 	routed-experts demo
 
 test: build-dev $(VENV)/.test-deps
-	cargo test --quiet --features proxy
+	cargo test --quiet --workspace
 	$(PY) -m pytest -q
 	# The proxy's tests again, through the ASGI app (create_app) that relays to the server.
 	RX_PROXY_DATA_PLANE=asgi $(PY) -m pytest -q tests/test_proxy.py tests/test_proxy_resilience.py
@@ -77,9 +77,8 @@ test-wheel: wheel
 
 lint: build-dev $(VENV)/.test-deps $(VENV)/.lint-deps
 	cargo fmt --check
-	cargo clippy --all-targets --features python -- -D warnings
-	cargo clippy --all-targets -- -D warnings
-	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet --features proxy
+	cargo clippy --workspace --all-targets -- -D warnings
+	RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 	ruff check python tests benches
 	$(PY) -m mypy.stubtest routed_experts._core --allowlist stubtest-allowlist.txt
 	$(PY) -m mypy python/routed_experts

@@ -487,13 +487,11 @@ fn check_expert_load(routings: &[(&Payload, &Vec<i64>)], num_experts: usize) {
 }
 
 /// A JSON object's fields, each as its raw text.
-#[cfg(feature = "proxy")]
 fn raw_fields(json: &[u8]) -> std::collections::BTreeMap<String, Box<serde_json::value::RawValue>> {
     serde_json::from_slice(json).expect("a JSON object")
 }
 
 /// One field of `raw_fields`, parsed (null when absent).
-#[cfg(feature = "proxy")]
 fn field(
     fields: &std::collections::BTreeMap<String, Box<serde_json::value::RawValue>>,
     key: &str,
@@ -506,9 +504,8 @@ fn field(
 /// A client body and a decode stream (split at the first 0xff): what the proxy accepts from a
 /// client it rewrites into JSON objects for prefill and decode with the protocol's fields set,
 /// and a decode stream merged in any chunking gives the same bytes (or the same refusal).
-#[cfg(feature = "proxy")]
 pub fn proxy(data: &[u8]) {
-    use routed_experts::proxy::{Api, ClientBody, StreamError, StreamMerger};
+    use routed_experts_proxy::{Api, ClientBody, StreamError, StreamMerger};
     let (client, stream) = match data.iter().position(|&b| b == 0xff) {
         Some(i) => (&data[..i], &data[i + 1..]),
         None => (data, &[][..]),

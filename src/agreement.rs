@@ -8,10 +8,10 @@
 //! (as sorting each row and comparing does). Rows marked missing (all `-1`, see [`crate::validate::is_missing`])
 //! on either side are excluded and counted.
 
+use crate::dtype::{with_element, Element};
 use crate::error::{Error, Result};
 use crate::payload::Payload;
 use crate::validate::is_missing;
-use crate::{with_element, Element};
 
 /// The counts two routings agree by, over the positions both cover. The fractions are methods;
 /// each is NaN when no row was compared (every shared position missing on one side).
@@ -409,7 +409,7 @@ fn count_with<A: Element, B: Element, C: GroupCompare>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{DTypeChoice, Shape};
+    use crate::payload::{DTypeChoice, Shape};
 
     fn payload(values: &[i64], shape: (usize, usize, usize), start: u64) -> Payload {
         let shape = Shape::new(shape.0, shape.1, shape.2);

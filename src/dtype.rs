@@ -162,42 +162,53 @@ macro_rules! element {
 }
 element!(u8 => U8, i8 => I8, u16 => U16, i16 => I16, u32 => U32, i32 => I32, i64 => I64);
 
-/// Run `$body` with `$t` bound to the Rust element type of `$dtype` (crate-internal).
-macro_rules! with_element {
+/// Run `$body` with `$t` bound to the Rust element type of `$dtype`: generic code over
+/// [`Element`] instantiated for whichever dtype a payload holds.
+///
+/// ```
+/// use routed_experts::dtype::{with_element, DType};
+///
+/// let size = with_element!(DType::U16, T => std::mem::size_of::<T>());
+/// assert_eq!(size, 2);
+/// ```
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __with_element {
     ($dtype:expr, $t:ident => $body:expr) => {
         match $dtype {
-            $crate::DType::U8 => {
+            $crate::dtype::DType::U8 => {
                 type $t = u8;
                 $body
             }
-            $crate::DType::I8 => {
+            $crate::dtype::DType::I8 => {
                 type $t = i8;
                 $body
             }
-            $crate::DType::U16 => {
+            $crate::dtype::DType::U16 => {
                 type $t = u16;
                 $body
             }
-            $crate::DType::I16 => {
+            $crate::dtype::DType::I16 => {
                 type $t = i16;
                 $body
             }
-            $crate::DType::U32 => {
+            $crate::dtype::DType::U32 => {
                 type $t = u32;
                 $body
             }
-            $crate::DType::I32 => {
+            $crate::dtype::DType::I32 => {
                 type $t = i32;
                 $body
             }
-            $crate::DType::I64 => {
+            $crate::dtype::DType::I64 => {
                 type $t = i64;
                 $body
             }
         }
     };
 }
-pub(crate) use with_element;
+#[doc(inline)]
+pub use crate::__with_element as with_element;
 
 #[cfg(test)]
 mod tests {

@@ -1,10 +1,10 @@
 //! Expert load: how often each layer's router picked each expert, over one payload or a batch,
 //! with the per-layer balance figures derived from it.
 
+use crate::dtype::{with_element, Element};
 use crate::error::{Error, Result};
 use crate::payload::Payload;
 use crate::validate::is_missing;
-use crate::{with_element, Element};
 
 /// A `(num_layers, num_experts)` table of how many times each layer picked each expert, and
 /// the token rows it was counted over. Rows marked missing (all `-1`) are skipped and counted.
@@ -247,7 +247,7 @@ fn first_bad_id<T: Element>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{DTypeChoice, Shape};
+    use crate::payload::{DTypeChoice, Shape};
 
     fn payload(values: &[i64], shape: (usize, usize, usize)) -> Payload {
         let shape = Shape::new(shape.0, shape.1, shape.2);

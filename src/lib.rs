@@ -4,8 +4,10 @@
 //!
 //! This crate is the pure-Rust core of the `routed_experts` Python package, and a dependency
 //! for Rust routers (the vLLM router, Dynamo's frontend, the SGLang gateway) that merge
-//! prefill/decode halves in disaggregated serving. It has no Python dependency unless the
-//! `python` feature is on (only the Python build turns it on).
+//! prefill/decode halves in disaggregated serving. It depends on no Python, no async runtime and
+//! no process-wide state: every size limit is a value the caller passes. The P/D proxy is the
+//! crate `routed_experts_proxy`, the Python extension `routed_experts_python`
+//! (docs/architecture.md).
 //!
 //! # Merging prefill and decode response bodies
 //!
@@ -91,7 +93,8 @@ pub mod agreement;
 mod b64;
 /// Where routing sits in a response body, and the token counts the body states.
 pub mod body;
-mod buffer;
+/// Aligned byte buffers that payloads live in, and pre-faulting of large outputs.
+pub mod buffer;
 /// Which positions a routing value covers, checked against its body's token counts (format.md §3.3).
 pub mod coverage;
 /// The integer dtypes a payload may carry, their ranges and promotion.
@@ -113,9 +116,6 @@ pub mod npy;
 pub mod pack;
 mod parallel;
 mod payload;
-/// The P/D proxy (feature `proxy`): an HTTP server that merges routing on every response.
-#[cfg(feature = "proxy")]
-pub mod proxy;
 /// Routing inside whole response bodies: finding it, and merging bodies (format.md §3.2, §4).
 pub mod response;
 /// One rank's share of a packed batch: context and sequence parallelism, pipeline stages
@@ -137,7 +137,6 @@ pub use body::{
     LOCATIONS,
 };
 pub use buffer::AlignedBytes;
-pub(crate) use dtype::with_element;
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use expert_load::ExpertLoad;
@@ -148,52 +147,3 @@ pub use payload::{DTypeChoice, Header, Payload, Shape, MAX_DECLARED_BYTES};
 pub use response::{from_response, merge_response, routing_rows, MergeOptions};
 pub use sidecar::{decode as decode_sidecar, encode as encode_sidecar};
 pub use trajectory::{Overlap, Pad, Trajectory};
-
-#[cfg(feature = "python")]
-mod python;
-
-#[cfg(feature = "python")]
-#[pyo3::pymodule]
-mod _core {
-    use pyo3::prelude::*;
-
-    #[pymodule_export]
-    use crate::python::functions::{
-        _read_prefill, decode, detect_format, encode, from_response, merge, merge_response, pack,
-        shard,
-    };
-    #[pymodule_export]
-    use crate::python::payload::{_from_raw, RoutedExperts};
-    #[pymodule_export]
-    use crate::python::proxy::{_ProxyServer, StreamMerger};
-    #[pymodule_export]
-    use crate::python::quality::{agreement, expert_load, Agreement, ExpertLoad};
-    #[pymodule_export]
-    use crate::python::trajectory::{_trajectory_from_payload, Trajectory};
-    #[pymodule_export]
-    use crate::python::{MergeError, PayloadError, RoutedExpertsError};
-
-    /// Cap on the decoded size of one payload, in bytes (default 1 GiB); larger payloads are
-    /// refused before anything is allocated.
-    #[pyfunction]
-    fn set_max_bytes(#[pyo3(from_py_with = crate::python::convert::arg::n)] n: usize) {
-        crate::limits::set_max_bytes(n)
-    }
-
-    /// The current cap on decoded bytes (see `set_max_bytes`).
-    #[pyfunction]
-    fn get_max_bytes() -> usize {
-        crate::limits::max_bytes()
-    }
-
-    /// The proxy's Rust log records go to Python's `logging` (logger `routed_experts.proxy`).
-    /// Levels are looked up on each record, so `logging` settings made later still apply.
-    #[pymodule_init]
-    fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
-        let logger = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::Nothing)?
-            .filter(log::LevelFilter::Info);
-        // Another extension may have installed a `log` logger first; then ours stays off.
-        let _ = logger.install();
-        Ok(())
-    }
-}

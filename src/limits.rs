@@ -1,6 +1,6 @@
-//! The process-wide cap on decoded bytes: oversized payloads are refused before allocating.
-
-use std::sync::atomic::{AtomicUsize, Ordering};
+//! The cap on decoded bytes: oversized payloads are refused before allocating. The cap is a
+//! value every decoding call takes (`max_bytes`); the core keeps no process-wide state, so each
+//! caller (the Python binding, a proxy, a Rust router) holds its own.
 
 use crate::dtype::DType;
 use crate::payload::Shape;
@@ -9,25 +9,13 @@ use crate::payload::Shape;
 /// far below what would take a trainer node down.
 pub const DEFAULT_MAX_BYTES: usize = 1 << 30;
 
-static MAX_BYTES: AtomicUsize = AtomicUsize::new(DEFAULT_MAX_BYTES);
-
-/// The process-wide limit (default [`DEFAULT_MAX_BYTES`]).
-pub fn max_bytes() -> usize {
-    MAX_BYTES.load(Ordering::Relaxed)
-}
-
-/// Set the process-wide limit.
-pub fn set_max_bytes(n: usize) {
-    MAX_BYTES.store(n, Ordering::Relaxed);
-}
-
 /// The one bound on a declared shape: its non-zero dimensions times the item size (what it
 /// claims, whatever the data length) must fit `limit`. Checked before anything that depends on
 /// the shape is allocated or looped over.
-pub fn check_shape(shape: Shape, dtype: DType, limit: usize) -> crate::Result<()> {
+pub fn check_shape(shape: Shape, dtype: DType, limit: usize) -> crate::error::Result<()> {
     match shape.declared_bytes(dtype) {
         Some(n) if n <= limit => Ok(()),
-        declared => Err(crate::Error::payload(format!(
+        declared => Err(crate::error::Error::payload(format!(
             "`shape`: {shape} of {dtype} declares {} (non-zero dimensions times the item size), \
              which exceeds the limit of {limit} bytes (raise it with \
              routed_experts.set_max_bytes or max_bytes=)",
@@ -40,9 +28,9 @@ pub fn check_shape(shape: Shape, dtype: DType, limit: usize) -> crate::Result<()
 }
 
 /// `nbytes` must fit `limit`.
-pub fn check(nbytes: usize, limit: usize) -> crate::Result<()> {
+pub fn check(nbytes: usize, limit: usize) -> crate::error::Result<()> {
     if nbytes > limit {
-        return Err(crate::Error::payload(format!(
+        return Err(crate::error::Error::payload(format!(
             "payload of {nbytes} decoded bytes exceeds the limit of {limit} bytes \
              (raise it with routed_experts.set_max_bytes or max_bytes=)"
         )));

@@ -1,10 +1,10 @@
 //! Prefill/decode merge by absolute position (format.md §4), and the row concatenation it shares with
 //! multi-turn stitching.
 
+use crate::dtype::with_element;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::payload::{Header, Payload, Shape};
-use crate::with_element;
 
 /// How two halves combine: all of prefill's rows, then decode's rows from `skip` on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -172,7 +172,7 @@ pub fn pack_into<D: Element>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::DTypeChoice;
+    use crate::payload::DTypeChoice;
 
     fn payload(values: &[i64], tokens: usize, start: u64) -> Payload {
         Payload::from_values(

@@ -2,9 +2,9 @@
 //! array of shape `(num_tokens, num_layers, top_k)` whose row 0 sits at absolute position `start`.
 
 use crate::buffer::AlignedBytes;
+use crate::dtype::with_element;
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use crate::with_element;
 
 /// An array shape `(num_tokens, num_layers, top_k)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -6,6 +6,7 @@ use std::mem::MaybeUninit;
 
 use crate::b64;
 use crate::buffer::AlignedBytes;
+use crate::dtype::with_element;
 use crate::error::{Error, Result};
 use crate::formats::{self, Format, Hints};
 use crate::merge;
@@ -13,7 +14,6 @@ use crate::npy;
 use crate::payload::{Header, Payload, Shape};
 use crate::sidecar::{self, SidecarText};
 use crate::validate::{self, Suspect};
-use crate::with_element;
 
 use crate::body::{read_body, BodyRouting, Found};
 use crate::coverage::{self, Rule};
@@ -414,7 +414,7 @@ pub fn merge_response_pieces<'a>(
 }
 
 /// `merge_response_pieces` with the prefill body's routing already found (by
-/// [`read_prefill`](crate::read_prefill) or [`read_body`] on `prefill_body`), so a proxy walks
+/// [`read_prefill`](crate::body::read_prefill) or [`read_body`] on `prefill_body`), so a proxy walks
 /// that body once.
 pub fn merge_response_found<'a>(
     prefill_body: &'a [u8],

@@ -337,6 +337,11 @@ pub fn encode_into(p: &Payload, out: &mut [MaybeUninit<u8>]) {
     b64::write_uninit(end, tail(&p.header()).as_bytes());
 }
 
+/// The sidecar's `data` string: standard padded base64 of the payload's bytes.
+pub fn data_base64(p: &Payload) -> Vec<u8> {
+    b64::encode(p.bytes())
+}
+
 /// The canonical encoding as a vector.
 pub fn encode(p: &Payload) -> Vec<u8> {
     b64::filled_vec(encoded_len(p), |out| encode_into(p, out))

@@ -6,11 +6,11 @@
 use std::ops::Range;
 
 use crate::body::{BodyRouting, Counts, Found};
+use crate::dtype::with_element;
 use crate::error::{Error, Result};
 use crate::formats::{self, Format, Hints};
 use crate::merge;
 use crate::payload::{DTypeChoice, Payload};
-use crate::with_element;
 
 /// The release that writes this shape, for messages.
 const WHO: &str = "vLLM 0.21's split routing";

@@ -108,6 +108,7 @@ mod tests {
                     let want = scalar(&text[start..]);
                     assert_eq!(find_special(&text[start..]), want);
                     #[cfg(target_arch = "x86_64")]
+                    // SAFETY: SSE2 is part of x86_64; AVX2 is used only where it is detected.
                     unsafe {
                         assert_eq!(x86::sse2(&text[start..]), want);
                         if std::is_x86_feature_detected!("avx2") {

@@ -2,11 +2,11 @@
 //! and the handoff to the trainer (alignment to the sample's token count).
 
 use crate::buffer::AlignedBytes;
+use crate::dtype::with_element;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::merge::check_same_rows;
 use crate::payload::{Payload, Shape};
-use crate::with_element;
 
 /// What to do with rows the trajectory already holds when a payload covers them again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -164,3 +164,19 @@ def test_size_flags_take_units_and_help_states_each_default_once() -> None:
             assert block.count("default") <= 1, (name, block)
     proxy_help = subparsers.choices["proxy"].format_help()
     assert "(default: 64MiB)" in proxy_help and "(default: 1GiB)" in proxy_help
+
+
+@pytest.mark.source_tree
+def test_the_version_is_the_crates_and_written_once() -> None:
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    cargo = (root / "Cargo.toml").read_text()
+    section = cargo.split("[workspace.package]", 1)[1].split("\n[", 1)[0]
+    m = re.search(r'^version = "([^"]+)"', section, re.M)
+    assert m is not None
+    assert rx.__version__ == m.group(1)
+    assert 'dynamic = ["version"]' in (root / "pyproject.toml").read_text()
+    # No other hand-kept copy in the Python package.
+    for path in (root / "python" / "routed_experts").rglob("*.py"):
+        assert m.group(1) not in path.read_text(), path

@@ -26,6 +26,9 @@ from routed_experts._core import (
     set_max_bytes,
     shard,
 )
+from routed_experts._core import (
+    __version__ as __version__,
+)
 
 __all__ = [
     "Agreement",
@@ -49,4 +52,4 @@ __all__ = [
     "shard",
 ]
 
-__version__ = "0.1.0"
+# `__version__` is the crate's (Cargo.toml's `workspace.package.version`), set by the build.

@@ -6,7 +6,10 @@ from typing import Any, Literal, SupportsIndex, TypeAlias, final, overload
 import numpy as np
 import numpy.typing as npt
 
+__version__: str
+
 __all__ = [
+    "__version__",
     "Agreement",
     "ExpertLoad",
     "MergeError",

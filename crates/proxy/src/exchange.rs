@@ -25,9 +25,9 @@ use super::pool::{Lease, Outcome, Pool, Side};
 use super::request::{acceptable_request_id, Api, ClientBody};
 use super::stream::{StreamError, StreamMerger, SAMPLE_ROWS};
 use super::upstream::{CallError, Upstreams};
-use crate::body::{read_prefill, PrefillBody};
-use crate::response::{merge_response_found, merge_suspects, routing_rows, MergeOptions};
-use crate::{Error, Hints};
+use routed_experts::body::{read_prefill, PrefillBody};
+use routed_experts::response::{merge_response_found, merge_suspects, routing_rows, MergeOptions};
+use routed_experts::{Error, Hints};
 
 /// The body of every response the proxy sends.
 pub type Body = BoxBody<Outgoing, Infallible>;
@@ -86,7 +86,7 @@ impl Proxy {
                 config.max_in_flight,
             ),
             budget: Budget::new(config.max_buffered_bytes),
-            merge_max_bytes: crate::limits::max_bytes(),
+            merge_max_bytes: config.max_merge_bytes,
             prefill,
             decode,
             metrics,
@@ -1139,7 +1139,7 @@ fn prefill_rows(
     body: &[u8],
     start: Option<u64>,
     max_bytes: usize,
-) -> crate::Result<(PrefillBody<'_>, Vec<usize>)> {
+) -> routed_experts::Result<(PrefillBody<'_>, Vec<usize>)> {
     let read = read_prefill(body)?;
     let hints = Hints {
         start,
@@ -1155,7 +1155,7 @@ fn prefill_rows(
                 routing_rows(f, &hints, max_bytes)
                     .map_err(|e| e.context(format!("choice {}", f.index)))
             })
-            .collect::<crate::Result<_>>()?,
+            .collect::<routed_experts::Result<_>>()?,
     };
     Ok((read, rows))
 }

@@ -4,14 +4,17 @@ use std::borrow::Cow;
 
 use numpy::{PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
+
+use crate::errors::{Failure, PyResult};
+
 use pyo3::types::{
     PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PyString, PyTuple,
 };
 use serde_json::Value;
 
-use crate::formats::{self, Hints};
-use crate::sidecar::{DataField, SidecarFields};
-use crate::{DType, DTypeChoice, Payload, Shape};
+use routed_experts::formats::{self, Hints};
+use routed_experts::sidecar::{DataField, SidecarFields};
+use routed_experts::{DType, DTypeChoice, Payload, Shape};
 
 /// A response body: JSON text as `text_arg` takes it, or a body already parsed into a dict (or
 /// a list, for SGLang batches), written back to JSON text first.
@@ -35,7 +38,11 @@ pub fn json_text(value: &Bound<'_, PyAny>, field: &str, expected: &str) -> PyRes
         .getattr("dumps")?
         .call1((value,))
         .map_err(|e| {
-            crate::Error::field(field, expected, format!("a value json.dumps refuses ({e})"))
+            routed_experts::Error::field(
+                field,
+                expected,
+                format!("a value json.dumps refuses ({e})"),
+            )
         })?;
     Ok(str_utf8(text.cast::<PyString>()?, field)?
         .as_bytes()
@@ -62,9 +69,12 @@ pub fn text_arg<'a>(value: &'a Bound<'_, PyAny>, name: &str) -> PyResult<Cow<'a,
     let kind = py_type_name(value);
     if kind != NOT_JSON {
         // Already parsed JSON, but not an object: malformed input, not a programming error.
-        return Err(crate::Error::field(name, "a JSON object", kind).into());
+        return Err(routed_experts::Error::field(name, "a JSON object", kind).into());
     }
-    Err(crate::Error::field(name, "JSON as bytes, str or a dict", a_value_of(value)).into())
+    Err(
+        routed_experts::Error::field(name, "JSON as bytes, str or a dict", a_value_of(value))
+            .into(),
+    )
 }
 
 const NOT_JSON: &str = "a non-JSON Python object";
@@ -76,7 +86,7 @@ pub fn str_utf8<'a>(s: &'a Bound<'_, PyString>, field: &str) -> PyResult<&'a str
     utf8_view(s).ok_or_else(|| {
         // The failed conversion set UnicodeEncodeError; our error replaces it.
         drop(PyErr::take(s.py()));
-        crate::Error::field(
+        routed_experts::Error::field(
             field,
             "text that can be UTF-8",
             "a str with a lone surrogate",
@@ -123,13 +133,13 @@ fn dict_fields<'a>(
         d.get_item(key)?.map(|v| to_json_value(&v, 0)).transpose()
     };
     let mut body_key = None;
-    for key in crate::sidecar::BODY_KEYS {
+    for key in routed_experts::sidecar::BODY_KEYS {
         if d.contains(key)? {
             body_key = Some(key);
         }
     }
     let mut foreign_key = None;
-    for (key, _) in crate::sidecar::FOREIGN_KEYS {
+    for (key, _) in routed_experts::sidecar::FOREIGN_KEYS {
         if d.contains(key)? {
             foreign_key = Some(key);
         }
@@ -221,8 +231,8 @@ pub fn dtype_arg(v: &Bound<'_, PyAny>) -> PyResult<DType> {
         return Ok(DType::parse(str_utf8(s, "dtype")?)?);
     }
     // numpy's dtypes and scalar types (np.int32, np.dtype("uint16")), by the name numpy gives.
-    let not_a_dtype = || -> PyErr {
-        crate::Error::field("dtype", "a dtype name or numpy dtype", a_value_of(v)).into()
+    let not_a_dtype = || -> Failure {
+        routed_experts::Error::field("dtype", "a dtype name or numpy dtype", a_value_of(v)).into()
     };
     if v.is_instance_of::<PyBool>() || v.is_instance_of::<PyInt>() || v.is_instance_of::<PyFloat>()
     {
@@ -280,18 +290,18 @@ pub fn payload_from_array(
             .iter()
             .map(|&v| i64::try_from(v).map_err(|_| v))
             .collect();
-        let values =
-            values.map_err(|v| crate::Error::field("array", "values that fit int64", v))?;
+        let values = values
+            .map_err(|v| routed_experts::Error::field("array", "values that fit int64", v))?;
         return Ok(py.detach(|| Payload::from_values(&values, shape, start, choice))?);
     }
     let dt = arr.getattr("dtype")?.str()?.to_cow()?.into_owned();
-    Err(crate::Error::field("array", "an integer array", format!("dtype {dt}")).into())
+    Err(routed_experts::Error::field("array", "an integer array", format!("dtype {dt}")).into())
 }
 
 fn shape3(shape: &[usize]) -> PyResult<Shape> {
     match shape {
         [t, l, k] => Ok(Shape::new(*t, *l, *k)),
-        other => Err(crate::Error::field(
+        other => Err(routed_experts::Error::field(
             "array",
             "3 dimensions (num_tokens, num_layers, top_k)",
             format!("shape {other:?}"),
@@ -304,7 +314,7 @@ fn shape3(shape: &[usize]) -> PyResult<Shape> {
 /// naming the argument (never `OverflowError` or a conversion's `TypeError`).
 pub fn count_arg(name: &str, v: &Bound<'_, PyAny>) -> PyResult<usize> {
     let not_an_integer =
-        || -> PyErr { crate::Error::field(name, "an integer", a_value_of(v)).into() };
+        || -> Failure { routed_experts::Error::field(name, "an integer", a_value_of(v)).into() };
     if v.is_instance_of::<PyBool>() {
         return Err(not_an_integer());
     }
@@ -323,7 +333,7 @@ pub fn count_arg(name: &str, v: &Bound<'_, PyAny>) -> PyResult<usize> {
     };
     match v.extract::<i64>() {
         Ok(n) => usize::try_from(n)
-            .map_err(|_| crate::Error::field(name, "a non-negative integer", n).into()),
+            .map_err(|_| routed_experts::Error::field(name, "a non-negative integer", n).into()),
         // Positions are u64 (a payload's start may be any of them).
         Err(_) => v
             .extract::<u64>()
@@ -331,7 +341,7 @@ pub fn count_arg(name: &str, v: &Bound<'_, PyAny>) -> PyResult<usize> {
             .and_then(|n| usize::try_from(n).ok())
             .ok_or_else(|| {
                 let shown = v.repr().map(|r| r.to_string()).unwrap_or_default();
-                crate::Error::field(name, "an integer below 2**64", shown).into()
+                routed_experts::Error::field(name, "an integer below 2**64", shown).into()
             }),
     }
 }
@@ -345,7 +355,7 @@ pub fn offsets_arg(name: &str, v: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
     let ndim: usize = arr.getattr("ndim")?.extract()?;
     if ndim != 1 || !(kind == "i" || kind == "u") {
         let dt = arr.getattr("dtype")?.str()?.to_string();
-        return Err(crate::Error::field(
+        return Err(routed_experts::Error::field(
             name,
             "a 1-d integer array",
             format!("{ndim} dimensions of {dt}"),
@@ -360,7 +370,8 @@ pub fn offsets_arg(name: &str, v: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
         .enumerate()
         .map(|(i, &c)| {
             usize::try_from(c).map_err(|_| {
-                crate::Error::field(name, "non-negative entries", format!("{c} at {i}")).into()
+                routed_experts::Error::field(name, "non-negative entries", format!("{c} at {i}"))
+                    .into()
             })
         })
         .collect()
@@ -371,30 +382,30 @@ pub fn offsets_arg(name: &str, v: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
 pub fn shard_array<'py>(
     batch: &Bound<'py, PyAny>,
     cu_seqlens: &[usize],
-    rank: &crate::shard::Rank,
-) -> PyResult<(Bound<'py, PyAny>, crate::shard::Plan, usize)> {
+    rank: &routed_experts::shard::Rank,
+) -> PyResult<(Bound<'py, PyAny>, routed_experts::shard::Plan, usize)> {
     let py = batch.py();
     let arr = py.import("numpy")?.getattr("asarray")?.call1((batch,))?;
     macro_rules! try_element {
         ($($t:ty),*) => {$(
             if let Ok(a) = arr.cast::<PyArrayDyn<$t>>() {
                 let &[rows, layers, top_k] = a.shape() else {
-                    return Err(crate::Error::field(
+                    return Err(routed_experts::Error::field(
                         "batch",
                         "3 dimensions (rows, num_layers, top_k)",
                         format!("shape {:?}", a.shape()),
                     ).into());
                 };
-                let plan = crate::shard::plan(cu_seqlens, rows, layers, rank)?;
+                let plan = routed_experts::shard::plan(cu_seqlens, rows, layers, rank)?;
                 let dims = [plan.num_rows(), plan.layers.len(), top_k];
                 let out = numpy::PyArray3::<$t>::zeros(py, dims, false);
                 let ro = a.readonly();
                 // SAFETY: `out` was just created here, C-contiguous; nothing else sees it yet.
                 let dst = unsafe { out.as_slice_mut() }
-                    .map_err(|_| crate::Error::payload("a new numpy array is not contiguous"))?;
-                crate::buffer::prefault(dst.as_mut_ptr().cast(), std::mem::size_of_val(dst));
+                    .map_err(|_| routed_experts::Error::payload("a new numpy array is not contiguous"))?;
+                routed_experts::buffer::prefault(dst.as_mut_ptr().cast(), std::mem::size_of_val(dst));
                 match ro.as_slice() {
-                    Ok(src) => py.detach(|| crate::shard::gather(src, layers, top_k, &plan, dst)),
+                    Ok(src) => py.detach(|| routed_experts::shard::gather(src, layers, top_k, &plan, dst)),
                     // A strided batch (a view into a larger array): only the rank's rows are
                     // read from it, never a copy of the whole batch.
                     Err(_) => gather_strided(&ro.as_array(), &plan, top_k, dst),
@@ -405,14 +416,14 @@ pub fn shard_array<'py>(
     }
     try_element!(u8, i8, u16, i16, u32, i32, u64, i64);
     let dt = arr.getattr("dtype")?.str()?.to_cow()?.into_owned();
-    Err(crate::Error::field("batch", "an integer array", format!("dtype {dt}")).into())
+    Err(routed_experts::Error::field("batch", "an integer array", format!("dtype {dt}")).into())
 }
 
 /// `shard::gather` for a batch that is not one contiguous slice: the plan's rows and layers,
 /// read through the view's strides into `dst`.
 fn gather_strided<T: Copy>(
     view: &numpy::ndarray::ArrayViewD<'_, T>,
-    plan: &crate::shard::Plan,
+    plan: &routed_experts::shard::Plan,
     top_k: usize,
     dst: &mut [T],
 ) {
@@ -433,7 +444,7 @@ fn gather_strided<T: Copy>(
 /// The rows of a 1-d boolean `mask` (one entry per batch row) that `plan` takes.
 pub fn shard_mask<'py>(
     mask: &Bound<'py, PyAny>,
-    plan: &crate::shard::Plan,
+    plan: &routed_experts::shard::Plan,
     num_rows: usize,
 ) -> PyResult<Bound<'py, PyAny>> {
     let py = mask.py();
@@ -441,7 +452,7 @@ pub fn shard_mask<'py>(
     let Ok(a) = arr.cast::<numpy::PyArray1<bool>>() else {
         let dt = arr.getattr("dtype")?.str()?.to_string();
         let shape = arr.getattr("shape")?.repr()?.to_string();
-        return Err(crate::Error::field(
+        return Err(routed_experts::Error::field(
             "mask",
             format!("a 1-d bool array of {num_rows} entries"),
             format!("{dt} of shape {shape}"),
@@ -449,7 +460,7 @@ pub fn shard_mask<'py>(
         .into());
     };
     if a.len() != num_rows {
-        return Err(crate::Error::field(
+        return Err(routed_experts::Error::field(
             "mask",
             format!("{num_rows} entries (one per batch row)"),
             a.len(),
@@ -483,7 +494,11 @@ macro_rules! named_args {
                     let read: $t = super::$read(stringify!($name), v)?;
                     let shown = format!("{read:?}");
                     T::try_from(read).map_err(|_| {
-                        crate::Error::field(stringify!($name), "a smaller integer", shown).into()
+                        crate::errors::py_err(routed_experts::Error::field(
+                            stringify!($name),
+                            "a smaller integer",
+                            shown,
+                        ))
                     })
                 }
             )*
@@ -531,24 +546,25 @@ pub mod word {
     use pyo3::prelude::*;
 
     use super::word_arg;
-    use crate::formats::Format;
-    use crate::shard::CpSplit;
-    use crate::trajectory::{Overlap, Pad};
+    use crate::errors::py_err;
+    use routed_experts::formats::Format;
+    use routed_experts::shard::CpSplit;
+    use routed_experts::trajectory::{Overlap, Pad};
 
     pub fn format(v: &Bound<'_, PyAny>) -> PyResult<Format> {
-        Ok(Format::parse(&word_arg("format", v)?)?)
+        Format::parse(&word_arg("format", v)?).map_err(py_err)
     }
 
     pub fn cp_split(v: &Bound<'_, PyAny>) -> PyResult<CpSplit> {
-        Ok(CpSplit::parse(&word_arg("cp_split", v)?)?)
+        CpSplit::parse(&word_arg("cp_split", v)?).map_err(py_err)
     }
 
     pub fn overlap(v: &Bound<'_, PyAny>) -> PyResult<Overlap> {
-        Ok(Overlap::parse(&word_arg("overlap", v)?)?)
+        Overlap::parse(&word_arg("overlap", v)?).map_err(py_err)
     }
 
     pub fn pad(v: &Bound<'_, PyAny>) -> PyResult<Pad> {
-        Ok(Pad::parse(&word_arg("pad", v)?)?)
+        Pad::parse(&word_arg("pad", v)?).map_err(py_err)
     }
 }
 named_args!(
@@ -563,7 +579,7 @@ named_args!(
     zero_rows,
     missing_rows,
 );
-named_args!(typed, opt_typed, dtype_named -> crate::DType: dtype);
+named_args!(typed, opt_typed, dtype_named -> routed_experts::DType: dtype);
 named_args!(pair, opt_pair, pair_arg -> (usize, usize): layers);
 
 /// "a str", "an int", "an ndarray": what a wrong-typed argument was, for its error.
@@ -583,7 +599,7 @@ pub fn a_value_of(v: &Bound<'_, PyAny>) -> String {
 
 /// `e` with `prefix` before its message, when it is one of ours (same class); else `e` as it is.
 pub fn prefix_error(py: Python<'_>, e: PyErr, prefix: &str) -> PyErr {
-    if !e.is_instance_of::<crate::python::RoutedExpertsError>(py) {
+    if !e.is_instance_of::<crate::errors::RoutedExpertsError>(py) {
         return e;
     }
     let msg = e.value(py).str().map(|s| s.to_string()).unwrap_or_default();
@@ -597,22 +613,22 @@ pub fn prefix_error(py: Python<'_>, e: PyErr, prefix: &str) -> PyErr {
 pub fn word_arg(name: &str, v: &Bound<'_, PyAny>) -> PyResult<String> {
     match v.cast::<PyString>() {
         Ok(s) => Ok(str_utf8(s, name)?.to_owned()),
-        Err(_) => Err(crate::Error::field(name, "a str", a_value_of(v)).into()),
+        Err(_) => Err(routed_experts::Error::field(name, "a str", a_value_of(v)).into()),
     }
 }
 
 /// A yes/no argument: True or False (numpy's too), never a truthy int or str taken as one.
 pub fn flag_arg(name: &str, v: &Bound<'_, PyAny>) -> PyResult<bool> {
     if v.is_instance_of::<PyBool>() {
-        return v.extract();
+        return Ok(v.extract()?);
     }
     let t = v.get_type();
     let module = t.module()?.to_string();
     let type_name = t.name()?.to_string();
     if module == "numpy" && (type_name == "bool" || type_name == "bool_") {
-        return v.is_truthy();
+        return Ok(v.is_truthy()?);
     }
-    Err(crate::Error::field(name, "True or False", a_value_of(v)).into())
+    Err(routed_experts::Error::field(name, "True or False", a_value_of(v)).into())
 }
 
 fn dtype_named(_name: &str, v: &Bound<'_, PyAny>) -> PyResult<DType> {
@@ -623,7 +639,7 @@ fn dtype_named(_name: &str, v: &Bound<'_, PyAny>) -> PyResult<DType> {
 pub fn pair_arg(name: &str, v: &Bound<'_, PyAny>) -> PyResult<(usize, usize)> {
     let items: Option<Vec<Bound<'_, PyAny>>> =
         if v.is_instance_of::<PyTuple>() || v.is_instance_of::<PyList>() {
-            v.try_iter()?.collect::<PyResult<Vec<_>>>().ok()
+            v.try_iter()?.collect::<pyo3::PyResult<Vec<_>>>().ok()
         } else {
             None
         };
@@ -631,7 +647,10 @@ pub fn pair_arg(name: &str, v: &Bound<'_, PyAny>) -> PyResult<(usize, usize)> {
         Some([a, b]) => Ok((count_arg(name, a)?, count_arg(name, b)?)),
         _ => {
             let shown = v.repr().map(|r| r.to_string()).unwrap_or_default();
-            Err(crate::Error::field(name, "a (start, stop) pair of integers", shown).into())
+            Err(
+                routed_experts::Error::field(name, "a (start, stop) pair of integers", shown)
+                    .into(),
+            )
         }
     }
 }

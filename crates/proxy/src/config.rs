@@ -49,6 +49,9 @@ pub struct Config {
     /// On SIGTERM/SIGINT (or `stop`): requests under way get this long to finish, then their
     /// upstream calls are cancelled and their connections closed.
     pub shutdown_timeout: Duration,
+    /// Largest routing one merge may decode (decoded bytes of a half or of the merge);
+    /// beyond: 502 blaming the upstream.
+    pub max_merge_bytes: usize,
 }
 
 impl Default for Config {
@@ -72,6 +75,7 @@ impl Default for Config {
             request_timeout: Duration::from_secs(3600),
             write_timeout: Duration::from_secs(60),
             shutdown_timeout: Duration::from_secs(30),
+            max_merge_bytes: routed_experts::DEFAULT_MAX_BYTES,
         }
     }
 }
@@ -103,6 +107,7 @@ impl Config {
             ("max_upstream_bytes", self.max_upstream_bytes),
             ("eject_after", self.eject_after as usize),
             ("max_connections", self.max_connections),
+            ("max_merge_bytes", self.max_merge_bytes),
         ] {
             if n < 1 {
                 return Err(format!("{name} must be at least 1"));

@@ -4,7 +4,7 @@
 //! can run it too:
 //!
 //! ```no_run
-//! use routed_experts::proxy::{Config, Server};
+//! use routed_experts_proxy::{Config, Server};
 //!
 //! let config = Config {
 //!     prefill: vec!["http://10.0.0.1:8100".into()],
@@ -16,7 +16,7 @@
 //! # Ok::<(), std::io::Error>(())
 //! ```
 //!
-//! What it guards against, with the defaults of [`Config`](crate::proxy::Config): heads that arrive slowly or never
+//! What it guards against, with the defaults of [`Config`]: heads that arrive slowly or never
 //! (408), heads too large (431), too many connections (503, logged), bodies too large (413) or
 //! too slow (408), too many requests (503), more bytes held in bodies than the budget (503),
 //! upstreams that stay silent (504), fail (502, passive health checks) or answer too much

@@ -6,9 +6,12 @@ use std::time::Duration;
 
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+
+use crate::errors::PyResult;
+
 use pyo3::types::PyDict;
 
-use crate::proxy::{Config, Server, Stop, Stopper};
+use routed_experts_proxy::{Config, Server, Stop, Stopper};
 
 /// The Rust data plane of the P/D proxy, bound to its address and ready to serve.
 ///
@@ -25,21 +28,22 @@ pub struct _ProxyServer {
 }
 
 fn resolve(host: &str, port: u16) -> PyResult<SocketAddr> {
-    (host, port)
+    let mut addrs = (host, port)
         .to_socket_addrs()
-        .map_err(|e| PyOSError::new_err(format!("cannot resolve {host}:{port}: {e}")))?
+        .map_err(|e| PyOSError::new_err(format!("cannot resolve {host}:{port}: {e}")))?;
+    Ok(addrs
         .next()
-        .ok_or_else(|| PyOSError::new_err(format!("{host}:{port} resolves to no address")))
+        .ok_or_else(|| PyOSError::new_err(format!("{host}:{port} resolves to no address")))?)
 }
 
 fn seconds(name: &str, v: &Bound<'_, PyAny>) -> PyResult<Duration> {
     let s: f64 = v.extract()?;
-    Duration::try_from_secs_f64(s)
+    Ok(Duration::try_from_secs_f64(s)
         .ok()
         .filter(|d| !d.is_zero())
         .ok_or_else(|| {
             PyValueError::new_err(format!("{name} must be a positive number of seconds"))
-        })
+        })?)
 }
 
 fn config(
@@ -76,9 +80,7 @@ fn config(
             "max_connections" => c.max_connections = v.extract()?,
             "upstream_api_key" => c.upstream_api_key = Some(v.extract()?),
             other => {
-                return Err(PyTypeError::new_err(format!(
-                    "unknown proxy setting {other:?}"
-                )))
+                return Err(PyTypeError::new_err(format!("unknown proxy setting {other:?}")).into())
             }
         }
     }
@@ -104,7 +106,7 @@ impl _ProxyServer {
         let server = Server::bind(config, addr, admin)
             .map_err(|e| PyOSError::new_err(format!("cannot listen on {addr}: {e}")))?;
         Ok(_ProxyServer {
-            addr: server.local_addr()?,
+            addr: server.local_addr().map_err(PyErr::from)?,
             admin: server.admin_addr(),
             stopper: server.stopper(),
             server: Mutex::new(Some(server)),
@@ -133,7 +135,7 @@ impl _ProxyServer {
             .take()
             .ok_or_else(|| PyRuntimeError::new_err("this proxy server has already served"))?;
         py.detach(|| server.run(signals))
-            .map_err(|e| PyOSError::new_err(format!("the proxy stopped: {e}")))
+            .map_err(|e| PyOSError::new_err(format!("the proxy stopped: {e}")).into())
     }
 
     /// Stop serving: drain requests under way (up to the shutdown timeout), or at once with
@@ -156,7 +158,7 @@ impl _ProxyServer {
 /// event) longer than `max_line_bytes` (default: `get_max_bytes()`) is a PayloadError.
 #[pyclass(module = "routed_experts._core", frozen)]
 pub struct StreamMerger {
-    inner: Mutex<crate::proxy::StreamMerger<'static>>,
+    inner: Mutex<routed_experts_proxy::StreamMerger<'static>>,
 }
 
 impl StreamMerger {
@@ -164,23 +166,24 @@ impl StreamMerger {
         &self,
         py: Python<'_>,
         step: impl FnOnce(
-                &mut crate::proxy::StreamMerger<'static>,
+                &mut routed_experts_proxy::StreamMerger<'static>,
                 &mut Vec<bytes::Bytes>,
-            ) -> Result<(), crate::proxy::StreamError>
+            ) -> Result<(), routed_experts_proxy::StreamError>
             + Send,
     ) -> PyResult<Vec<Py<pyo3::types::PyBytes>>> {
-        use crate::proxy::StreamError;
+        use routed_experts_proxy::StreamError;
         let out = py.detach(|| {
             let mut m = self.inner.lock().unwrap_or_else(|e| e.into_inner());
             let mut out = Vec::new();
             step(&mut m, &mut out).map(|()| out)
         });
-        let out = out.map_err(|e| -> PyErr {
+        let out = out.map_err(|e| -> crate::errors::Failure {
             match e {
                 StreamError::NoDone => {
-                    crate::Error::merge("the decode stream ended without data: [DONE]").into()
+                    routed_experts::Error::merge("the decode stream ended without data: [DONE]")
+                        .into()
                 }
-                StreamError::LineTooLong(n) => crate::Error::payload(format!(
+                StreamError::LineTooLong(n) => routed_experts::Error::payload(format!(
                     "decode stream: a line of more than {n} bytes (the limit on one event)"
                 ))
                 .into(),
@@ -193,7 +196,7 @@ impl StreamMerger {
             .collect())
     }
 
-    fn read<T>(&self, f: impl FnOnce(&crate::proxy::StreamMerger<'static>) -> T) -> T {
+    fn read<T>(&self, f: impl FnOnce(&routed_experts_proxy::StreamMerger<'static>) -> T) -> T {
         f(&self.inner.lock().unwrap_or_else(|e| e.into_inner()))
     }
 }
@@ -204,23 +207,23 @@ impl StreamMerger {
     #[pyo3(signature = (prefill_body, start = None, max_line_bytes = None))]
     fn new(
         prefill_body: &Bound<'_, PyAny>,
-        #[pyo3(from_py_with = crate::python::convert::opt::start)] start: Option<u64>,
-        #[pyo3(from_py_with = crate::python::convert::opt::max_line_bytes)] max_line_bytes: Option<
-            usize,
-        >,
+        #[pyo3(from_py_with = crate::convert::opt::start)] start: Option<u64>,
+        #[pyo3(from_py_with = crate::convert::opt::max_line_bytes)] max_line_bytes: Option<usize>,
     ) -> PyResult<Self> {
         let prefill =
             bytes::Bytes::copy_from_slice(&super::convert::body_arg(prefill_body, "prefill_body")?);
-        let opts = crate::MergeOptions {
-            hints: crate::Hints {
+        let opts = routed_experts::MergeOptions {
+            hints: routed_experts::Hints {
                 start,
-                ..crate::Hints::default()
+                ..routed_experts::Hints::default()
             },
-            ..crate::MergeOptions::new(crate::limits::max_bytes())
+            ..routed_experts::MergeOptions::new(crate::max_bytes())
         };
-        let max_line = max_line_bytes.unwrap_or_else(crate::limits::max_bytes);
+        let max_line = max_line_bytes.unwrap_or_else(crate::max_bytes);
         Ok(StreamMerger {
-            inner: Mutex::new(crate::proxy::StreamMerger::owned(prefill, opts, max_line)),
+            inner: Mutex::new(routed_experts_proxy::StreamMerger::owned(
+                prefill, opts, max_line,
+            )),
         })
     }
 

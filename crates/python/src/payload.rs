@@ -3,15 +3,19 @@
 
 use pyo3::basic::CompareOp;
 use pyo3::prelude::*;
+
+use crate::errors::PyResult;
+
 use pyo3::types::{PyBytes, PyDict, PyString, PyTuple};
 
 use std::sync::Arc;
 
 use super::convert;
-use crate::buffer::AlignedBytes;
-use crate::{limits, sidecar, validate, with_element, DType, Payload, Shape};
 use numpy::{PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::exceptions::PyImportError;
+use routed_experts::buffer::AlignedBytes;
+use routed_experts::dtype::with_element;
+use routed_experts::{limits, sidecar, validate, DType, Payload, Shape};
 
 /// The routing of a contiguous run of token positions: an integer array of shape
 /// (num_tokens, num_layers, top_k) whose row 0 is absolute position `start`.
@@ -36,7 +40,7 @@ pub fn decode_sidecar_obj(
     max_bytes: Option<usize>,
 ) -> PyResult<Payload> {
     let py = value.py();
-    let limit = max_bytes.unwrap_or_else(limits::max_bytes);
+    let limit = max_bytes.unwrap_or_else(crate::max_bytes);
     if let Ok(d) = value.cast::<PyDict>() {
         return convert::decode_dict(d, &Default::default(), limit);
     }
@@ -52,7 +56,7 @@ impl RoutedExperts {
     #[pyo3(signature = (value, *, max_bytes = None))]
     fn from_json(
         value: &Bound<'_, PyAny>,
-        #[pyo3(from_py_with = crate::python::convert::opt::max_bytes)] max_bytes: Option<usize>,
+        #[pyo3(from_py_with = crate::convert::opt::max_bytes)] max_bytes: Option<usize>,
     ) -> PyResult<Self> {
         Ok(Self::new(decode_sidecar_obj(value, "value", max_bytes)?))
     }
@@ -66,9 +70,9 @@ impl RoutedExperts {
     #[pyo3(signature = (array, start = 0, dtype = None, num_experts = None))]
     fn from_array(
         array: &Bound<'_, PyAny>,
-        #[pyo3(from_py_with = crate::python::convert::arg::start)] start: u64,
+        #[pyo3(from_py_with = crate::convert::arg::start)] start: u64,
         dtype: Option<&Bound<'_, PyAny>>,
-        #[pyo3(from_py_with = crate::python::convert::opt::num_experts)] num_experts: Option<u64>,
+        #[pyo3(from_py_with = crate::convert::opt::num_experts)] num_experts: Option<u64>,
     ) -> PyResult<Self> {
         let choice = convert::dtype_choice(dtype, num_experts)?;
         Ok(Self::new(convert::payload_from_array(
@@ -87,7 +91,7 @@ impl RoutedExperts {
     fn to_numpy<'py>(
         slf: &Bound<'py, Self>,
         dtype: Option<&Bound<'py, PyAny>>,
-        #[pyo3(from_py_with = crate::python::convert::flag::writable)] writable: bool,
+        #[pyo3(from_py_with = crate::convert::flag::writable)] writable: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let p = &slf.get().inner;
         let target = dtype
@@ -166,7 +170,7 @@ impl RoutedExperts {
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let p = &self.inner;
         let d = PyDict::new(py);
-        let b64 = py.detach(|| crate::b64::encode(p.bytes()));
+        let b64 = py.detach(|| routed_experts::sidecar::data_base64(p));
         // base64 output is ASCII, hence valid UTF-8.
         let text = std::str::from_utf8(&b64).expect("base64 is ASCII");
         d.set_item("data", PyString::new(py, text))?;
@@ -181,8 +185,8 @@ impl RoutedExperts {
     fn slice(
         &self,
         py: Python<'_>,
-        #[pyo3(from_py_with = crate::python::convert::arg::start)] start: u64,
-        #[pyo3(from_py_with = crate::python::convert::arg::stop)] stop: u64,
+        #[pyo3(from_py_with = crate::convert::arg::start)] start: u64,
+        #[pyo3(from_py_with = crate::convert::arg::stop)] stop: u64,
     ) -> PyResult<Self> {
         let p = &self.inner;
         Ok(Self::new(py.detach(|| p.slice(start, stop))?))
@@ -204,10 +208,10 @@ impl RoutedExperts {
     fn validate(
         &self,
         py: Python<'_>,
-        #[pyo3(from_py_with = crate::python::convert::opt::num_experts)] num_experts: Option<u64>,
-        #[pyo3(from_py_with = crate::python::convert::flag::duplicates)] duplicates: bool,
-        #[pyo3(from_py_with = crate::python::convert::flag::zero_rows)] zero_rows: bool,
-        #[pyo3(from_py_with = crate::python::convert::flag::missing_rows)] missing_rows: bool,
+        #[pyo3(from_py_with = crate::convert::opt::num_experts)] num_experts: Option<u64>,
+        #[pyo3(from_py_with = crate::convert::flag::duplicates)] duplicates: bool,
+        #[pyo3(from_py_with = crate::convert::flag::zero_rows)] zero_rows: bool,
+        #[pyo3(from_py_with = crate::convert::flag::missing_rows)] missing_rows: bool,
     ) -> PyResult<()> {
         let checks = validate::Checks {
             num_experts,
@@ -226,10 +230,10 @@ impl RoutedExperts {
     fn validation_report<'py>(
         &self,
         py: Python<'py>,
-        #[pyo3(from_py_with = crate::python::convert::opt::num_experts)] num_experts: Option<u64>,
-        #[pyo3(from_py_with = crate::python::convert::flag::duplicates)] duplicates: bool,
-        #[pyo3(from_py_with = crate::python::convert::flag::zero_rows)] zero_rows: bool,
-        #[pyo3(from_py_with = crate::python::convert::flag::missing_rows)] missing_rows: bool,
+        #[pyo3(from_py_with = crate::convert::opt::num_experts)] num_experts: Option<u64>,
+        #[pyo3(from_py_with = crate::convert::flag::duplicates)] duplicates: bool,
+        #[pyo3(from_py_with = crate::convert::flag::zero_rows)] zero_rows: bool,
+        #[pyo3(from_py_with = crate::convert::flag::missing_rows)] missing_rows: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         let checks = validate::Checks {
             num_experts,
@@ -274,7 +278,7 @@ impl RoutedExperts {
                 match DType::parse(&name)? {
                     t @ (DType::I32 | DType::I64) => t,
                     other => {
-                        return Err(crate::Error::field(
+                        return Err(routed_experts::Error::field(
                             "dtype",
                             "torch.int32 or torch.int64 (the dtypes torch indexes with)",
                             other,
@@ -285,7 +289,7 @@ impl RoutedExperts {
             }
         };
         let arr = new_numpy(py, &slf.get().inner, target)?;
-        torch.getattr("from_numpy")?.call1((arr,))
+        Ok(torch.getattr("from_numpy")?.call1((arr,))?)
     }
 
     /// The positional transport tuple `(data: bytes, shape: [T, L, K], dtype: str)` of
@@ -293,7 +297,7 @@ impl RoutedExperts {
     fn to_transport<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         let p = &self.inner;
         let shape = vec![p.num_tokens(), p.num_layers(), p.top_k()];
-        (PyBytes::new(py, p.bytes()), shape, p.dtype().name()).into_pyobject(py)
+        Ok((PyBytes::new(py, p.bytes()), shape, p.dtype().name()).into_pyobject(py)?)
     }
 
     /// From the transport tuple `(data, shape, dtype)`, or any object with those three
@@ -305,7 +309,7 @@ impl RoutedExperts {
     fn from_transport(
         py: Python<'_>,
         value: &Bound<'_, PyAny>,
-        #[pyo3(from_py_with = crate::python::convert::arg::start)] start: u64,
+        #[pyo3(from_py_with = crate::convert::arg::start)] start: u64,
     ) -> PyResult<Self> {
         let fields = ["data", "shape", "dtype"];
         let parts = if fields.iter().all(|f| value.hasattr(*f).unwrap_or(false))
@@ -316,7 +320,7 @@ impl RoutedExperts {
                 fields
                     .map(|f| value.getattr(f))
                     .into_iter()
-                    .collect::<PyResult<Vec<_>>>()?,
+                    .collect::<pyo3::PyResult<Vec<_>>>()?,
             )?
             .into_any()
         } else {
@@ -324,7 +328,7 @@ impl RoutedExperts {
         };
         let (data, shape, dtype): (Bound<'_, PyAny>, Vec<usize>, String) =
             parts.extract().map_err(|_| {
-                crate::Error::field(
+                routed_experts::Error::field(
                     "value",
                     "a tuple (data: bytes, shape: [T, L, K], dtype: str) or an object with \
                      those attributes",
@@ -337,7 +341,7 @@ impl RoutedExperts {
                 )
             })?;
         let [t, l, k] = shape[..] else {
-            return Err(crate::Error::field(
+            return Err(routed_experts::Error::field(
                 "shape",
                 "three integers [num_tokens, num_layers, top_k]",
                 format!("{shape:?}"),
@@ -394,7 +398,10 @@ impl RoutedExperts {
             p.start(),
             p.dtype().name(),
         );
-        PyTuple::new(py, [rebuild, args.into_pyobject(py)?.into_any()])
+        Ok(PyTuple::new(
+            py,
+            [rebuild, args.into_pyobject(py)?.into_any()],
+        )?)
     }
 }
 
@@ -407,18 +414,18 @@ pub fn _from_raw(
     py: Python<'_>,
     data: &Bound<'_, PyAny>,
     shape: (usize, usize, usize),
-    #[pyo3(from_py_with = crate::python::convert::arg::start)] start: u64,
+    #[pyo3(from_py_with = crate::convert::arg::start)] start: u64,
     dtype: &str,
 ) -> PyResult<RoutedExperts> {
     let dtype = DType::parse(dtype)?;
     let shape = Shape::new(shape.0, shape.1, shape.2);
-    limits::check_shape(shape, dtype, limits::max_bytes())?;
+    limits::check_shape(shape, dtype, crate::max_bytes())?;
     let want = shape.nbytes(dtype)?;
     let arr = bytes_of_buffer(py, data)?;
     if arr.len() != want {
         let msg = format!("{want} bytes for shape {shape} of {dtype}");
         let got = format!("{} bytes", arr.len());
-        return Err(crate::Error::field("data", msg, got).into());
+        return Err(routed_experts::Error::field("data", msg, got).into());
     }
     let ptr = arr.data().cast_const();
     let writeable: bool = arr.getattr("flags")?.getattr("writeable")?.extract()?;
@@ -435,7 +442,7 @@ pub fn _from_raw(
         // memory never changes. `owner` keeps the array alive: valid and unchanged while
         // `owner` lives, which is from_shared's contract. Non-null and 8-aligned, checked above.
         unsafe { AlignedBytes::from_shared(ptr, want, owner) }
-            .ok_or_else(|| crate::Error::payload("a shared buffer is not 8-aligned"))?
+            .ok_or_else(|| routed_experts::Error::payload("a shared buffer is not 8-aligned"))?
     } else {
         let mut copy = AlignedBytes::zeroed(want);
         // SAFETY: the array's `want` bytes at `ptr` are contiguous (numpy.frombuffer only makes

@@ -3,12 +3,14 @@
 use std::sync::{Mutex, MutexGuard};
 
 use pyo3::prelude::*;
+
+use crate::errors::PyResult;
+
 use pyo3::types::PyTuple;
 
 use super::functions::payload_arg;
 use super::payload::{new_numpy, RoutedExperts};
-use crate::limits;
-use crate::trajectory::{Overlap, Pad, Trajectory as Core};
+use routed_experts::trajectory::{Overlap, Pad, Trajectory as Core};
 
 /// The routing of one rollout, turn after turn, by absolute position.
 ///
@@ -54,9 +56,9 @@ impl Trajectory {
         &self,
         py: Python<'_>,
         payload: &Bound<'_, PyAny>,
-        #[pyo3(from_py_with = crate::python::convert::word::overlap)] overlap: Overlap,
+        #[pyo3(from_py_with = crate::convert::word::overlap)] overlap: Overlap,
     ) -> PyResult<()> {
-        let limit = limits::max_bytes();
+        let limit = crate::max_bytes();
         if let Ok(p) = payload.cast::<RoutedExperts>() {
             let p = &p.get().inner;
             return Ok(self.locked(py, |t| t.append(p, overlap, limit))?);
@@ -99,7 +101,7 @@ impl Trajectory {
     fn truncate(
         &self,
         py: Python<'_>,
-        #[pyo3(from_py_with = crate::python::convert::arg::stop)] stop: u64,
+        #[pyo3(from_py_with = crate::convert::arg::stop)] stop: u64,
     ) -> PyResult<()> {
         Ok(self.locked(py, |t| t.truncate(stop))?)
     }
@@ -123,13 +125,13 @@ impl Trajectory {
         let rebuild = py
             .import("routed_experts._core")?
             .getattr("_trajectory_from_payload")?;
-        PyTuple::new(
+        Ok(PyTuple::new(
             py,
             [
                 rebuild,
                 PyTuple::new(py, [payload.into_pyobject(py)?.into_any()])?.into_any(),
             ],
-        )
+        )?)
     }
 
     /// Rows aligned to a training sample of `num_tokens` tokens, as a writable numpy array:
@@ -146,15 +148,15 @@ impl Trajectory {
     fn to_training<'py>(
         &self,
         py: Python<'py>,
-        #[pyo3(from_py_with = crate::python::convert::arg::num_tokens)] num_tokens: usize,
-        #[pyo3(from_py_with = crate::python::convert::word::pad)] pad: Pad,
-        #[pyo3(from_py_with = crate::python::convert::arg::max_missing)] max_missing: usize,
-        #[pyo3(from_py_with = crate::python::convert::flag::mask)] mask: bool,
-        #[pyo3(from_py_with = crate::python::convert::opt_typed::dtype)] dtype: Option<
-            crate::DType,
+        #[pyo3(from_py_with = crate::convert::arg::num_tokens)] num_tokens: usize,
+        #[pyo3(from_py_with = crate::convert::word::pad)] pad: Pad,
+        #[pyo3(from_py_with = crate::convert::arg::max_missing)] max_missing: usize,
+        #[pyo3(from_py_with = crate::convert::flag::mask)] mask: bool,
+        #[pyo3(from_py_with = crate::convert::opt_typed::dtype)] dtype: Option<
+            routed_experts::DType,
         >,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let limit = limits::max_bytes();
+        let limit = crate::max_bytes();
         let (aligned, real) = self.locked(py, |t| {
             let real = t.len().min(num_tokens);
             t.to_training(num_tokens, pad, max_missing, limit)
@@ -165,7 +167,7 @@ impl Trajectory {
         if !mask {
             return Ok(array);
         }
-        let routed = py.detach(|| crate::validate::routed_mask(&aligned, real));
+        let routed = py.detach(|| routed_experts::validate::routed_mask(&aligned, real));
         let routed = numpy::PyArray1::from_vec(py, routed);
         Ok(PyTuple::new(py, [array, routed.into_any()])?.into_any())
     }

@@ -6,11 +6,11 @@ use bytes::Bytes;
 use memchr::memmem;
 
 use super::parts::shared_slices;
-use crate::body::{BodyRouting, Found};
-use crate::response::{
+use routed_experts::body::{BodyRouting, Found};
+use routed_experts::response::{
     merge_response_found, merge_response_pieces, merge_suspects, MergeOptions, Spliced,
 };
-use crate::validate::Suspect;
+use routed_experts::validate::Suspect;
 
 /// Why a stream cannot be relayed to its end.
 #[derive(Debug)]
@@ -20,7 +20,7 @@ pub enum StreamError {
     /// A line (one event's data) passed the limit.
     LineTooLong(usize),
     /// An event's routing did not merge, or no event carried routing while prefill did.
-    Merge(crate::Error),
+    Merge(routed_experts::Error),
 }
 
 /// Merges the routing of server-sent events from a decode server with the prefill routing.
@@ -39,7 +39,7 @@ pub struct StreamMerger<'a> {
     /// Bytes of merged events.
     pub merged_bytes: usize,
     /// Rows sampled from the merged routing, prefill's and decode's (see
-    /// [`merge_suspects`](crate::response::merge_suspects)).
+    /// [`merge_suspects`](routed_experts::response::merge_suspects)).
     pub suspects: (Suspect, Suspect),
     /// The choices whose routing an event carried.
     merged_choices: Vec<u64>,
@@ -68,14 +68,18 @@ impl Prefill<'_> {
     fn suspects(&self, decode: &[Found], opts: &MergeOptions) -> (Suspect, Suspect) {
         match self {
             Prefill::Found(_, found) => merge_suspects(&found.values, decode, opts, SAMPLE_ROWS),
-            Prefill::Owned(body) => match crate::read_body(body) {
+            Prefill::Owned(body) => match routed_experts::read_body(body) {
                 Ok(found) => merge_suspects(&found.values, decode, opts, SAMPLE_ROWS),
                 Err(_) => Default::default(),
             },
         }
     }
 
-    fn merge<'s>(&'s self, decode: &'s [u8], opts: MergeOptions) -> crate::Result<Spliced<'s>> {
+    fn merge<'s>(
+        &'s self,
+        decode: &'s [u8],
+        opts: MergeOptions,
+    ) -> routed_experts::Result<Spliced<'s>> {
         match self {
             Prefill::Found(body, found) => merge_response_found(body, found, decode, opts),
             Prefill::Owned(body) => merge_response_pieces(body, decode, opts),
@@ -114,7 +118,7 @@ impl StreamMerger<'static> {
 
 impl<'a> StreamMerger<'a> {
     /// A merger for one stream, given the prefill body and its routing (as
-    /// [`read_prefill`](crate::read_prefill) or [`read_body`](crate::read_body) found
+    /// [`read_prefill`](routed_experts::read_prefill) or [`read_body`](routed_experts::read_body) found
     /// it, so the body is not walked again); `opts` as for `merge_response` (its hints carry
     /// the prompt start); a line longer than `max_line` bytes is an error.
     pub fn new(
@@ -322,7 +326,7 @@ impl<'a> StreamMerger<'a> {
             // A choice's routing comes once; a second event for it would merge it twice.
             for f in spliced.decode_values() {
                 if self.merged_choices.contains(&f.index) {
-                    return Err(StreamError::Merge(crate::Error::merge(format!(
+                    return Err(StreamError::Merge(routed_experts::Error::merge(format!(
                         "a second routing event for choice {} (at {}): a stream carries each \
                          choice's routing once",
                         f.index, f.path
@@ -346,7 +350,7 @@ impl<'a> StreamMerger<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::DEFAULT_MAX_BYTES;
+    use routed_experts::DEFAULT_MAX_BYTES;
 
     const PREFILL: &[u8] = br#"{"choices":[{"index":0,"routed_experts":{"data":"CgsUFR4f","shape":[3,1,2],"start":0,"dtype":"uint8"}}]}"#;
     const STREAM: &[u8] = b"data: {\"choices\":[{\"index\":0,\"text\":\"h\"}]}\n\n\
@@ -355,7 +359,7 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
 
     fn run(chunks: &[&[u8]], max_line: usize) -> Result<Vec<u8>, StreamError> {
         let prefill = Bytes::from_static(PREFILL);
-        let found = crate::read_body(&prefill).unwrap();
+        let found = routed_experts::read_body(&prefill).unwrap();
         let opts = MergeOptions::new(DEFAULT_MAX_BYTES);
         let mut m = StreamMerger::new(&prefill, &found, opts, max_line);
         let mut out = Vec::new();
@@ -394,7 +398,7 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
             std::str::from_utf8(&STREAM[51..]).unwrap() // the routing event after `data: {`
         );
         let prefill = Bytes::from_static(PREFILL);
-        let found = crate::read_body(&prefill).unwrap();
+        let found = routed_experts::read_body(&prefill).unwrap();
         let opts = MergeOptions::new(DEFAULT_MAX_BYTES);
         let mut m = StreamMerger::new(&prefill, &found, opts, 1 << 20);
         let (mut out, bytes) = (Vec::new(), event.as_bytes());
@@ -425,7 +429,7 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
         line.extend_from_slice(&pad);
         line.extend_from_slice(b"\n\ndata: [DONE]\n\n");
         let prefill = Bytes::from_static(PREFILL);
-        let found = crate::read_body(&prefill).unwrap();
+        let found = routed_experts::read_body(&prefill).unwrap();
         let opts = MergeOptions::new(DEFAULT_MAX_BYTES);
         let mut m = StreamMerger::new(&prefill, &found, opts, 64 << 20);
         let mut out = Vec::new();
@@ -460,7 +464,7 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
             Err(StreamError::LineTooLong(100))
         ));
         let prefill = Bytes::from_static(PREFILL);
-        let found = crate::read_body(&prefill).unwrap();
+        let found = routed_experts::read_body(&prefill).unwrap();
         let opts = MergeOptions::new(DEFAULT_MAX_BYTES);
         let mut m = StreamMerger::new(&prefill, &found, opts, 1 << 20);
         let mut out = Vec::new();

@@ -1,13 +1,16 @@
 //! Module-level functions: merge, response bodies.
 
 use pyo3::prelude::*;
+
+use crate::errors::PyResult;
+
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use super::convert::{self, text_arg};
 use super::payload::{decode_sidecar_obj, RoutedExperts};
-use crate::formats::{self, Format, Hints};
-use crate::response::{self, MergeOptions};
-use crate::{limits, merge as core_merge, DTypeChoice, Payload};
+use routed_experts::formats::{self, Format, Hints};
+use routed_experts::response::{self, MergeOptions};
+use routed_experts::{merge as core_merge, DTypeChoice, Payload};
 
 /// A payload argument: a `RoutedExperts`, or a compact sidecar (bytes, str or dict).
 pub fn payload_arg(value: &Bound<'_, PyAny>, name: &str) -> PyResult<Payload> {
@@ -24,7 +27,7 @@ fn payload_ref<'a, 'py>(
     name: &str,
 ) -> PyResult<&'a Bound<'py, RoutedExperts>> {
     value.cast::<RoutedExperts>().map_err(|_| {
-        crate::Error::field(name, "a RoutedExperts", convert::a_value_of(value)).into()
+        routed_experts::Error::field(name, "a RoutedExperts", convert::a_value_of(value)).into()
     })
 }
 
@@ -86,16 +89,16 @@ fn hints(
 pub fn from_response(
     py: Python<'_>,
     body: &Bound<'_, PyAny>,
-    #[pyo3(from_py_with = crate::python::convert::arg::choice)] choice: u64,
-    #[pyo3(from_py_with = crate::python::convert::opt::start)] start: Option<u64>,
-    #[pyo3(from_py_with = crate::python::convert::opt::num_layers)] num_layers: Option<usize>,
-    #[pyo3(from_py_with = crate::python::convert::opt::top_k)] top_k: Option<usize>,
+    #[pyo3(from_py_with = crate::convert::arg::choice)] choice: u64,
+    #[pyo3(from_py_with = crate::convert::opt::start)] start: Option<u64>,
+    #[pyo3(from_py_with = crate::convert::opt::num_layers)] num_layers: Option<usize>,
+    #[pyo3(from_py_with = crate::convert::opt::top_k)] top_k: Option<usize>,
     dtype: Option<&Bound<'_, PyAny>>,
-    #[pyo3(from_py_with = crate::python::convert::opt::max_bytes)] max_bytes: Option<usize>,
+    #[pyo3(from_py_with = crate::convert::opt::max_bytes)] max_bytes: Option<usize>,
 ) -> PyResult<Option<RoutedExperts>> {
     let text = convert::body_arg(body, "body")?;
     let hints = hints(start, num_layers, top_k, dtype)?;
-    let limit = max_bytes.unwrap_or_else(limits::max_bytes);
+    let limit = max_bytes.unwrap_or_else(crate::max_bytes);
     let found = py.detach(|| response::from_response(&text, choice, &hints, limit))?;
     Ok(found.map(RoutedExperts::new))
 }
@@ -118,22 +121,22 @@ pub fn merge_response<'py>(
     py: Python<'py>,
     prefill_body: &Bound<'py, PyAny>,
     decode_body: &Bound<'py, PyAny>,
-    #[pyo3(from_py_with = crate::python::convert::opt::start)] start: Option<u64>,
-    #[pyo3(from_py_with = crate::python::convert::opt::decode_start)] decode_start: Option<u64>,
-    #[pyo3(from_py_with = crate::python::convert::opt::num_layers)] num_layers: Option<usize>,
-    #[pyo3(from_py_with = crate::python::convert::opt::top_k)] top_k: Option<usize>,
+    #[pyo3(from_py_with = crate::convert::opt::start)] start: Option<u64>,
+    #[pyo3(from_py_with = crate::convert::opt::decode_start)] decode_start: Option<u64>,
+    #[pyo3(from_py_with = crate::convert::opt::num_layers)] num_layers: Option<usize>,
+    #[pyo3(from_py_with = crate::convert::opt::top_k)] top_k: Option<usize>,
     dtype: Option<&Bound<'py, PyAny>>,
-    #[pyo3(from_py_with = crate::python::convert::flag::keep_format)] keep_format: bool,
-    #[pyo3(from_py_with = crate::python::convert::flag::splice)] splice: bool,
-    #[pyo3(from_py_with = crate::python::convert::opt::max_bytes)] max_bytes: Option<usize>,
-    #[pyo3(from_py_with = crate::python::convert::flag::require_routing)] require_routing: bool,
+    #[pyo3(from_py_with = crate::convert::flag::keep_format)] keep_format: bool,
+    #[pyo3(from_py_with = crate::convert::flag::splice)] splice: bool,
+    #[pyo3(from_py_with = crate::convert::opt::max_bytes)] max_bytes: Option<usize>,
+    #[pyo3(from_py_with = crate::convert::flag::require_routing)] require_routing: bool,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let (p, d) = (
         convert::body_arg(prefill_body, "prefill_body")?,
         convert::body_arg(decode_body, "decode_body")?,
     );
     let opts = MergeOptions {
-        max_bytes: max_bytes.unwrap_or_else(limits::max_bytes),
+        max_bytes: max_bytes.unwrap_or_else(crate::max_bytes),
         splice,
         hints: hints(start, num_layers, top_k, dtype)?,
         decode_start,
@@ -155,11 +158,11 @@ pub fn merge_response<'py>(
 pub fn decode(
     py: Python<'_>,
     value: &Bound<'_, PyAny>,
-    #[pyo3(from_py_with = crate::python::convert::opt::start)] start: Option<u64>,
-    #[pyo3(from_py_with = crate::python::convert::opt::num_layers)] num_layers: Option<usize>,
-    #[pyo3(from_py_with = crate::python::convert::opt::top_k)] top_k: Option<usize>,
+    #[pyo3(from_py_with = crate::convert::opt::start)] start: Option<u64>,
+    #[pyo3(from_py_with = crate::convert::opt::num_layers)] num_layers: Option<usize>,
+    #[pyo3(from_py_with = crate::convert::opt::top_k)] top_k: Option<usize>,
     dtype: Option<&Bound<'_, PyAny>>,
-    #[pyo3(from_py_with = crate::python::convert::opt::max_bytes)] max_bytes: Option<usize>,
+    #[pyo3(from_py_with = crate::convert::opt::max_bytes)] max_bytes: Option<usize>,
 ) -> PyResult<RoutedExperts> {
     Ok(RoutedExperts::new(
         decode_any(
@@ -179,7 +182,7 @@ pub fn decode_any(
     hints: &Hints,
     max_bytes: Option<usize>,
 ) -> PyResult<(Format, Payload)> {
-    let limit = max_bytes.unwrap_or_else(limits::max_bytes);
+    let limit = max_bytes.unwrap_or_else(crate::max_bytes);
     if let Ok(p) = value.cast::<RoutedExperts>() {
         let p = p.get().inner.clone();
         formats::check_hints(Format::Compact, &p.header(), hints)?;
@@ -210,11 +213,11 @@ pub fn decode_any(
 pub fn encode<'py>(
     py: Python<'py>,
     payload: &Bound<'py, PyAny>,
-    #[pyo3(from_py_with = crate::python::convert::word::format)] format: Format,
+    #[pyo3(from_py_with = crate::convert::word::format)] format: Format,
 ) -> PyResult<Bound<'py, PyAny>> {
     let p = &payload_ref(payload, "payload")?.get().inner;
     if format == Format::Lists {
-        check_list_objects(p, limits::max_bytes())?;
+        check_list_objects(p, crate::max_bytes())?;
     }
     let text = py.detach(|| formats::encode(p, format))?;
     // base64, the nemo envelope and JSON digits are ASCII.
@@ -223,7 +226,7 @@ pub fn encode<'py>(
         std::str::from_utf8(&text).expect("encoded formats are ASCII"),
     );
     match format {
-        Format::Compact | Format::Lists => py.import("json")?.getattr("loads")?.call1((s,)),
+        Format::Compact | Format::Lists => Ok(py.import("json")?.getattr("loads")?.call1((s,))?),
         _ => Ok(s.into_any()),
     }
 }
@@ -245,7 +248,7 @@ fn check_list_objects(p: &Payload, limit: usize) -> PyResult<()> {
         .and_then(|n| n.checked_add(s.elems().ok()?.checked_mul(8)?));
     match bytes {
         Some(n) if n <= limit => Ok(()),
-        _ => Err(crate::Error::payload(format!(
+        _ => Err(routed_experts::Error::payload(format!(
             "`format`: \"lists\" of shape {} would build {} Python lists and values, over the \
              limit of {limit} bytes (raise it with routed_experts.set_max_bytes)",
             s,
@@ -282,11 +285,11 @@ pub fn detect_format(value: &Bound<'_, PyAny>) -> PyResult<&'static str> {
 /// rows (counted in `cu_seqlens`: what `shard`'s context parallelism needs); `pad_to_multiple`
 /// pads the batch at its end (not counted).
 #[pyfunction]
-#[pyo3(signature = (samples, dtype = Some(crate::DType::I32), pad_to_multiple = None, *, num_tokens = None, pad_each_to_multiple = None, mask = false), text_signature = "(samples, dtype='int32', pad_to_multiple=None, *, num_tokens=None, pad_each_to_multiple=None, mask=False)")]
+#[pyo3(signature = (samples, dtype = Some(routed_experts::DType::I32), pad_to_multiple = None, *, num_tokens = None, pad_each_to_multiple = None, mask = false), text_signature = "(samples, dtype='int32', pad_to_multiple=None, *, num_tokens=None, pad_each_to_multiple=None, mask=False)")]
 pub fn pack<'py>(
     py: Python<'py>,
     samples: &Bound<'py, PyAny>,
-    #[pyo3(from_py_with = convert::opt_typed::dtype)] dtype: Option<crate::DType>,
+    #[pyo3(from_py_with = convert::opt_typed::dtype)] dtype: Option<routed_experts::DType>,
     #[pyo3(from_py_with = convert::opt::pad_to_multiple)] pad_to_multiple: Option<usize>,
     num_tokens: Option<&Bound<'py, PyAny>>,
     #[pyo3(from_py_with = convert::opt::pad_each_to_multiple)] pad_each_to_multiple: Option<usize>,
@@ -296,30 +299,35 @@ pub fn pack<'py>(
     let samples = pack_samples(samples)?;
     let payloads: Vec<&Payload> = samples.iter().map(Sample::payload).collect();
     let Some(first) = payloads.first() else {
-        return Err(crate::Error::field("samples", "at least one sample", "an empty list").into());
+        return Err(routed_experts::Error::field(
+            "samples",
+            "at least one sample",
+            "an empty list",
+        )
+        .into());
     };
     let dtype = match dtype {
         Some(dtype) => dtype,
-        None => payloads
-            .iter()
-            .fold(first.dtype(), |d, p| crate::DType::promote(d, p.dtype())),
+        None => payloads.iter().fold(first.dtype(), |d, p| {
+            routed_experts::DType::promote(d, p.dtype())
+        }),
     };
-    let opts = crate::pack::PackOptions {
+    let opts = routed_experts::pack::PackOptions {
         num_tokens: num_tokens
             .map(|n| convert::offsets_arg("num_tokens", n))
             .transpose()?,
         pad_each_to_multiple,
         pad_to_multiple,
     };
-    let layout = crate::pack::layout(&payloads, &opts, dtype, limits::max_bytes())?;
+    let layout = routed_experts::pack::layout(&payloads, &opts, dtype, crate::max_bytes())?;
     let cu: Vec<i64> = layout.cu_seqlens.iter().map(|&c| c as i64).collect();
     let cu_seqlens = PyArray1::from_vec(py, cu).call_method1("astype", ("int32",))?;
     let dims = (layout.rows, first.num_layers(), first.top_k());
     let mut rows_mask = vec![false; if mask { layout.rows } else { 0 }];
-    let batch = crate::with_element!(dtype, D => {
+    let batch = routed_experts::dtype::with_element!(dtype, D => {
         super::numpy_filled::<D>(py, dims, |dst| {
             let m = mask.then_some(&mut rows_mask[..]);
-            crate::pack::pack_into(&payloads, &layout, dst, m)
+            routed_experts::pack::pack_into(&payloads, &layout, dst, m)
         })?
     });
     if !mask {
@@ -349,12 +357,14 @@ impl Sample<'_> {
 fn pack_samples<'py>(samples: &Bound<'py, PyAny>) -> PyResult<Vec<Sample<'py>>> {
     if samples.is_instance_of::<pyo3::types::PyString>() || samples.cast::<RoutedExperts>().is_ok()
     {
-        return Err(crate::Error::field("samples", "a list of samples", "one sample").into());
+        return Err(
+            routed_experts::Error::field("samples", "a list of samples", "one sample").into(),
+        );
     }
     let mut out = Vec::new();
     let Ok(items) = samples.try_iter() else {
         let got = convert::a_value_of(samples);
-        return Err(crate::Error::field("samples", "a list of samples", got).into());
+        return Err(routed_experts::Error::field("samples", "a list of samples", got).into());
     };
     for (i, s) in items.enumerate() {
         let s = s?;
@@ -362,9 +372,9 @@ fn pack_samples<'py>(samples: &Bound<'py, PyAny>) -> PyResult<Vec<Sample<'py>>> 
             out.push(Sample::Held(p.clone()));
             continue;
         }
-        if let Ok(t) = s.cast::<crate::python::trajectory::Trajectory>() {
+        if let Ok(t) = s.cast::<crate::trajectory::Trajectory>() {
             let Ok(p) = t.getattr("payload")?.cast_into::<RoutedExperts>() else {
-                return Err(crate::Error::field(
+                return Err(routed_experts::Error::field(
                     "samples",
                     "trajectories with rows",
                     format!("an empty trajectory at {i}"),
@@ -374,9 +384,9 @@ fn pack_samples<'py>(samples: &Bound<'py, PyAny>) -> PyResult<Vec<Sample<'py>>> 
             out.push(Sample::Held(p));
             continue;
         }
-        let choice = crate::DTypeChoice::Compact;
+        let choice = routed_experts::DTypeChoice::Compact;
         let p = convert::payload_from_array(&s, 0, choice)
-            .map_err(|e| convert::prefix_error(s.py(), e, &format!("sample {i}: ")))?;
+            .map_err(|e| convert::prefix_error(s.py(), e.into(), &format!("sample {i}: ")))?;
         out.push(Sample::Owned(p));
     }
     Ok(out)
@@ -399,7 +409,7 @@ type Share<'py> = (
 /// `cu_seqlens` of the context-parallel rank's sample lengths, and the mask's rows (None without
 /// a mask). Rows past `cu_seqlens[-1]` (padding) belong to no sample and are left out.
 #[pyfunction]
-#[pyo3(signature = (batch, cu_seqlens, mask = None, *, cp_size = 1, cp_rank = 0, cp_split = crate::shard::CpSplit::Zigzag, tp_size = 1, tp_rank = 0, layers = None), text_signature = "(batch, cu_seqlens, mask=None, *, cp_size=1, cp_rank=0, cp_split='zigzag', tp_size=1, tp_rank=0, layers=None)")]
+#[pyo3(signature = (batch, cu_seqlens, mask = None, *, cp_size = 1, cp_rank = 0, cp_split = routed_experts::shard::CpSplit::Zigzag, tp_size = 1, tp_rank = 0, layers = None), text_signature = "(batch, cu_seqlens, mask=None, *, cp_size=1, cp_rank=0, cp_split='zigzag', tp_size=1, tp_rank=0, layers=None)")]
 #[allow(clippy::too_many_arguments)]
 pub fn shard<'py>(
     py: Python<'py>,
@@ -408,12 +418,12 @@ pub fn shard<'py>(
     mask: Option<&Bound<'py, PyAny>>,
     #[pyo3(from_py_with = convert::arg::cp_size)] cp_size: usize,
     #[pyo3(from_py_with = convert::arg::cp_rank)] cp_rank: usize,
-    #[pyo3(from_py_with = convert::word::cp_split)] cp_split: crate::shard::CpSplit,
+    #[pyo3(from_py_with = convert::word::cp_split)] cp_split: routed_experts::shard::CpSplit,
     #[pyo3(from_py_with = convert::arg::tp_size)] tp_size: usize,
     #[pyo3(from_py_with = convert::arg::tp_rank)] tp_rank: usize,
     #[pyo3(from_py_with = convert::opt_pair::layers)] layers: Option<(usize, usize)>,
 ) -> PyResult<Share<'py>> {
-    use crate::shard::Rank;
+    use routed_experts::shard::Rank;
     let rank = Rank {
         cp_size,
         cp_rank,
@@ -442,14 +452,14 @@ pub fn shard<'py>(
 pub fn _read_prefill<'py>(
     py: Python<'py>,
     body: &Bound<'py, PyAny>,
-    #[pyo3(from_py_with = crate::python::convert::opt::start)] start: Option<u64>,
-    #[pyo3(from_py_with = crate::python::convert::flag::count_rows)] count_rows: bool,
+    #[pyo3(from_py_with = crate::convert::opt::start)] start: Option<u64>,
+    #[pyo3(from_py_with = crate::convert::flag::count_rows)] count_rows: bool,
 ) -> PyResult<(Option<Bound<'py, PyBytes>>, Vec<usize>)> {
     let text = convert::body_arg(body, "body")?;
     let hints = hints(start, None, None, None)?;
-    let limit = limits::max_bytes();
-    let (kv, rows) = py.detach(|| -> crate::Result<_> {
-        let read = crate::body::read_prefill(&text)?;
+    let limit = crate::max_bytes();
+    let (kv, rows) = py.detach(|| -> routed_experts::Result<_> {
+        let read = routed_experts::body::read_prefill(&text)?;
         let rows = if count_rows {
             read.routing
                 .values
@@ -458,7 +468,7 @@ pub fn _read_prefill<'py>(
                     response::routing_rows(f, &hints, limit)
                         .map_err(|e| e.context(format!("choice {}", f.index)))
                 })
-                .collect::<crate::Result<Vec<_>>>()?
+                .collect::<routed_experts::Result<Vec<_>>>()?
         } else {
             Vec::new()
         };

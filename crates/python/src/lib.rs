@@ -1,48 +1,31 @@
-//! The PyO3 binding layer: conversions between Python objects and the core, nothing more.
+//! The Python extension `routed_experts._core`: conversions between Python objects and the
+//! core (`routed_experts`) and the proxy (`routed_experts_proxy`), nothing more. The hot paths
+//! run in those crates with the GIL released; what is here reads arguments, builds numpy arrays
+//! and bytes without a second copy, and turns the core's errors into Python's.
+
+// `with_element!` instantiates generic code for every dtype; in the int64 arm `.into()` to i64
+// is the identity, which is what the generic code means.
+#![allow(clippy::useless_conversion)]
+// PyO3's generated wrappers are the documentation Python sees (`__doc__`), not rustdoc.
+#![allow(missing_docs)]
 
 pub mod convert;
+pub mod errors;
 pub mod functions;
 pub mod payload;
 pub mod proxy;
 pub mod quality;
 pub mod trajectory;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use std::mem::MaybeUninit;
 
-use pyo3::create_exception;
-use pyo3::exceptions::PyValueError;
 use pyo3::ffi;
 use pyo3::prelude::*;
+
+use crate::errors::PyResult;
 use pyo3::types::PyBytes;
-use pyo3::PyErr;
-
-create_exception!(
-    routed_experts,
-    RoutedExpertsError,
-    PyValueError,
-    "Base of every error routed_experts raises on bad input."
-);
-create_exception!(
-    routed_experts,
-    PayloadError,
-    RoutedExpertsError,
-    "Malformed input: bad JSON, bad base64, a shape that does not match the data, a value that does not fit."
-);
-create_exception!(
-    routed_experts,
-    MergeError,
-    RoutedExpertsError,
-    "Inconsistent halves or turns: a gap, mismatched layers or top_k, conflicting overlap."
-);
-
-impl From<crate::Error> for PyErr {
-    fn from(e: crate::Error) -> PyErr {
-        match e {
-            crate::Error::Payload(m) => PayloadError::new_err(m),
-            crate::Error::Merge(m) => MergeError::new_err(m),
-        }
-    }
-}
 
 /// A new `bytes` of `len` bytes, all written by `fill` with the GIL released. Unlike
 /// `PyBytes::new_with`, nothing is zeroed first: for tens of MB that would be a second pass over
@@ -50,10 +33,10 @@ impl From<crate::Error> for PyErr {
 pub fn bytes_filled<'py>(
     py: Python<'py>,
     len: usize,
-    fill: impl FnOnce(&mut [MaybeUninit<u8>]) -> crate::Result<()> + Send,
+    fill: impl FnOnce(&mut [MaybeUninit<u8>]) -> routed_experts::Result<()> + Send,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let size =
-        ffi::Py_ssize_t::try_from(len).map_err(|_| crate::Error::payload("output too large"))?;
+    let size = ffi::Py_ssize_t::try_from(len)
+        .map_err(|_| routed_experts::Error::payload("output too large"))?;
     // SAFETY: PyBytes_FromStringAndSize(NULL, n) returns a new bytes object (or NULL with an
     // exception set) whose n-byte buffer is ours to fill until it is shared; it is shared only
     // after `fill` has written every byte.
@@ -61,7 +44,7 @@ pub fn bytes_filled<'py>(
         let ptr = ffi::PyBytes_FromStringAndSize(std::ptr::null(), size);
         let bytes = Bound::from_owned_ptr_or_err(py, ptr)?.cast_into_unchecked::<PyBytes>();
         let data = ffi::PyBytes_AsString(ptr).cast::<u8>();
-        crate::buffer::prefault(data, len);
+        routed_experts::buffer::prefault(data, len);
         let buf = std::slice::from_raw_parts_mut(data.cast::<MaybeUninit<u8>>(), len);
         // On an error the object is released unread (its bytes were never shared).
         py.detach(|| fill(buf))?;
@@ -74,7 +57,7 @@ pub fn bytes_filled<'py>(
 fn npy_dims(dims: (usize, usize, usize)) -> PyResult<[numpy::npyffi::npy_intp; 3]> {
     let one = |d: usize| {
         numpy::npyffi::npy_intp::try_from(d).map_err(|_| {
-            crate::Error::field("shape", "dimensions below 2**63", format!("{dims:?}"))
+            routed_experts::Error::field("shape", "dimensions below 2**63", format!("{dims:?}"))
         })
     };
     Ok([one(dims.0)?, one(dims.1)?, one(dims.2)?])
@@ -139,7 +122,7 @@ pub unsafe fn readonly_array<'py, D: numpy::Element>(
         let arr = Bound::from_owned_ptr_or_err(py, ptr)?;
         let base = owner.clone().into_ptr();
         if PY_ARRAY_API.PyArray_SetBaseObject(py, ptr as *mut PyArrayObject, base) < 0 {
-            return Err(PyErr::fetch(py));
+            return Err(PyErr::fetch(py).into());
         }
         Ok(arr)
     }
@@ -147,22 +130,81 @@ pub unsafe fn readonly_array<'py, D: numpy::Element>(
 
 /// A new numpy array of `dims` (numpy owns it, writable) filled by `fill` with the GIL released:
 /// values go straight into numpy's buffer, with no intermediate one.
-pub fn numpy_filled<'py, D: crate::Element + numpy::Element>(
+pub fn numpy_filled<'py, D: routed_experts::Element + numpy::Element>(
     py: Python<'py>,
     dims: (usize, usize, usize),
-    fill: impl FnOnce(&mut [D]) -> crate::Result<()> + Send,
+    fill: impl FnOnce(&mut [D]) -> routed_experts::Result<()> + Send,
 ) -> PyResult<Bound<'py, PyAny>> {
     use numpy::PyArrayMethods;
     let arr = new_zeros::<D>(py, dims)?;
     // SAFETY: the array was just created here, C-contiguous; nothing else can see it yet.
     let dst = unsafe { arr.as_slice_mut() }
-        .map_err(|_| crate::Error::payload("a new numpy array is not contiguous"))?;
-    crate::buffer::prefault(dst.as_mut_ptr().cast(), std::mem::size_of_val(dst));
+        .map_err(|_| routed_experts::Error::payload("a new numpy array is not contiguous"))?;
+    routed_experts::buffer::prefault(dst.as_mut_ptr().cast(), std::mem::size_of_val(dst));
     py.detach(|| fill(dst))?;
     Ok(arr.into_any())
 }
 
 /// The `numpy.dtype` of a core dtype.
-pub fn numpy_dtype(py: Python<'_>, dtype: crate::DType) -> Bound<'_, numpy::PyArrayDescr> {
-    crate::with_element!(dtype, T => <T as numpy::Element>::get_dtype(py))
+pub fn numpy_dtype(py: Python<'_>, dtype: routed_experts::DType) -> Bound<'_, numpy::PyArrayDescr> {
+    routed_experts::dtype::with_element!(dtype, T => <T as numpy::Element>::get_dtype(py))
+}
+
+/// The Python API's cap on decoded bytes (`set_max_bytes`): the core takes it as a value on
+/// every call; this is where Python's process-wide setting lives.
+static MAX_BYTES: AtomicUsize = AtomicUsize::new(routed_experts::DEFAULT_MAX_BYTES);
+
+/// The cap every call without `max_bytes=` decodes under.
+pub fn max_bytes() -> usize {
+    MAX_BYTES.load(Ordering::Relaxed)
+}
+
+#[pyo3::pymodule]
+mod _core {
+    use pyo3::prelude::*;
+
+    #[pymodule_export]
+    use crate::errors::{MergeError, PayloadError, RoutedExpertsError};
+    #[pymodule_export]
+    use crate::functions::{
+        _read_prefill, decode, detect_format, encode, from_response, merge, merge_response, pack,
+        shard,
+    };
+    #[pymodule_export]
+    use crate::payload::{_from_raw, RoutedExperts};
+    #[pymodule_export]
+    use crate::proxy::{_ProxyServer, StreamMerger};
+    #[pymodule_export]
+    use crate::quality::{agreement, expert_load, Agreement, ExpertLoad};
+    #[pymodule_export]
+    use crate::trajectory::{_trajectory_from_payload, Trajectory};
+
+    /// Cap on the decoded size of one payload, in bytes (default 1 GiB); larger payloads are
+    /// refused before anything is allocated.
+    #[pyfunction]
+    fn set_max_bytes(#[pyo3(from_py_with = crate::convert::arg::n)] n: usize) {
+        super::MAX_BYTES.store(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The current cap on decoded bytes (see `set_max_bytes`).
+    #[pyfunction]
+    fn get_max_bytes() -> usize {
+        super::max_bytes()
+    }
+
+    /// The crate's version (`routed_experts.__version__`), from the build.
+    #[pymodule_export]
+    #[allow(non_upper_case_globals)] // Python's name for it
+    const __version__: &str = env!("CARGO_PKG_VERSION");
+
+    /// The proxy's Rust log records go to Python's `logging` (logger `routed_experts.proxy`).
+    /// Levels are looked up on each record, so `logging` settings made later still apply.
+    #[pymodule_init]
+    fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
+        let logger = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::Nothing)?
+            .filter(log::LevelFilter::Info);
+        // Another extension may have installed a `log` logger first; then ours stays off.
+        let _ = logger.install();
+        Ok(())
+    }
 }

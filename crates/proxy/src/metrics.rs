@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use crate::validate::Suspect;
+use routed_experts::validate::Suspect;
 
 /// Seconds: from a fast merge (a millisecond) to a long generation (ten minutes).
 const BUCKETS: [f64; 17] = [

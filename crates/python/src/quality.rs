@@ -3,13 +3,16 @@
 
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
+
+use crate::errors::PyResult;
+
 use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::convert::{payload_from_array, prefix_error};
 use super::payload::RoutedExperts;
-use crate::agreement::Agreement as CoreAgreement;
-use crate::expert_load::ExpertLoad as CoreExpertLoad;
-use crate::{limits, DTypeChoice, Payload};
+use routed_experts::agreement::Agreement as CoreAgreement;
+use routed_experts::expert_load::ExpertLoad as CoreExpertLoad;
+use routed_experts::{DTypeChoice, Payload};
 
 /// Routing given to a quality function: a payload borrowed in place, or an array (numpy, or
 /// anything `numpy.asarray` takes: a CPU torch tensor) read into one, positions from 0.
@@ -33,7 +36,7 @@ fn routing_arg<'py>(value: &Bound<'py, PyAny>, name: &str) -> PyResult<Routing<'
     }
     payload_from_array(value, 0, DTypeChoice::Compact)
         .map(Routing::Owned)
-        .map_err(|e| prefix_error(value.py(), e, &format!("`{name}`: ")))
+        .map_err(|e| prefix_error(value.py(), e.into(), &format!("`{name}`: ")).into())
 }
 
 /// How two routings of the same positions agree (from `agreement`). Fractions are over the
@@ -169,7 +172,7 @@ pub fn agreement(
 ) -> PyResult<Agreement> {
     let (a, b) = (routing_arg(a, "a")?, routing_arg(b, "b")?);
     let (a, b) = (a.get(), b.get());
-    let inner = py.detach(|| crate::agreement::agreement(a, b))?;
+    let inner = py.detach(|| routed_experts::agreement::agreement(a, b))?;
     Ok(Agreement { inner })
 }
 
@@ -187,7 +190,7 @@ impl ExpertLoad {
         let (l, e) = (self.inner.num_layers(), self.inner.num_experts());
         // Counts are bounded by the ids counted (at most the size limit): they fit int64.
         let flat: Vec<i64> = self.inner.counts().iter().map(|&c| c as i64).collect();
-        flat.into_pyarray(py).reshape([l, e])
+        Ok(flat.into_pyarray(py).reshape([l, e])?)
     }
 
     /// Per layer: the busiest expert's count over the mean (1.0 is perfectly even).
@@ -284,11 +287,11 @@ impl ExpertLoad {
 pub fn expert_load(
     py: Python<'_>,
     routing: &Bound<'_, PyAny>,
-    #[pyo3(from_py_with = crate::python::convert::arg::num_experts)] num_experts: usize,
+    #[pyo3(from_py_with = crate::convert::arg::num_experts)] num_experts: usize,
 ) -> PyResult<ExpertLoad> {
     let items: Vec<Bound<'_, PyAny>> =
         if routing.is_instance_of::<PyList>() || routing.is_instance_of::<PyTuple>() {
-            routing.try_iter()?.collect::<PyResult<_>>()?
+            routing.try_iter()?.collect::<pyo3::PyResult<_>>()?
         } else {
             vec![routing.clone()]
         };
@@ -297,16 +300,21 @@ pub fn expert_load(
         .map(|r| routing_arg(r, "routing"))
         .collect::<PyResult<Vec<_>>>()?;
     let Some(first) = routings.first() else {
-        return Err(crate::Error::field("routing", "at least one routing", "an empty list").into());
+        return Err(routed_experts::Error::field(
+            "routing",
+            "at least one routing",
+            "an empty list",
+        )
+        .into());
     };
     let layers = first.get().num_layers();
     let payloads: Vec<&Payload> = routings.iter().map(Routing::get).collect();
     let inner = py.detach(|| {
-        let mut load = CoreExpertLoad::new(layers, num_experts, limits::max_bytes())?;
+        let mut load = CoreExpertLoad::new(layers, num_experts, crate::max_bytes())?;
         for p in payloads {
             load.add(p)?;
         }
-        Ok::<_, crate::Error>(load)
+        Ok::<_, routed_experts::Error>(load)
     })?;
     Ok(ExpertLoad { inner })
 }

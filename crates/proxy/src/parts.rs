@@ -13,7 +13,7 @@ use bytes::{Buf, Bytes};
 use hyper::body::Frame;
 
 use super::budget::Share;
-use crate::response::Spliced;
+use routed_experts::response::Spliced;
 
 /// What a request holds until the last byte of its response is written (its completion slot,
 /// the budget shares of the bodies the response slices); shared by every part of it.
@@ -65,7 +65,10 @@ impl Buf for Outgoing {
 
 /// A merged body's slices as `Bytes` sharing the buffers of `sources` (the bodies it was
 /// merged from); only the parts the merge wrote are copied (they are small).
-pub fn shared_slices(spliced: &Spliced<'_>, sources: &[&Bytes]) -> crate::Result<Vec<Bytes>> {
+pub fn shared_slices(
+    spliced: &Spliced<'_>,
+    sources: &[&Bytes],
+) -> routed_experts::Result<Vec<Bytes>> {
     let within = |b: &Bytes, s: &[u8]| {
         let (start, p) = (b.as_ptr() as usize, s.as_ptr() as usize);
         p >= start && p + s.len() <= start + b.len()
