@@ -41,7 +41,10 @@ def stack(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     proxy = Server(create_app(prefill_urls, decode_urls, read_timeout=10, **opts.get("proxy", {})))
     proxy.__enter__()
     try:
-        yield {"url": proxy.url, "prefills": prefills, "decodes": decodes, "opts": opts}
+        yield {
+            "url": proxy.url, "prefills": prefills, "decodes": decodes, "opts": opts,
+            "upstreams": (prefill_urls, decode_urls),
+        }
     finally:
         proxy.__exit__()
         for s in servers:
@@ -492,3 +495,22 @@ def test_the_asgi_app_answers_its_own_failures_in_the_error_shape() -> None:
         await app.aclose()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("stack", [{"proxy": {"max_merge_bytes": 64}}], indirect=True)
+def test_the_merge_cap_is_the_proxys_own_setting(stack: dict[str, Any]) -> None:
+    # Over the proxy's cap: a 502 that names the limit, plain and streamed.
+    r = httpx.post(stack["url"] + "/v1/completions", json=COMPLETION, timeout=30)
+    assert r.status_code == 502 and "limit of 64 bytes" in r.json()["error"]["message"], r.text
+    # The Python API's own cap is another setting: lowering it does not reach a running proxy,
+    # and a proxy with room merges while it is low.
+    limit = rx.get_max_bytes()
+    rx.set_max_bytes(64)
+    try:
+        with Server(create_app(*stack["upstreams"], read_timeout=10)) as roomy:
+            ok = httpx.post(roomy.url + "/v1/completions", json=COMPLETION, timeout=30)
+    finally:
+        rx.set_max_bytes(limit)
+    assert ok.status_code == 200, ok.text
+    got = rx.from_response(ok.content)
+    assert got is not None and got == expected(COMPLETION)

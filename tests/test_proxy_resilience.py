@@ -3,6 +3,7 @@ checks, retries, cancellation, metrics and the per-request log line. Every wait 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import socket
@@ -386,18 +387,50 @@ def test_config_refuses_limits_that_serve_nothing(field: str, value: Any, messag
         ProxyConfig(**{field: value})
 
 
-def test_cli_defaults_are_the_config_defaults() -> None:
+def test_every_proxy_setting_is_declared_once_and_each_copy_follows_it() -> None:
+    """The declaration in Rust (routed_experts_proxy::config) is the one list: the Python
+    config's fields and defaults, the command's flags, their defaults and help, and the README's
+    table are all held to it."""
     import dataclasses
+    import re
+    from pathlib import Path
 
-    from routed_experts.cli import PROXY_SETTINGS
+    from routed_experts.cli import size_text
+    from routed_experts.proxy.config import settings_declared
 
-    args = build_parser().parse_args(["proxy", "--prefill", "http://p", "--decode", "http://d"])
-    defaults = ProxyConfig()
-    # Every setting but the API key (which may come from the environment) is a flag.
-    fields = {f.name for f in dataclasses.fields(ProxyConfig)} - {"upstream_api_key"}
-    assert set(PROXY_SETTINGS) == fields
-    for name in PROXY_SETTINGS:
-        assert getattr(args, name) == getattr(defaults, name), name
+    declared = settings_declared()
+    names = [s.name for s in declared]
+    assert len(set(names)) == len(names) and "max_merge_bytes" in names
+    fields = {f.name: f.default for f in dataclasses.fields(ProxyConfig)}
+    assert set(fields) - {"upstream_api_key"} == set(names)
+    parser = build_parser()
+    args = parser.parse_args(["proxy", "--prefill", "http://p", "--decode", "http://d"])
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {a.dest: a for a in sub.choices["proxy"]._actions}
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for s in declared:
+        assert fields[s.name] == s.default, s.name
+        assert getattr(args, s.name) == s.default, s.name
+        assert flags[s.name].help == s.help, s.name
+        flag = "--" + s.name.replace("_", "-")
+        shown = size_text(s.default) if s.unit == "bytes" else str(s.default)
+        assert re.search(rf"^\| `{flag}` \| {re.escape(shown)} \|", readme, re.M), (flag, shown)
+        if s.minimum > 1 or s.unit != "seconds":
+            below = str(s.minimum - 1)
+            with pytest.raises(SystemExit):
+                parser.parse_args(["proxy", "--prefill", "http://p", "--decode", "http://d",
+                                   flag, below])
+            with pytest.raises(rx.ConfigError, match=s.name):
+                ProxyConfig(**{s.name: s.minimum - 1})
+
+
+@pytest.mark.parametrize("value", [-3, 2**70, "x", object(), True])
+def test_a_bad_setting_is_a_config_error_naming_it(value: Any) -> None:
+    from routed_experts.proxy.config import settings_declared
+
+    for s in settings_declared():
+        with pytest.raises(rx.ConfigError, match=s.name):
+            ProxyConfig(**{s.name: value})
 
 
 def test_config_refuses_nonsense() -> None:

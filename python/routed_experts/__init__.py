@@ -7,6 +7,7 @@ Rust (GIL released) and hands numpy arrays over without copies.
 
 from routed_experts._core import (
     Agreement,
+    ConfigError,
     ExpertLoad,
     MergeError,
     PayloadError,
@@ -32,6 +33,7 @@ from routed_experts._core import (
 
 __all__ = [
     "Agreement",
+    "ConfigError",
     "ExpertLoad",
     "MergeError",
     "PayloadError",

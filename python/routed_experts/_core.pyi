@@ -11,6 +11,7 @@ __version__: str
 __all__ = [
     "__version__",
     "Agreement",
+    "ConfigError",
     "ExpertLoad",
     "MergeError",
     "PayloadError",
@@ -19,7 +20,9 @@ __all__ = [
     "StreamMerger",
     "Trajectory",
     "_ProxyServer",
+    "_check_proxy_settings",
     "_from_raw",
+    "_proxy_settings",
     "_read_prefill",
     "_trajectory_from_payload",
     "agreement",
@@ -51,6 +54,7 @@ _Routing: TypeAlias = RoutedExperts | npt.ArrayLike
 class RoutedExpertsError(ValueError): ...
 class PayloadError(RoutedExpertsError): ...
 class MergeError(RoutedExpertsError): ...
+class ConfigError(RoutedExpertsError): ...
 
 @final
 class RoutedExperts:
@@ -299,6 +303,8 @@ class StreamMerger:
     @property
     def buffered(self) -> int: ...
 
+def _proxy_settings() -> list[tuple[str, str, int, int, str]]: ...
+def _check_proxy_settings(settings: dict[str, Any]) -> None: ...
 @final
 class _ProxyServer:
     def __new__(

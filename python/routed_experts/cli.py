@@ -251,7 +251,7 @@ def _needs_extras(command: str, extras: str, e: ImportError) -> int:
 def cmd_proxy(args: argparse.Namespace) -> int:
     from routed_experts.proxy import ProxyConfig, serve
 
-    settings = {name: getattr(args, name) for name in PROXY_SETTINGS}
+    settings = {name: getattr(args, name) for name in proxy_settings()}
     key = args.upstream_api_key or os.environ.get(UPSTREAM_KEY_ENV)
     config = ProxyConfig(**settings, upstream_api_key=key)
     try:
@@ -541,122 +541,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_proxy_limits(p: argparse.ArgumentParser) -> None:
-    """The proxy's timeouts, limits and health-check flags (defaults: ProxyConfig's)."""
-    p.add_argument(
-        "--read-timeout",
-        type=_seconds,
-        default=600.0,
-        help="seconds an upstream may stay silent (a plain request waits for the whole "
-        "generation)",
-    )
-    p.add_argument(
-        "--connect-timeout", type=_seconds, default=10.0, help="seconds to connect to an upstream"
-    )
-    p.add_argument(
-        "--max-in-flight",
-        type=_count(1),
-        default=256,
-        help="completion requests served at once; more get 503 with Retry-After",
-    )
-    p.add_argument(
-        "--max-request-bytes",
-        type=_size(1),
-        default="64MiB",
-        help="largest client body; larger gets 413",
-    )
-    p.add_argument(
-        "--body-timeout",
-        type=_seconds,
-        default=60.0,
-        help="seconds to receive a client's whole body; slower gets 408 (a request takes a "
-        "completion slot only once its body is whole)",
-    )
-    p.add_argument(
-        "--max-buffered-bytes",
-        type=_size(1),
-        default="1GiB",
-        help="bytes held in bodies at once (client bodies being received, upstream replies "
-        "being read and merged); beyond gets 503 + Retry-After",
-    )
-    p.add_argument(
-        "--max-upstream-bytes",
-        type=_size(1),
-        default="256MiB",
-        help="largest upstream body or stream event; larger is a 502",
-    )
-    p.add_argument(
-        "--eject-after",
-        type=_count(1),
-        default=3,
-        help="failures in a row that take an upstream out of rotation",
-    )
-    p.add_argument(
-        "--eject-seconds",
-        type=_seconds,
-        default=10.0,
-        help="seconds an ejected upstream stays out before a trial request",
-    )
-    p.add_argument(
-        "--header-timeout",
-        type=_seconds,
-        default=30.0,
-        help="seconds from accept to a whole request head; slower gets 408 and is closed "
-        "(an idle keep-alive connection is closed after as long)",
-    )
-    p.add_argument(
-        "--max-header-bytes",
-        type=_size(8192),
-        default="64KiB",
-        help="largest request head (request line and headers); larger gets 431",
-    )
-    p.add_argument(
-        "--max-connections",
-        type=_count(1),
-        default=4096,
-        help="client connections open at once; more get 503 and are closed (logged)",
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=_seconds,
-        default=3600.0,
-        help="seconds for a whole request, streams included; beyond: 504, or a last error "
-        "event on a stream",
-    )
-    p.add_argument(
-        "--write-timeout",
-        type=_seconds,
-        default=60.0,
-        help="seconds a write to a client may wait (a client that stopped reading); beyond, "
-        "the connection is closed",
-    )
-    p.add_argument(
-        "--shutdown-timeout",
-        type=_seconds,
-        default=30.0,
-        help="on SIGTERM/SIGINT: seconds for requests under way to finish before they are "
-        "cancelled (a second signal stops at once)",
-    )
+    """The proxy's timeouts and limits: one flag per setting Rust declares, with its default,
+    bound and help from that declaration (`routed_experts_proxy::config`)."""
+    from routed_experts.proxy.config import settings_declared
+
+    for s in settings_declared():
+        kind = {"seconds": _seconds, "count": _count(s.minimum), "bytes": _size(s.minimum)}
+        default: Any = s.default if s.unit != "bytes" else size_text(s.default)
+        p.add_argument(
+            "--" + s.name.replace("_", "-"),
+            type=kind[s.unit],
+            default=float(default) if s.unit == "seconds" else default,
+            help=s.help,
+        )
 
 
-# The ProxyConfig fields the proxy flags set (all but the API key, which may come from the
-# environment).
-PROXY_SETTINGS = (
-    "read_timeout",
-    "connect_timeout",
-    "max_in_flight",
-    "max_request_bytes",
-    "body_timeout",
-    "max_buffered_bytes",
-    "max_upstream_bytes",
-    "eject_after",
-    "eject_seconds",
-    "header_timeout",
-    "max_header_bytes",
-    "max_connections",
-    "request_timeout",
-    "write_timeout",
-    "shutdown_timeout",
-)
+def size_text(n: int) -> str:
+    """A byte count as the flags write it: `64MiB` for whole binary units, else the number."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def proxy_settings() -> list[str]:
+    """The ProxyConfig fields the proxy's flags set (all but the API key, which may come from
+    the environment)."""
+    from routed_experts.proxy.config import settings_declared
+
+    return [s.name for s in settings_declared()]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

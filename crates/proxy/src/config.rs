@@ -1,124 +1,219 @@
-//! What an operator sets: the `routed-experts proxy` flags, with their defaults.
+//! What an operator sets: every proxy setting declared once, here, with its name, unit,
+//! default, bound and help. The struct [`Config`], its defaults, its check and [`SETTINGS`] (what
+//! the Python config, the command's flags and the README's table are made from or checked
+//! against) all come from the one list below.
 
 use std::time::Duration;
 
-const MIB: usize = 1024 * 1024;
-
-/// The proxy's timeouts and limits. `Config::default()` holds the documented defaults;
-/// [`Config::check`] refuses values that would serve nothing.
-#[derive(Clone, Debug)]
-pub struct Config {
-    /// Prefill servers' base URLs (`http://HOST:PORT[/PREFIX]`).
-    pub prefill: Vec<String>,
-    /// Decode servers' base URLs.
-    pub decode: Vec<String>,
-    /// How long an upstream may stay silent (a plain request waits for a whole generation).
-    pub read_timeout: Duration,
-    /// How long opening a connection to an upstream may take.
-    pub connect_timeout: Duration,
-    /// Completion requests served at once; beyond: 503 + Retry-After.
-    pub max_in_flight: usize,
-    /// Largest client body; beyond: 413 and the connection closed.
-    pub max_request_bytes: usize,
-    /// Time to receive a client's whole body, from its head; beyond: 408 and close.
-    pub body_timeout: Duration,
-    /// Bytes of bodies held at once: client bodies being received and upstream bodies being
-    /// read or merged; beyond: 503 + Retry-After.
-    pub max_buffered_bytes: usize,
-    /// Largest upstream body or stream event; beyond: 502.
-    pub max_upstream_bytes: usize,
-    /// Failures in a row that take an upstream out of rotation.
-    pub eject_after: u32,
-    /// How long an ejected upstream stays out before a trial request.
-    pub eject_seconds: Duration,
-    /// Sent as `Authorization: Bearer` instead of the client's header.
-    pub upstream_api_key: Option<String>,
-    /// Time from accept (or from the end of the previous response) to a whole request head;
-    /// beyond: 408 and close (an idle keep-alive connection is closed without a reply).
-    pub header_timeout: Duration,
-    /// Largest request head (request line and headers); beyond: 431 and close.
-    pub max_header_bytes: usize,
-    /// Client connections open at once; beyond, a new one gets 503 and is closed (logged).
-    pub max_connections: usize,
-    /// The whole of a completion request, streams included; beyond: 504, or an error event
-    /// that ends a stream.
-    pub request_timeout: Duration,
-    /// How long a write to a client may wait (a client that stops reading); beyond, the
-    /// connection is closed.
-    pub write_timeout: Duration,
-    /// On SIGTERM/SIGINT (or `stop`): requests under way get this long to finish, then their
-    /// upstream calls are cancelled and their connections closed.
-    pub shutdown_timeout: Duration,
-    /// Largest routing one merge may decode (decoded bytes of a half or of the merge);
-    /// beyond: 502 blaming the upstream.
-    pub max_merge_bytes: usize,
+/// What a setting counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unit {
+    /// A duration, given in seconds (fractions allowed); must be positive.
+    Seconds,
+    /// A whole number of things (requests, failures, connections).
+    Count,
+    /// A number of bytes.
+    Bytes,
 }
 
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            prefill: Vec::new(),
-            decode: Vec::new(),
-            read_timeout: Duration::from_secs(600),
-            connect_timeout: Duration::from_secs(10),
-            max_in_flight: 256,
-            max_request_bytes: 64 * MIB,
-            body_timeout: Duration::from_secs(60),
-            max_buffered_bytes: 1024 * MIB,
-            max_upstream_bytes: 256 * MIB,
-            eject_after: 3,
-            eject_seconds: Duration::from_secs(10),
-            upstream_api_key: None,
-            header_timeout: Duration::from_secs(30),
-            max_header_bytes: 64 * 1024,
-            max_connections: 4096,
-            request_timeout: Duration::from_secs(3600),
-            write_timeout: Duration::from_secs(60),
-            shutdown_timeout: Duration::from_secs(30),
-            max_merge_bytes: routed_experts::DEFAULT_MAX_BYTES,
+impl Unit {
+    /// The unit's name, as the Python side reads it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Unit::Seconds => "seconds",
+            Unit::Count => "count",
+            Unit::Bytes => "bytes",
         }
     }
+}
+
+/// One setting as declared: what the command's flag, the Python field and the docs show.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Setting {
+    /// The field's name (`max_in_flight`); the flag is `--max-in-flight`.
+    pub name: &'static str,
+    /// What it counts.
+    pub unit: Unit,
+    /// Its default (whole seconds for durations).
+    pub default: u64,
+    /// The smallest value that can serve (durations: any positive value; this is 1).
+    pub minimum: u64,
+    /// What it bounds and what happens beyond it.
+    pub help: &'static str,
+}
+
+/// A value for [`Config::set`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Value {
+    /// Seconds, for a duration.
+    Seconds(f64),
+    /// A whole number, for a count or a size.
+    Whole(u64),
+}
+
+macro_rules! settings {
+    (@type Seconds) => { Duration };
+    (@type Count) => { usize };
+    (@type Bytes) => { usize };
+    (@default Seconds, $d:expr) => { Duration::from_secs($d) };
+    (@default $unit:ident, $d:expr) => { $d as usize };
+    (@ok Seconds, $v:expr, $min:expr) => { !$v.is_zero() };
+    (@ok $unit:ident, $v:expr, $min:expr) => { $v as u64 >= $min };
+    ($( $name:ident: $unit:ident = $default:expr, at least $min:expr, $help:literal; )*) => {
+        /// The proxy's upstreams, timeouts and limits. `Config::default()` holds the documented
+        /// defaults; [`Config::check`] refuses values that would serve nothing.
+        #[derive(Clone, Debug)]
+        pub struct Config {
+            /// Prefill servers' base URLs (`http://HOST:PORT[/PREFIX]`).
+            pub prefill: Vec<String>,
+            /// Decode servers' base URLs.
+            pub decode: Vec<String>,
+            /// Sent as `Authorization: Bearer` instead of the client's header.
+            pub upstream_api_key: Option<String>,
+            $(
+                #[doc = $help]
+                pub $name: settings!(@type $unit),
+            )*
+        }
+
+        impl Default for Config {
+            fn default() -> Self {
+                Config {
+                    prefill: Vec::new(),
+                    decode: Vec::new(),
+                    upstream_api_key: None,
+                    $( $name: settings!(@default $unit, $default), )*
+                }
+            }
+        }
+
+        /// Every setting, in the order the command's help lists them.
+        pub const SETTINGS: &[Setting] = &[
+            $( Setting {
+                name: stringify!($name),
+                unit: Unit::$unit,
+                default: $default,
+                minimum: $min,
+                help: $help,
+            }, )*
+        ];
+
+        impl Config {
+            /// Set the setting `name` (as [`SETTINGS`] names it) to `value`, checked against its
+            /// unit and bound; `Err` says which and why.
+            pub fn set(&mut self, name: &str, value: Value) -> Result<(), String> {
+                let setting = setting(name)?;
+                match (setting.unit, value) {
+                    (Unit::Seconds, Value::Seconds(s)) => {
+                        let d = Duration::try_from_secs_f64(s)
+                            .ok()
+                            .filter(|d| !d.is_zero())
+                            .ok_or_else(|| below(setting, &s.to_string()))?;
+                        self.set_duration(name, d);
+                    }
+                    (Unit::Count | Unit::Bytes, Value::Whole(n)) => {
+                        if n < setting.minimum {
+                            return Err(below(setting, &n.to_string()));
+                        }
+                        let n = usize::try_from(n).map_err(|_| below(setting, &n.to_string()))?;
+                        self.set_whole(name, n);
+                    }
+                    (unit, _) => {
+                        return Err(format!("{name}: expected {}, got {value:?}", unit.name()))
+                    }
+                }
+                Ok(())
+            }
+
+            fn set_duration(&mut self, name: &str, d: Duration) {
+                $( settings!(@set_duration self, name, d, $name, $unit); )*
+            }
+
+            fn set_whole(&mut self, name: &str, n: usize) {
+                $( settings!(@set_whole self, name, n, $name, $unit); )*
+            }
+
+            /// `Err(message)` naming the first setting that cannot serve (a zero limit or
+            /// timeout, a value below its bound, a bad upstream URL); `Ok(())` otherwise.
+            pub fn check(&self) -> Result<(), String> {
+                $(
+                    if !settings!(@ok $unit, self.$name, $min) {
+                        return Err(below(setting(stringify!($name))?, &format!("{:?}", self.$name)));
+                    }
+                )*
+                self.check_upstreams()
+            }
+        }
+    };
+    (@set_duration $self:ident, $n:ident, $d:ident, $name:ident, Seconds) => {
+        if $n == stringify!($name) { $self.$name = $d; }
+    };
+    (@set_duration $self:ident, $n:ident, $d:ident, $name:ident, $unit:ident) => {};
+    (@set_whole $self:ident, $n:ident, $v:ident, $name:ident, Seconds) => {};
+    (@set_whole $self:ident, $n:ident, $v:ident, $name:ident, $unit:ident) => {
+        if $n == stringify!($name) { $self.$name = $v; }
+    };
+}
+
+settings! {
+    read_timeout: Seconds = 600, at least 1,
+        "seconds an upstream may stay silent (a plain request waits for the whole generation)";
+    connect_timeout: Seconds = 10, at least 1, "seconds to connect to an upstream";
+    max_in_flight: Count = 256, at least 1,
+        "completion requests served at once; more get 503 with Retry-After";
+    max_request_bytes: Bytes = 64 << 20, at least 1, "largest client body; larger gets 413";
+    body_timeout: Seconds = 60, at least 1,
+        "seconds to receive a client's whole body; slower gets 408 (a request takes a \
+         completion slot only once its body is whole)";
+    max_buffered_bytes: Bytes = 1 << 30, at least 1,
+        "bytes held in bodies at once (client bodies being received, upstream replies being \
+         read and merged); beyond gets 503 + Retry-After";
+    max_upstream_bytes: Bytes = 256 << 20, at least 1,
+        "largest upstream body or stream event; larger is a 502";
+    eject_after: Count = 3, at least 1, "failures in a row that take an upstream out of rotation";
+    eject_seconds: Seconds = 10, at least 1,
+        "seconds an ejected upstream stays out before a trial request";
+    header_timeout: Seconds = 30, at least 1,
+        "seconds from accept to a whole request head; slower gets 408 and is closed (an idle \
+         keep-alive connection is closed after as long)";
+    max_header_bytes: Bytes = 64 << 10, at least MIN_HEADER_BYTES as u64,
+        "largest request head (request line and headers); larger gets 431";
+    max_connections: Count = 4096, at least 1,
+        "client connections open at once; more get 503 and are closed (logged)";
+    request_timeout: Seconds = 3600, at least 1,
+        "seconds for a whole request, streams included; beyond: 504, or a last error event on \
+         a stream";
+    write_timeout: Seconds = 60, at least 1,
+        "seconds a write to a client may wait (a client that stopped reading); beyond, the \
+         connection is closed";
+    shutdown_timeout: Seconds = 30, at least 1,
+        "on SIGTERM/SIGINT: seconds for requests under way to finish before they are cancelled \
+         (a second signal stops at once)";
+    max_merge_bytes: Bytes = routed_experts::DEFAULT_MAX_BYTES as u64, at least 1,
+        "largest routing one merge decodes (a half, or the merge); larger is a 502 naming the \
+         side";
 }
 
 /// hyper's smallest read buffer, which bounds the smallest header limit it can apply.
 pub const MIN_HEADER_BYTES: usize = 8192;
 
+/// The declaration of `name`, or an error naming it.
+pub fn setting(name: &str) -> Result<&'static Setting, String> {
+    SETTINGS
+        .iter()
+        .find(|s| s.name == name)
+        .ok_or_else(|| format!("unknown proxy setting {name:?}"))
+}
+
+fn below(s: &Setting, got: &str) -> String {
+    match s.unit {
+        Unit::Seconds => format!("{} must be a positive number of seconds, got {got}", s.name),
+        _ => format!("{} must be at least {}, got {got}", s.name, s.minimum),
+    }
+}
+
 impl Config {
-    /// `Err(message)` naming the first setting that cannot serve (a zero limit or timeout, a
-    /// bad upstream URL); `Ok(())` otherwise.
-    pub fn check(&self) -> Result<(), String> {
-        for (name, d) in [
-            ("read_timeout", self.read_timeout),
-            ("connect_timeout", self.connect_timeout),
-            ("body_timeout", self.body_timeout),
-            ("eject_seconds", self.eject_seconds),
-            ("header_timeout", self.header_timeout),
-            ("request_timeout", self.request_timeout),
-            ("write_timeout", self.write_timeout),
-        ] {
-            if d.is_zero() {
-                return Err(format!("{name} must be a positive number of seconds"));
-            }
-        }
-        for (name, n) in [
-            ("max_in_flight", self.max_in_flight),
-            ("max_request_bytes", self.max_request_bytes),
-            ("max_buffered_bytes", self.max_buffered_bytes),
-            ("max_upstream_bytes", self.max_upstream_bytes),
-            ("eject_after", self.eject_after as usize),
-            ("max_connections", self.max_connections),
-            ("max_merge_bytes", self.max_merge_bytes),
-        ] {
-            if n < 1 {
-                return Err(format!("{name} must be at least 1"));
-            }
-        }
-        if self.max_header_bytes < MIN_HEADER_BYTES {
-            return Err(format!(
-                "max_header_bytes must be at least {MIN_HEADER_BYTES}, got {}",
-                self.max_header_bytes
-            ));
-        }
+    fn check_upstreams(&self) -> Result<(), String> {
         for (side, urls) in [("prefill", &self.prefill), ("decode", &self.decode)] {
             if urls.is_empty() {
                 return Err(format!("give at least one {side} server"));
@@ -150,7 +245,10 @@ mod tests {
             max_in_flight: 0,
             ..config()
         };
-        assert_eq!(c.check().unwrap_err(), "max_in_flight must be at least 1");
+        assert_eq!(
+            c.check().unwrap_err(),
+            "max_in_flight must be at least 1, got 0"
+        );
         let c = Config {
             write_timeout: Duration::ZERO,
             ..config()
@@ -161,6 +259,53 @@ mod tests {
             ..config()
         };
         assert!(c.check().unwrap_err().contains("at least 8192"));
+    }
+
+    #[test]
+    fn every_setting_is_set_by_name_within_its_bound() {
+        let mut c = config();
+        for s in SETTINGS {
+            let ok = match s.unit {
+                Unit::Seconds => Value::Seconds(2.5),
+                _ => Value::Whole(s.minimum + 1),
+            };
+            assert_eq!(c.set(s.name, ok), Ok(()), "{}", s.name);
+            let bad = match s.unit {
+                Unit::Seconds => Value::Seconds(0.0),
+                _ => Value::Whole(s.minimum - 1),
+            };
+            assert!(
+                c.set(s.name, bad).unwrap_err().starts_with(s.name),
+                "{}",
+                s.name
+            );
+            let wrong = match s.unit {
+                Unit::Seconds => Value::Whole(3),
+                _ => Value::Seconds(3.0),
+            };
+            assert!(
+                c.set(s.name, wrong).unwrap_err().contains("expected"),
+                "{}",
+                s.name
+            );
+        }
+        assert_eq!(c.check(), Ok(()));
+        assert_eq!(c.read_timeout, Duration::from_millis(2500));
+        assert_eq!(c.max_header_bytes, MIN_HEADER_BYTES + 1);
+        assert!(c
+            .set("max_bogus", Value::Whole(1))
+            .unwrap_err()
+            .contains("unknown"));
+        // The defaults are the declared ones.
+        let d = Config::default();
+        assert_eq!(
+            d.max_in_flight as u64,
+            setting("max_in_flight").unwrap().default
+        );
+        assert_eq!(
+            d.header_timeout.as_secs(),
+            setting("header_timeout").unwrap().default
+        );
     }
 
     #[test]

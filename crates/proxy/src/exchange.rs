@@ -66,13 +66,13 @@ impl Proxy {
         let prefill = Pool::new(
             Side::Prefill,
             &config.prefill,
-            config.eject_after,
+            u32::try_from(config.eject_after).unwrap_or(u32::MAX),
             config.eject_seconds,
         );
         let decode = Pool::new(
             Side::Decode,
             &config.decode,
-            config.eject_after,
+            u32::try_from(config.eject_after).unwrap_or(u32::MAX),
             config.eject_seconds,
         );
         let metrics = Metrics::default();

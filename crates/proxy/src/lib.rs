@@ -24,7 +24,7 @@
 //! end (504 or a last error event).
 
 mod budget;
-mod config;
+pub mod config;
 mod exchange;
 mod fault;
 mod metrics;

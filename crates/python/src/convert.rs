@@ -538,6 +538,8 @@ named_args!(
     cp_rank,
     tp_size,
     tp_rank,
+    port,
+    admin_port,
 );
 
 /// The name arguments, each read as the choice it names (an unknown name or a non-str is a

@@ -25,6 +25,13 @@ create_exception!(
     "Inconsistent halves or turns: a gap, mismatched layers or top_k, conflicting overlap."
 );
 
+create_exception!(
+    routed_experts,
+    ConfigError,
+    RoutedExpertsError,
+    "A proxy setting that cannot serve: of the wrong type, below its bound, unknown, or an upstream URL that is not http://HOST[:PORT]."
+);
+
 /// What a binding function fails with. `?` takes both a `PyErr` and the core's `Error` into it
 /// (the core is another crate, so its errors cannot convert into `PyErr` directly), and PyO3
 /// raises it as the `PyErr` it holds.

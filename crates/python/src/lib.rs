@@ -164,7 +164,7 @@ mod _core {
     use pyo3::prelude::*;
 
     #[pymodule_export]
-    use crate::errors::{MergeError, PayloadError, RoutedExpertsError};
+    use crate::errors::{ConfigError, MergeError, PayloadError, RoutedExpertsError};
     #[pymodule_export]
     use crate::functions::{
         _read_prefill, decode, detect_format, encode, from_response, merge, merge_response, pack,
@@ -173,7 +173,7 @@ mod _core {
     #[pymodule_export]
     use crate::payload::{_from_raw, RoutedExperts};
     #[pymodule_export]
-    use crate::proxy::{_ProxyServer, StreamMerger};
+    use crate::proxy::{_ProxyServer, _check_proxy_settings, _proxy_settings, StreamMerger};
     #[pymodule_export]
     use crate::quality::{agreement, expert_load, Agreement, ExpertLoad};
     #[pymodule_export]

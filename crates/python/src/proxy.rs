@@ -2,16 +2,18 @@
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Mutex;
-use std::time::Duration;
 
-use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyOSError, PyRuntimeError};
 use pyo3::prelude::*;
 
 use crate::errors::PyResult;
 
 use pyo3::types::PyDict;
 
+use routed_experts_proxy::config::{Unit, Value, SETTINGS};
 use routed_experts_proxy::{Config, Server, Stop, Stopper};
+
+use crate::errors::ConfigError;
 
 /// The Rust data plane of the P/D proxy, bound to its address and ready to serve.
 ///
@@ -36,16 +38,42 @@ fn resolve(host: &str, port: u16) -> PyResult<SocketAddr> {
         .ok_or_else(|| PyOSError::new_err(format!("{host}:{port} resolves to no address")))?)
 }
 
-fn seconds(name: &str, v: &Bound<'_, PyAny>) -> PyResult<Duration> {
-    let s: f64 = v.extract()?;
-    Ok(Duration::try_from_secs_f64(s)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| {
-            PyValueError::new_err(format!("{name} must be a positive number of seconds"))
-        })?)
+/// One setting's value from Python, read as its declared unit says (a bool, a str or a
+/// negative number is a `ConfigError` naming the setting).
+fn setting_value(name: &str, v: &Bound<'_, PyAny>) -> PyResult<Value> {
+    let s = routed_experts_proxy::config::setting(name).map_err(ConfigError::new_err)?;
+    let wrong = || {
+        ConfigError::new_err(format!(
+            "{name}: expected {}, got {}",
+            s.unit.name(),
+            crate::convert::a_value_of(v)
+        ))
+    };
+    if v.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(wrong().into());
+    }
+    Ok(match s.unit {
+        Unit::Seconds => Value::Seconds(v.extract::<f64>().map_err(|_| wrong())?),
+        Unit::Count | Unit::Bytes => {
+            if v.is_instance_of::<pyo3::types::PyFloat>() {
+                return Err(wrong().into());
+            }
+            let n = v.extract::<i128>().map_err(|_| wrong())?;
+            let n = u64::try_from(n).map_err(|_| {
+                let bound = if n < 0 {
+                    format!("at least {}", s.minimum)
+                } else {
+                    "below 2**64".into()
+                };
+                ConfigError::new_err(format!("{name} must be {bound}, got {n}"))
+            })?;
+            Value::Whole(n)
+        }
+    })
 }
 
+/// The proxy's configuration from the settings Python gives (`ProxyConfig.settings()`), each
+/// checked against its declaration (`routed_experts_proxy::config::SETTINGS`).
 fn config(
     prefill: Vec<String>,
     decode: Vec<String>,
@@ -61,31 +89,42 @@ fn config(
         if value.is_none() {
             continue;
         }
-        let v = &value;
-        match name.as_str() {
-            "read_timeout" => c.read_timeout = seconds(&name, v)?,
-            "connect_timeout" => c.connect_timeout = seconds(&name, v)?,
-            "body_timeout" => c.body_timeout = seconds(&name, v)?,
-            "eject_seconds" => c.eject_seconds = seconds(&name, v)?,
-            "header_timeout" => c.header_timeout = seconds(&name, v)?,
-            "request_timeout" => c.request_timeout = seconds(&name, v)?,
-            "write_timeout" => c.write_timeout = seconds(&name, v)?,
-            "shutdown_timeout" => c.shutdown_timeout = seconds(&name, v)?,
-            "max_in_flight" => c.max_in_flight = v.extract()?,
-            "max_request_bytes" => c.max_request_bytes = v.extract()?,
-            "max_buffered_bytes" => c.max_buffered_bytes = v.extract()?,
-            "max_upstream_bytes" => c.max_upstream_bytes = v.extract()?,
-            "eject_after" => c.eject_after = v.extract()?,
-            "max_header_bytes" => c.max_header_bytes = v.extract()?,
-            "max_connections" => c.max_connections = v.extract()?,
-            "upstream_api_key" => c.upstream_api_key = Some(v.extract()?),
-            other => {
-                return Err(PyTypeError::new_err(format!("unknown proxy setting {other:?}")).into())
-            }
+        if name == "upstream_api_key" {
+            c.upstream_api_key = Some(crate::convert::word_arg("upstream_api_key", &value)?);
+            continue;
         }
+        c.set(&name, setting_value(&name, &value)?)
+            .map_err(ConfigError::new_err)?;
     }
-    c.check().map_err(PyValueError::new_err)?;
+    c.check().map_err(ConfigError::new_err)?;
     Ok(c)
+}
+
+/// Every proxy setting as declared once in Rust: (name, unit, default, minimum, help), in the
+/// order the command lists them. What `ProxyConfig`, the command's flags and the README's table
+/// are checked against or made from.
+#[pyfunction]
+pub fn _proxy_settings() -> Vec<(&'static str, &'static str, u64, u64, &'static str)> {
+    SETTINGS
+        .iter()
+        .map(|s| (s.name, s.unit.name(), s.default, s.minimum, s.help))
+        .collect()
+}
+
+/// Check proxy settings (a dict of `ProxyConfig`'s fields) without starting a server: a
+/// `ConfigError` names the first that cannot serve.
+#[pyfunction]
+pub fn _check_proxy_settings(settings: &Bound<'_, PyDict>) -> PyResult<()> {
+    let mut c = Config::default();
+    for (key, value) in settings.iter() {
+        let name: String = key.extract()?;
+        if value.is_none() || name == "upstream_api_key" {
+            continue;
+        }
+        c.set(&name, setting_value(&name, &value)?)
+            .map_err(ConfigError::new_err)?;
+    }
+    Ok(())
 }
 
 #[pymethods]
@@ -96,9 +135,9 @@ impl _ProxyServer {
         prefill: Vec<String>,
         decode: Vec<String>,
         host: &str,
-        port: u16,
+        #[pyo3(from_py_with = crate::convert::arg::port)] port: u16,
         settings: &Bound<'_, PyDict>,
-        admin_port: Option<u16>,
+        #[pyo3(from_py_with = crate::convert::opt::admin_port)] admin_port: Option<u16>,
     ) -> PyResult<Self> {
         let config = config(prefill, decode, settings)?;
         let addr = resolve(host, port)?;

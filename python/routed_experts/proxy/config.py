@@ -5,68 +5,60 @@ from __future__ import annotations
 
 import urllib.parse
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
+
+from routed_experts._core import _check_proxy_settings, _proxy_settings
 
 MiB = 1024 * 1024
-
-_SECONDS = (
-    "read_timeout",
-    "connect_timeout",
-    "eject_seconds",
-    "body_timeout",
-    "header_timeout",
-    "request_timeout",
-    "write_timeout",
-    "shutdown_timeout",
-)
-_COUNTS = (
-    "max_in_flight",
-    "max_request_bytes",
-    "max_buffered_bytes",
-    "max_upstream_bytes",
-    "eject_after",
-    "max_connections",
-)
 
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    """Everything an operator sets (the `routed-experts proxy` flags). The last six are the
-    server's own limits: the Rust data plane applies them; a Python app mounted in another ASGI
-    server gets that server's instead."""
+    """Everything an operator sets (the `routed-experts proxy` flags). Each setting is declared
+    once, in Rust (`routed_experts_proxy::config`, listed by `settings_declared()` with its
+    unit, bound and help); these fields carry the same names and defaults, which a test holds
+    to that declaration, and the declaration's check refuses what cannot serve (a
+    `ConfigError`, a `ValueError`, naming the setting)."""
 
-    read_timeout: float = 600.0  # seconds an upstream may stay silent (a whole plain generation)
-    connect_timeout: float = 10.0  # seconds to open a connection to an upstream
-    max_in_flight: int = 256  # completion requests served at once; beyond: 503 + Retry-After
-    max_request_bytes: int = 64 * MiB  # a client body; beyond: 413
-    body_timeout: float = 60.0  # seconds to receive a client's whole body; beyond: 408 + close
-    max_buffered_bytes: int = 1024 * MiB  # bytes held in bodies at once; beyond: 503
-    max_upstream_bytes: int = 256 * MiB  # an upstream body or stream event; beyond: 502
-    eject_after: int = 3  # failures in a row that take an upstream out of rotation
-    eject_seconds: float = 10.0  # how long it stays out before a trial request
+    read_timeout: float = 600.0
+    connect_timeout: float = 10.0
+    max_in_flight: int = 256
+    max_request_bytes: int = 64 * MiB
+    body_timeout: float = 60.0
+    max_buffered_bytes: int = 1024 * MiB
+    max_upstream_bytes: int = 256 * MiB
+    eject_after: int = 3
+    eject_seconds: float = 10.0
     upstream_api_key: str | None = None  # sent as `Authorization: Bearer` instead of the client's
-    header_timeout: float = 30.0  # seconds from accept to a whole request head; beyond: 408
-    max_header_bytes: int = 64 * 1024  # a request head; beyond: 431
-    max_connections: int = 4096  # client connections open; beyond: 503 and close (logged)
-    request_timeout: float = 3600.0  # a whole request, streams included; beyond: 504 / error event
-    write_timeout: float = 60.0  # a write to a client that stopped reading; beyond: close
-    shutdown_timeout: float = 30.0  # on SIGTERM: time to drain before cancelling
+    header_timeout: float = 30.0
+    max_header_bytes: int = 64 * 1024
+    max_connections: int = 4096
+    request_timeout: float = 3600.0
+    write_timeout: float = 60.0
+    shutdown_timeout: float = 30.0
+    max_merge_bytes: int = 1024 * MiB
 
     def __post_init__(self) -> None:
-        for name in _SECONDS:
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be a positive number of seconds")
-        for name in _COUNTS:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
-        if self.max_header_bytes < 8192:
-            raise ValueError(
-                f"max_header_bytes must be at least 8192, got {self.max_header_bytes}"
-            )
+        _check_proxy_settings(asdict(self))
 
     def settings(self) -> dict[str, Any]:
         """The fields as a dict (what the Rust data plane is given)."""
         return asdict(self)
+
+
+class Setting(NamedTuple):
+    """One proxy setting as Rust declares it."""
+
+    name: str
+    unit: str  # "seconds", "count" or "bytes"
+    default: int
+    minimum: int
+    help: str
+
+
+def settings_declared() -> list[Setting]:
+    """Every proxy setting as declared once in Rust, in the order the command lists them."""
+    return [Setting(*s) for s in _proxy_settings()]
 
 
 def check_url(url: str) -> str:
