@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import routed_experts as rx
-from routed_experts.bench import measure_quality, run, run_quality
+from routed_experts._bench.codec import measure_quality, run, run_quality
 
 
 def test_bench_prints_the_side_by_side_table(tmp_path: Path) -> None:

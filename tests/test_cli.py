@@ -180,3 +180,19 @@ def test_the_version_is_the_crates_and_written_once() -> None:
     # No other hand-kept copy in the Python package.
     for path in (root / "python" / "routed_experts").rglob("*.py"):
         assert m.group(1) not in path.read_text(), path
+
+
+def test_the_installed_package_holds_no_benchmark_harness_in_its_public_modules() -> None:
+    import pkgutil
+
+    import routed_experts.proxy
+
+    public = [
+        m.name for pkg in (rx, routed_experts.proxy)
+        for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + ".")
+        if not m.name.rsplit(".", 1)[1].startswith("_")
+    ]
+    harness = ("bench", "baselines", "synthetic", "passthrough", "reliability")
+    assert public and not [m for m in public if m.rsplit(".", 1)[1] in harness], public
+    # The command still finds it, on demand.
+    assert main(["demo", "--tokens", "64"]) == 0

@@ -17,7 +17,7 @@ import numpy as np
 
 import routed_experts as rx
 from routed_experts import RoutedExperts, RoutedExpertsError
-from routed_experts.synthetic import MODELS, best_of, synthetic_rollout
+from routed_experts._bench.synthetic import MODELS, best_of, synthetic_rollout
 
 # Where `routed-experts proxy` reads the upstream API key when --upstream-api-key is not given.
 UPSTREAM_KEY_ENV = "ROUTED_EXPERTS_UPSTREAM_API_KEY"
@@ -208,7 +208,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from routed_experts.bench import run, run_quality
+    from routed_experts._bench.codec import run, run_quality
 
     if args.quality:
         run_quality(args.model, args.tokens, args.repeat, sys.stdout)
@@ -269,7 +269,7 @@ def cmd_bench_proxy(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401  (the pass-through baseline, run in a child process)
 
-        from routed_experts.proxy.bench import run_bench
+        from routed_experts._bench.proxy import run_bench
     except ImportError as e:
         return _needs_extras("bench-proxy", "bench", e)
     return run_bench(args)

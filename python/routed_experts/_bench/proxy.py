@@ -260,7 +260,7 @@ def _serve_main(kind: str, prefill: list[str], decode: list[str], settings: dict
         from routed_experts.proxy import ProxyConfig, ProxyServer
 
         if os.environ.get("BENCH_DEBUG"):  # the proxy's log lines, one a request
-            from .server import configure_logging
+            from routed_experts.proxy.server import configure_logging
 
             configure_logging("info")
         server = ProxyServer(prefill, decode, ProxyConfig(**settings))
@@ -293,7 +293,7 @@ class Child:
 
     def __init__(self, args: list[str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "routed_experts.proxy.bench", *args],
+            [sys.executable, "-m", "routed_experts._bench.proxy", *args],
             stdout=subprocess.PIPE,
             stderr=None if os.environ.get("BENCH_DEBUG") else subprocess.DEVNULL,
             text=True,

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .bench import (
+from .proxy import (
     SMALL_MARK,
     Bodies,
     Child,
@@ -30,7 +30,7 @@ from .bench import (
     engine_spec,
     vllm_router,
 )
-from .bench import _server as server_spec
+from .proxy import _server as server_spec
 
 # Memory a client connection may cost beyond the bodies the budget counts: hyper's read and
 # write buffers on both the client's and the upstream's connection (each at most ~400 KiB).

@@ -14,7 +14,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from .protocol import PREFILL_KV_TRANSFER_PARAMS
+from routed_experts.proxy.protocol import PREFILL_KV_TRANSFER_PARAMS
 
 
 def passthrough_app(prefill: Sequence[str], decode: Sequence[str]) -> FastAPI:
