@@ -1,5 +1,6 @@
 //! The one error type of the core. The binding layer maps each kind to a Python exception
-//! (`PayloadError`, `MergeError`), both beneath `RoutedExpertsError(ValueError)`.
+//! (`PayloadError`, `MergeError`; a missing half is a `MergeError`), beneath
+//! `RoutedExpertsError(ValueError)`.
 
 use std::fmt::Display;
 
@@ -12,6 +13,19 @@ pub enum Error {
     /// Inconsistent halves or turns: gaps, mismatched layers/top_k, overlap conflicts.
     #[error("{0}")]
     Merge(String),
+    /// One half of a prefill/decode pair carries routing and the other none: the half at
+    /// fault is data, so a proxy blames the right server without reading the message.
+    #[error("{1}")]
+    MissingRouting(Half, String),
+}
+
+/// A half of a prefill/decode pair.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Half {
+    /// The prefill server's response.
+    Prefill,
+    /// The decode server's response.
+    Decode,
 }
 
 /// `Result` with this crate's [`Error`].
@@ -38,6 +52,7 @@ impl Error {
         match self {
             Error::Payload(m) => Error::Payload(format!("{ctx}: {m}")),
             Error::Merge(m) => Error::Merge(format!("{ctx}: {m}")),
+            Error::MissingRouting(h, m) => Error::MissingRouting(h, format!("{ctx}: {m}")),
         }
     }
 }

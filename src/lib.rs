@@ -138,7 +138,7 @@ pub use body::{
 };
 pub use buffer::AlignedBytes;
 pub use dtype::{DType, Element};
-pub use error::{Error, Result};
+pub use error::{Error, Half, Result};
 pub use expert_load::ExpertLoad;
 pub use formats::{Format, Hints};
 pub use limits::DEFAULT_MAX_BYTES;

@@ -7,7 +7,7 @@ use std::mem::MaybeUninit;
 use crate::b64;
 use crate::buffer::AlignedBytes;
 use crate::dtype::with_element;
-use crate::error::{Error, Result};
+use crate::error::{Error, Half, Result};
 use crate::formats::{self, Format, Hints};
 use crate::merge;
 use crate::npy;
@@ -443,15 +443,18 @@ fn merge_pieces<'a>(
         if opts.require_routing {
             let prefill = prefill_found()?;
             if !prefill.is_empty() {
-                return Err(Error::merge(format!(
-                    "missing routing on the decode side: the prefill body carries routing \
+                return Err(Error::MissingRouting(
+                    Half::Decode,
+                    format!(
+                        "missing routing on the decode side: the prefill body carries routing \
                      (at {}) but the decode body has none",
-                    prefill
-                        .prompt
-                        .as_ref()
-                        .or(prefill.values.first())
-                        .map_or("?", |f| &f.path)
-                )));
+                        prefill
+                            .prompt
+                            .as_ref()
+                            .or(prefill.values.first())
+                            .map_or("?", |f| &f.path)
+                    ),
+                ));
             }
         }
         return Ok(Spliced {
@@ -492,12 +495,15 @@ fn merge_pieces<'a>(
             .find(|p| p.index == d.index)
             .or_else(|| one_choice(prefill))
             .ok_or_else(|| {
-                Error::merge(format!(
+                Error::MissingRouting(
+                    Half::Prefill,
+                    format!(
                     "missing routing on the prefill side: decode choice {} carries routed_experts \
                      but the prefill body has no routing for it (passing decode's prompt rows on \
                      would corrupt training)",
                     d.index
-                ))
+                ),
+                )
             })?;
         pieces.push(Piece::Copy(Cow::Borrowed(&decode_body[at..d.span.start])));
         let merged =
@@ -737,7 +743,10 @@ mod tests {
         );
         let decode = body(r#"{"data":"Hh8oKQ==","shape":[2,1,2],"start":2}"#);
         let err = merge_response(plain.as_bytes(), decode.as_bytes(), OPTS).unwrap_err();
-        assert!(matches!(err, Error::Merge(_)), "{err}");
+        assert!(
+            matches!(err, Error::MissingRouting(Half::Prefill, _)),
+            "{err}"
+        );
     }
 
     #[test]

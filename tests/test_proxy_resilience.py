@@ -487,8 +487,8 @@ def test_bench_proxy_runs_every_part_small(tmp_path: Any) -> None:
 def test_bench_proxy_without_vllm_router_says_how_to_add_it(
     monkeypatch: Any, capsys: Any
 ) -> None:
+    from routed_experts._bench import proxy as bench
     from routed_experts.cli import main
-    from routed_experts.proxy import bench
 
     monkeypatch.setattr(bench, "vllm_router", lambda: None)
     argv = ["bench-proxy", "--tokens", "16", "--layers", "1", "--top-k", "2", "--requests", "4",

@@ -3,14 +3,59 @@
 
 use std::fmt::Write as _;
 
-/// Whose fault an error is, as logs, metrics and error bodies say it.
-pub type SideName = &'static str;
+use routed_experts::{Error, Half};
+
+use super::pool::Side;
+use super::stream::StreamError;
+
+/// Whose fault an error is, as logs, metrics and error bodies name it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Blame {
+    /// The client's request (4xx).
+    Client,
+    /// A prefill server.
+    Prefill,
+    /// A decode server.
+    Decode,
+    /// The two halves' routing, which does not merge.
+    Merge,
+    /// The proxy itself (its limits, its shutdown).
+    Proxy,
+}
+
+impl Blame {
+    /// "client", "prefill", "decode", "merge" or "proxy".
+    pub fn name(self) -> &'static str {
+        match self {
+            Blame::Client => "client",
+            Blame::Prefill => "prefill",
+            Blame::Decode => "decode",
+            Blame::Merge => "merge",
+            Blame::Proxy => "proxy",
+        }
+    }
+}
+
+impl std::fmt::Display for Blame {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl From<Side> for Blame {
+    fn from(side: Side) -> Self {
+        match side {
+            Side::Prefill => Blame::Prefill,
+            Side::Decode => Blame::Decode,
+        }
+    }
+}
 
 /// An error answer: status, message and how the response is shaped.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Fault {
-    /// "client", "prefill", "decode", "merge" or "proxy".
-    pub side: SideName,
+    /// Whose fault it is.
+    pub side: Blame,
     /// The HTTP status.
     pub status: u16,
     /// What went wrong (never an upstream's address).
@@ -30,7 +75,7 @@ pub struct Fault {
 
 impl Fault {
     /// A fault of `side` with `status` and `message`, shaped plainly.
-    pub fn new(side: SideName, status: u16, message: impl Into<String>) -> Self {
+    pub fn new(side: Blame, status: u16, message: impl Into<String>) -> Self {
         Fault {
             side,
             status,
@@ -47,7 +92,7 @@ impl Fault {
     pub fn bad_field(param: &'static str, message: impl Into<String>) -> Self {
         Fault {
             param: Some(param),
-            ..Fault::new("client", 400, message)
+            ..Fault::new(Blame::Client, 400, message)
         }
     }
 
@@ -65,7 +110,7 @@ impl Fault {
 
     /// The JSON body: OpenAI's shape (`message`, `type`, `param`, `code`) plus `side`.
     pub fn body(&self) -> Vec<u8> {
-        error_body(self.status, self.side, &self.message, self.param)
+        error_body(self.status, self.side.name(), &self.message, self.param)
     }
 
     /// The body as a server-sent event.
@@ -104,6 +149,76 @@ pub fn push_json_string(out: &mut String, text: &str) {
     out.push_str(&serde_json::to_string(text).unwrap_or_else(|_| "\"\"".into()));
 }
 
+/// A merge that failed: the half without routing when one is missing (the core says which),
+/// else the pair's routing.
+pub fn merge_fault(e: Error) -> Fault {
+    let text = e.to_string();
+    match e {
+        Error::MissingRouting(Half::Prefill, _) => Fault::new(Blame::Prefill, 502, text),
+        Error::MissingRouting(Half::Decode, _) => Fault::new(Blame::Decode, 502, text),
+        Error::Merge(_) => Fault::new(
+            Blame::Merge,
+            502,
+            format!("prefill and decode routing do not merge: {text}"),
+        ),
+        Error::Payload(_) => Fault::new(
+            Blame::Merge,
+            502,
+            format!("malformed routing from an upstream: {text}"),
+        ),
+    }
+}
+
+/// A decode stream that failed.
+pub fn stream_fault(e: StreamError) -> Fault {
+    match e {
+        StreamError::NoDone => Fault::new(
+            Blame::Decode,
+            502,
+            "the decode stream ended before data: [DONE]",
+        ),
+        StreamError::LineTooLong(n) => Fault::new(
+            Blame::Decode,
+            502,
+            format!("decode stream: a line of more than {n} bytes (the limit on one event)"),
+        ),
+        StreamError::Merge(e) => merge_fault(e),
+    }
+}
+
+/// A 4xx is about the client's request: its status is passed on. A 5xx is the upstream's
+/// fault (502).
+pub fn status_fault(side: Side, url: &str, status: u16, body: &[u8]) -> Fault {
+    // Escaped before it reaches the log: a newline or an escape sequence in a server's answer
+    // must not be able to forge a log line.
+    let text: String = String::from_utf8_lossy(&body[..body.len().min(2000)])
+        .escape_debug()
+        .collect();
+    let s = side.name();
+    log::warn!(target: "routed_experts::proxy", "{s} server {url} answered {status}: {text}");
+    let code = if status < 500 { status } else { 502 };
+    Fault::new(
+        side.into(),
+        code,
+        format!("the {s} server answered {status}: {text}"),
+    )
+}
+
+/// A reply in a content coding the proxy cannot merge (it asks for identity).
+pub fn encoded_fault(side: Side, url: &str, encoding: String) -> Fault {
+    let s = side.name();
+    let shown = encoding.escape_debug().take(40).collect::<String>();
+    log::warn!(target: "routed_experts::proxy", "{s} server {url} answered in Content-Encoding {shown}");
+    Fault::new(
+        side.into(),
+        502,
+        format!(
+            "the {s} server answered in Content-Encoding \"{shown}\"; the proxy merges only \
+             identity bodies (it sends Accept-Encoding: identity)"
+        ),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -119,9 +234,11 @@ mod tests {
         assert_eq!(e["side"], "client");
         assert_eq!(e["code"], 400);
         let v: serde_json::Value =
-            serde_json::from_slice(&Fault::new("decode", 502, "x").body()).unwrap();
+            serde_json::from_slice(&Fault::new(Blame::Decode, 502, "x").body()).unwrap();
         assert_eq!(v["error"]["type"], "upstream_error");
         assert!(v["error"]["param"].is_null());
-        assert!(Fault::new("decode", 502, "x").event().ends_with(b"}}\n\n"));
+        assert!(Fault::new(Blame::Decode, 502, "x")
+            .event()
+            .ends_with(b"}}\n\n"));
     }
 }

@@ -24,19 +24,26 @@
 //! end (504 or a last error event).
 
 mod budget;
+mod call;
 pub mod config;
-mod exchange;
+mod conn_io;
 mod fault;
+mod memory;
 mod metrics;
 mod parts;
 mod pool;
+mod record;
+mod relay;
 mod request;
+mod responses;
+mod routes;
 mod server;
+mod shared;
 mod stream;
 mod upstream;
 
 pub use config::Config;
-pub use fault::{error_body, Fault};
+pub use fault::{error_body, Blame, Fault};
 pub use request::{Api, ClientBody, MAX_DEPTH, PREFILL_KV_TRANSFER_PARAMS, STEERING};
 pub use server::{Server, Stop, Stopper};
 pub use stream::{StreamError, StreamMerger};

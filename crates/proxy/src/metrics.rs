@@ -1,6 +1,7 @@
 //! The proxy's Prometheus metrics, kept in memory and written as the text exposition format at
 //! `GET /metrics`. Names and labels are the Python data plane's, so dashboards carry over.
 
+use super::pool::Side;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -14,8 +15,42 @@ const BUCKETS: [f64; 17] = [
     300.0, 600.0,
 ];
 
-/// The phases whose time is observed.
-pub const PHASES: [&str; 4] = ["prefill", "decode", "merge", "total"];
+/// A phase of a request whose time is observed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// The prefill call.
+    Prefill = 0,
+    /// The decode call (to the end of a stream).
+    Decode = 1,
+    /// The merge of the two bodies' routing.
+    Merge = 2,
+    /// The whole request.
+    Total = 3,
+}
+
+impl Phase {
+    /// Every phase, in the order the metrics list them.
+    pub const ALL: [Phase; 4] = [Phase::Prefill, Phase::Decode, Phase::Merge, Phase::Total];
+
+    /// Its name in the metrics' `phase` label.
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Prefill => "prefill",
+            Phase::Decode => "decode",
+            Phase::Merge => "merge",
+            Phase::Total => "total",
+        }
+    }
+}
+
+impl From<Side> for Phase {
+    fn from(side: Side) -> Self {
+        match side {
+            Side::Prefill => Phase::Prefill,
+            Side::Decode => Phase::Decode,
+        }
+    }
+}
 
 #[derive(Default)]
 struct Histogram {
@@ -60,12 +95,9 @@ impl Metrics {
     }
 
     /// The time of one phase of a request.
-    pub fn observe(&self, phase: &str, seconds: f64) {
-        let Some(i) = PHASES.iter().position(|p| *p == phase) else {
-            return;
-        };
+    pub fn observe(&self, phase: Phase, seconds: f64) {
         let mut phases = lock(&self.phases);
-        let h = &mut phases[i];
+        let h = &mut phases[phase as usize];
         for (bound, count) in BUCKETS.iter().zip(h.counts.iter_mut()) {
             if seconds <= *bound {
                 *count += 1;
@@ -96,22 +128,22 @@ impl Metrics {
     }
 
     /// An upstream entered (`true`) or left the rotation.
-    pub fn upstream_healthy(&self, side: &'static str, url: &str, healthy: bool) {
-        lock(&self.upstream_healthy).insert((side, url.to_string()), healthy);
+    pub fn upstream_healthy(&self, side: Side, url: &str, healthy: bool) {
+        lock(&self.upstream_healthy).insert((side.name(), url.to_string()), healthy);
     }
 
     /// A failed request to an upstream.
-    pub fn upstream_failed(&self, side: &'static str, url: &str) {
+    pub fn upstream_failed(&self, side: Side, url: &str) {
         *lock(&self.upstream_failures)
-            .entry((side, url.to_string()))
+            .entry((side.name(), url.to_string()))
             .or_default() += 1;
     }
 
     /// Rows sampled from an upstream's routing, and those that look like an engine's fault.
-    pub fn routing_rows(&self, side: &'static str, url: &str, seen: Suspect) {
+    pub fn routing_rows(&self, side: Side, url: &str, seen: Suspect) {
         if seen.checked > 0 {
             lock(&self.routing_rows)
-                .entry((side, url.to_string()))
+                .entry((side.name(), url.to_string()))
                 .or_default()
                 .merge(seen);
         }
@@ -146,7 +178,7 @@ impl Metrics {
              stream), merge, and the whole request",
         );
         let phases = lock(&self.phases);
-        for (phase, h) in PHASES.iter().zip(phases.iter()) {
+        for (phase, h) in Phase::ALL.iter().map(|p| p.name()).zip(phases.iter()) {
             let name = "routed_experts_proxy_phase_seconds";
             for (bound, count) in BUCKETS.iter().zip(h.counts.iter()) {
                 let _ = writeln!(
@@ -276,11 +308,11 @@ mod tests {
         let m = Metrics::default();
         m.request("/v1/completions", 200, "none");
         m.request("/v1/completions", 200, "none");
-        m.observe("merge", 0.003);
+        m.observe(Phase::Merge, 0.003);
         m.rejected("body_timeout");
         m.in_flight(1);
         m.in_flight(-1);
-        m.upstream_healthy("decode", "http://d:1", false);
+        m.upstream_healthy(Side::Decode, "http://d:1", false);
         let text = m.render();
         assert!(text.contains(
             "routed_experts_proxy_requests_total{endpoint=\"/v1/completions\",side=\"none\",\

@@ -5,7 +5,7 @@
 use indexmap::IndexMap;
 use serde_json::value::RawValue;
 
-use super::fault::{push_json_string, Fault};
+use super::fault::{push_json_string, Blame, Fault};
 
 /// Nesting the proxy passes on (objects and arrays, the body itself included). JSON readers
 /// upstream are recursive; a deeper body is the client's error, found before any upstream call.
@@ -61,7 +61,8 @@ impl ClientBody {
     /// `stream` that is not a boolean; for a generate request, `sampling_params` that is not an
     /// object.
     pub fn parse(raw: &[u8], api: Api) -> Result<Self, Fault> {
-        let bad = |why: String| Fault::new("client", 400, format!("invalid request body: {why}"));
+        let bad =
+            |why: String| Fault::new(Blame::Client, 400, format!("invalid request body: {why}"));
         if !simdutf::validate_utf8(raw) {
             return Err(bad("not UTF-8 text".into()));
         }
@@ -339,7 +340,11 @@ mod tests {
             (b"{\"a\":\"\xff\"}", None),
         ] {
             let e = ClientBody::parse(body, Api::Completions).unwrap_err();
-            assert_eq!((e.status, e.side, e.param), (400, "client", param), "{e:?}");
+            assert_eq!(
+                (e.status, e.side, e.param),
+                (400, Blame::Client, param),
+                "{e:?}"
+            );
         }
         let deep = format!("{{\"x\":{}{}}}", "[".repeat(300), "]".repeat(300));
         let e = ClientBody::parse(deep.as_bytes(), Api::Chat).unwrap_err();
@@ -380,7 +385,7 @@ mod tests {
             br#"{"sampling_params":{"routed_experts_prompt_start":-2}}"#,
         ] {
             let e = ClientBody::parse(bad, Api::Generate).unwrap_err();
-            assert_eq!((e.status, e.side), (400, "client"), "{e:?}");
+            assert_eq!((e.status, e.side), (400, Blame::Client), "{e:?}");
             assert!(e.param.is_some(), "{e:?}");
         }
         // Without sampling_params, prefill gets one holding its limit.

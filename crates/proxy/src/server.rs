@@ -4,32 +4,26 @@
 //! stopped reading) ends the connection, and a head that never arrives is answered with 408.
 
 use std::convert::Infallible;
-use std::future::Future as _;
 use std::io;
 use std::net::{SocketAddr, TcpListener as StdListener};
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use hyper::body::Incoming;
-use hyper::rt::{Read, ReadBufCursor, Write};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper::{Method, Request, Response};
 use hyper_util::rt::TokioTimer;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use super::config::Config;
-use super::exchange::{fault_response, json_response, response, Body, Proxy};
-use super::fault::{push_json_string, Fault};
-use super::request::Api;
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-use super::stream::OWN_PAGES_ABOVE;
+use super::conn_io::ConnIo;
+use super::fault::Blame;
+use super::fault::Fault;
+use super::memory::{give_back_memory, map_large_buffers};
+use super::routes::route;
+use super::shared::Proxy;
 
 /// How a running server is asked to stop: `Graceful` drains (within the shutdown timeout),
 /// `Now` stops at once.
@@ -221,7 +215,7 @@ fn bind(addr: SocketAddr) -> io::Result<StdListener> {
 
 /// Which routes a listener serves.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Routes {
+pub(crate) enum Routes {
     /// Completions and the operator endpoints.
     All,
     /// Completions only (the operator endpoints are on the admin port).
@@ -291,7 +285,7 @@ async fn accept_loop(
                     proxy.metrics.rejected("header_timeout");
                     let t = proxy.config.header_timeout.as_secs_f64();
                     let f = Fault::new(
-                        "client",
+                        Blame::Client,
                         408,
                         format!("the request head did not arrive within {t} s"),
                     );
@@ -314,7 +308,7 @@ fn refuse_connection(proxy: &Arc<Proxy>, gate: &Gate, stream: TcpStream) {
             gate.max);
     }
     let f = Fault::new(
-        "proxy",
+        Blame::Proxy,
         503,
         format!("the proxy has its limit of {} connections open", gate.max),
     )
@@ -357,89 +351,13 @@ async fn write_raw(stream: &TcpStream, fault: &Fault, reason: &str) {
     shutdown_write(stream);
 }
 
-fn shutdown_write(stream: &TcpStream) {
+pub(crate) fn shutdown_write(stream: &TcpStream) {
     use std::os::fd::AsRawFd;
     // SAFETY: the descriptor belongs to `stream`, which is alive for this call; shutdown(2)
     // only changes the socket's state and touches no memory.
     unsafe {
         libc::shutdown(stream.as_raw_fd(), libc::SHUT_WR);
     }
-}
-
-async fn route(proxy: Arc<Proxy>, req: Request<Incoming>, routes: Routes) -> Response<Body> {
-    let path = req.uri().path();
-    let method = req.method().clone();
-    // Exact routes: a path that merely ends like one (`/admin/v1/completions`,
-    // `/etc/passwd/metrics`) is a 404, so an ingress's path rules cannot be walked around.
-    if let Some((endpoint, api)) = Api::of(path).filter(|_| routes != Routes::Admin) {
-        if method != Method::POST {
-            return not_allowed(format!("{endpoint} takes POST"), "POST");
-        }
-        return proxy.completion(req, endpoint, api).await;
-    }
-    let operator = matches!(path, "/health" | "/metrics");
-    let known = match routes {
-        Routes::All => operator || matches!(path, "/v1/models" | "/healthcheck"),
-        Routes::Service => matches!(path, "/v1/models" | "/healthcheck"),
-        Routes::Admin => operator || path == "/healthcheck",
-    };
-    if !known {
-        let mut shown = String::new();
-        push_json_string(&mut shown, &path.chars().take(200).collect::<String>());
-        return fault_response(&Fault::new("client", 404, format!("no {method} {shown}")));
-    }
-    if method != Method::GET && method != Method::HEAD {
-        return not_allowed(format!("{path} takes GET"), "GET, HEAD");
-    }
-    match path {
-        "/v1/models" => proxy.models(req).await,
-        "/healthcheck" => json_response(200, Bytes::from_static(br#"{"status":"ok"}"#)),
-        "/health" => health(&proxy),
-        _ => response(
-            200,
-            "text/plain; version=0.0.4; charset=utf-8",
-            Bytes::from(proxy.metrics.render()),
-        ),
-    }
-}
-
-fn not_allowed(message: String, allow: &'static str) -> Response<Body> {
-    fault_response(&Fault {
-        allow: Some(allow),
-        ..Fault::new("client", 405, message)
-    })
-}
-
-/// Each upstream's passive health; 503 when a side has no server in rotation.
-fn health(proxy: &Proxy) -> Response<Body> {
-    let ok = proxy.prefill.any_healthy() && proxy.decode.any_healthy();
-    let side = |pool: &super::pool::Pool| {
-        serde_json::Value::Array(
-            pool.status()
-                .iter()
-                .map(|s| {
-                    serde_json::json!({
-                        "url": s.url,
-                        "healthy": s.healthy,
-                        "consecutive_failures": s.consecutive_failures,
-                        "retry_in_s": (s.retry_in * 1000.0).round() / 1000.0,
-                    })
-                })
-                .collect(),
-        )
-    };
-    let doc = serde_json::json!({
-        "status": if ok { "ok" } else { "unavailable" },
-        "in_flight": proxy.in_flight.load(Ordering::Relaxed),
-        "connections_limit": proxy.config.max_connections,
-        "buffered_bytes": proxy.budget.used(),
-        // Bytes held against --max-buffered-bytes: at the limit, replies wait or fail fast.
-        "buffered_limit": proxy.budget.limit(),
-        "prefill": side(&proxy.prefill),
-        "decode": side(&proxy.decode),
-    });
-    let body = serde_json::to_vec(&doc).unwrap_or_default();
-    json_response(if ok { 200 } else { 503 }, Bytes::from(body))
 }
 
 /// SIGTERM or SIGINT: a graceful stop; a second one: stop at once.
@@ -462,78 +380,6 @@ async fn forward_signals(stopper: Stopper) {
     }
 }
 
-/// Bodies freed since memory was last given back, past which it is given back at once.
-const GIVE_BACK_AFTER: usize = 64 << 20;
-
-/// After a burst, glibc keeps the freed body buffers mapped. Hand the free memory back to the
-/// system once the budget has fallen far below its peak since the last time (a burst ended,
-/// even with other requests still in flight), or after a few quiet seconds.
-async fn give_back_memory(proxy: Arc<Proxy>) {
-    let mut quiet_ticks = 0u32;
-    let mut trimmed = true;
-    loop {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        let (used, peak) = (proxy.budget.used(), proxy.budget.peak());
-        if burst_ended(used, peak) {
-            proxy.budget.take_peak();
-            give_back().await;
-            continue;
-        }
-        if proxy.in_flight.load(Ordering::Relaxed) > 0 || used > 0 {
-            quiet_ticks = 0;
-            trimmed = false;
-            continue;
-        }
-        quiet_ticks += 1;
-        if !trimmed && quiet_ticks >= 3 {
-            trimmed = true;
-            give_back().await;
-        }
-    }
-}
-
-/// Whether a burst has ended: the budget holds half its peak since memory was last given back
-/// or less, and at least [`GIVE_BACK_AFTER`] bytes fewer.
-fn burst_ended(used: usize, peak: usize) -> bool {
-    peak.saturating_sub(used) >= GIVE_BACK_AFTER.max(peak / 2)
-}
-
-/// The heap's free pages back to the system, on a blocking thread (it walks the heap).
-async fn give_back() {
-    let _ = tokio::task::spawn_blocking(trim_heap).await;
-}
-
-/// Body buffers past [`OWN_PAGES_ABOVE`] get pages of their own from the system (mmap), given
-/// back the moment they are freed; smaller ones reuse the heap's warm pages (no page faults).
-/// glibc raises its threshold for mapping a buffer to the size of the last large buffer freed
-/// (up to 32 MiB), after which long-context bodies come from the heap and stay resident once
-/// freed until the heap is trimmed: under 24 streams of 16 MiB events, resident memory ran to
-/// 3.5x the bytes the budget held. A fixed threshold keeps the large ones at what the budget
-/// counts, for a page fault per 4 KiB of each new one (a cost that 256 KiB, tried first, put on
-/// every 4 MB body too: 8.5 ms of CPU a request where 5.3 ms had been).
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn map_large_buffers() {
-    // SAFETY: mallopt only sets a tuning value of the allocator; it takes no pointers, and a
-    // threshold of 256 KiB is within its accepted range.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, OWN_PAGES_ABOVE as libc::c_int);
-    }
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn map_large_buffers() {}
-
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn trim_heap() {
-    // SAFETY: malloc_trim only returns free heap pages to the system; it takes no pointers.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn trim_heap() {}
-
 /// Raise the soft limit on open files to the hard limit, so the connection cap (not the
 /// descriptor limit) is what a flood meets.
 fn raise_file_limit() {
@@ -547,137 +393,5 @@ fn raise_file_limit() {
             lim.rlim_cur = lim.rlim_max;
             libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
         }
-    }
-}
-
-/// A client socket as hyper reads and writes it. Shared (`Arc`), so the server can still
-/// answer 408 after hyper gives up on a head; a write that cannot proceed for `write_timeout`
-/// fails the connection (a client that stopped reading cannot hold a reply in memory).
-struct ConnIo {
-    stream: Arc<TcpStream>,
-    write_timeout: Duration,
-    write_stalled: Option<Pin<Box<tokio::time::Sleep>>>,
-}
-
-impl ConnIo {
-    fn new(stream: Arc<TcpStream>, write_timeout: Duration) -> Self {
-        ConnIo {
-            stream,
-            write_timeout,
-            write_stalled: None,
-        }
-    }
-
-    /// Called when the socket is not writable: arm the stall timer, or fail once it fired.
-    fn stalled(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
-        let timeout = self.write_timeout;
-        let timer = self
-            .write_stalled
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
-        if timer.as_mut().poll(cx).is_ready() {
-            return Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "the client did not read the response in time",
-            )));
-        }
-        Poll::Pending
-    }
-
-    fn poll_write_with(
-        &mut self,
-        cx: &mut Context<'_>,
-        write: impl Fn(&TcpStream) -> io::Result<usize>,
-    ) -> Poll<io::Result<usize>> {
-        loop {
-            match self.stream.poll_write_ready(cx) {
-                Poll::Pending => return self.stalled(cx),
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                Poll::Ready(Ok(())) => {}
-            }
-            match write(&self.stream) {
-                Ok(n) => {
-                    self.write_stalled = None;
-                    return Poll::Ready(Ok(n));
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Poll::Ready(Err(e)),
-            }
-        }
-    }
-}
-
-impl Read for ConnIo {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        mut buf: ReadBufCursor<'_>,
-    ) -> Poll<io::Result<()>> {
-        loop {
-            ready!(self.stream.poll_read_ready(cx))?;
-            // SAFETY: `try_read_buf` writes initialised bytes only into the front of `dst` and
-            // returns how many; the cursor is advanced by exactly that many, so every byte it
-            // reports as filled was written. Nothing else aliases the cursor meanwhile.
-            let result = unsafe {
-                let mut dst = buf.as_mut();
-                self.stream.try_read_buf(&mut dst)
-            };
-            match result {
-                Ok(n) => {
-                    // SAFETY: as above, `n` bytes at the front of the cursor were written.
-                    unsafe { buf.advance(n) };
-                    return Poll::Ready(Ok(()));
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Poll::Ready(Err(e)),
-            }
-        }
-    }
-}
-
-impl Write for ConnIo {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        self.get_mut().poll_write_with(cx, |s| s.try_write(buf))
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        self.get_mut()
-            .poll_write_with(cx, |s| s.try_write_vectored(bufs))
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        true
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-        shutdown_write(&self.stream);
-        Poll::Ready(Ok(()))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn memory_is_given_back_once_a_burst_has_freed_half_its_peak() {
-        const MIB: usize = 1 << 20;
-        assert!(!burst_ended(0, 0)); // nothing ever held
-        assert!(!burst_ended(0, 32 * MIB)); // a small burst: the quiet rule is enough
-        assert!(burst_ended(0, 64 * MIB));
-        assert!(burst_ended(500 * MIB, 1000 * MIB)); // requests still in flight
-        assert!(!burst_ended(600 * MIB, 1000 * MIB)); // still most of the peak
-        assert!(!burst_ended(1000 * MIB, 1000 * MIB));
     }
 }

@@ -81,6 +81,8 @@ impl From<Failure> for PyErr {
 pub fn py_err(e: routed_experts::Error) -> PyErr {
     match e {
         routed_experts::Error::Payload(m) => PayloadError::new_err(m),
-        routed_experts::Error::Merge(m) => MergeError::new_err(m),
+        routed_experts::Error::Merge(m) | routed_experts::Error::MissingRouting(_, m) => {
+            MergeError::new_err(m)
+        }
     }
 }

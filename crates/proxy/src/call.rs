@@ -1,0 +1,387 @@
+//! The plain call: prefill, then decode, their replies read within the budget, and the
+//! routing merged by absolute position.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, CONTENT_TYPE};
+use hyper::{Method, Response};
+
+use super::budget::Share;
+use super::fault::Fault;
+use super::metrics::Phase;
+use super::parts::{shared_slices, Held, PartsBody};
+use super::pool::{Lease, Outcome, Side};
+use super::request::ClientBody;
+use super::stream::SAMPLE_ROWS;
+use super::upstream::CallError;
+use routed_experts::body::{read_prefill, PrefillBody};
+use routed_experts::response::{merge_response_found, merge_suspects, routing_rows, MergeOptions};
+use routed_experts::Hints;
+
+use super::fault::{encoded_fault, merge_fault, status_fault, Blame};
+use super::record::Exchange;
+use super::responses::Body;
+use super::shared::{Proxy, Slot, BLOCKING_BYTES};
+
+/// The upstream side of one completion request.
+pub(crate) struct Call {
+    pub(crate) proxy: Arc<Proxy>,
+    pub(crate) endpoint: &'static str,
+    pub(crate) headers: Vec<(&'static str, HeaderValue)>,
+    pub(crate) deadline: tokio::time::Instant,
+}
+
+impl Call {
+    /// Where an upstream reply may fill the budget to: prefill replies leave a quarter free for
+    /// decode replies, which finish requests (and so free bytes).
+    pub(crate) fn ceiling(&self, side: Side) -> usize {
+        match side {
+            Side::Prefill => self.proxy.budget.prefill_ceiling(),
+            Side::Decode => self.proxy.budget.limit(),
+        }
+    }
+
+    pub(crate) async fn run(
+        self,
+        ex: &mut Exchange,
+        body: ClientBody,
+        slot: Slot,
+    ) -> Result<Response<Body>, Fault> {
+        let proxy = Arc::clone(&self.proxy);
+        // A decode server first: with none to take the request, it is refused before a prefill
+        // server computes a KV cache that no decode would ever fetch.
+        let lease = proxy.lease(Side::Decode).await?;
+        let mut lease = LeaseGuard {
+            proxy: Arc::clone(&proxy),
+            lease: Some(lease),
+        };
+        let prefill_json = body.prefill_request();
+        let (prefill_body, prefill_share) = self.prefill(ex, prefill_json).await?;
+        if ex.stream {
+            let prefill = (prefill_body, prefill_share);
+            return self.stream(ex, body, lease, prefill, slot).await;
+        }
+        let read = self.read_prefill(&prefill_body, body.start)?;
+        let decode_json = body.decode_request(read.kv_transfer_params);
+        let lease = lease.take();
+        ex.decode = proxy.decode.upstreams[lease.index].url.clone();
+        let (decode_body, decode_share) = self
+            .fetch(
+                ex,
+                Side::Decode,
+                lease,
+                decode_json.into(),
+                prefill_share.held(),
+            )
+            .await?;
+        let began = Instant::now();
+        // The merged body goes out as slices of the two bodies (only the rewritten parts are
+        // new bytes): nothing is assembled, and the bodies' budget is held until it is sent.
+        let parts = blocking_if(decode_body.len() >= BLOCKING_BYTES, || {
+            let opts = MergeOptions {
+                require_routing: true,
+                ..self.merge_options(body.start)
+            };
+            let spliced = merge_response_found(&prefill_body, &read.routing, &decode_body, opts)?;
+            let seen = merge_suspects(
+                &read.routing.values,
+                spliced.decode_values(),
+                &opts,
+                SAMPLE_ROWS,
+            );
+            Ok((
+                shared_slices(&spliced, &[&prefill_body, &decode_body])?,
+                seen,
+            ))
+        })
+        .map_err(merge_fault)?;
+        let (parts, (prefill_seen, decode_seen)) = parts;
+        proxy
+            .metrics
+            .routing_rows(Side::Prefill, &ex.prefill, prefill_seen);
+        proxy
+            .metrics
+            .routing_rows(Side::Decode, &ex.decode, decode_seen);
+        ex.seconds[Phase::Merge as usize] = began.elapsed().as_secs_f64();
+        let len = parts.iter().map(Bytes::len).sum();
+        proxy.metrics.merged(len);
+        ex.status(200, None);
+        ex.bytes_out = len;
+        // The slot and both bodies' budget stay held until the last part is written.
+        let held: Held = Arc::new((slot, prefill_share, decode_share));
+        let body = PartsBody::new(parts, held);
+        let mut r = Response::new(BodyExt::boxed(body));
+        r.headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        ex.tag(&mut r);
+        Ok(r)
+    }
+
+    pub(crate) fn merge_options(&self, start: Option<u64>) -> MergeOptions {
+        MergeOptions {
+            hints: Hints {
+                start,
+                ..Hints::default()
+            },
+            ..MergeOptions::new(self.proxy.merge_max_bytes)
+        }
+    }
+
+    /// The prefill body read once (`kv_transfer_params` and its routing, which the merge
+    /// reuses), and the client's prompt start checked against the rows prefill returned.
+    pub(crate) fn read_prefill<'b>(
+        &self,
+        body: &'b [u8],
+        start: Option<u64>,
+    ) -> Result<PrefillBody<'b>, Fault> {
+        let max_bytes = self.proxy.merge_max_bytes;
+        let (read, rows) = blocking_if(body.len() >= BLOCKING_BYTES, || {
+            prefill_rows(body, start, max_bytes)
+        })
+        .map_err(|e| Fault::new(Blame::Prefill, 502, format!("malformed prefill body: {e}")))?;
+        if let Some(s) = start.filter(|_| rows.contains(&0)) {
+            return Err(Fault::bad_field(
+                "routed_experts_prompt_start",
+                format!(
+                    "routed_experts_prompt_start={s} is not below the prompt's length \
+                     (prefill returned no rows)"
+                ),
+            ));
+        }
+        Ok(read)
+    }
+
+    /// The prefill call; a server that could not be connected to is replaced by the next.
+    pub(crate) async fn prefill(
+        &self,
+        ex: &mut Exchange,
+        data: Vec<u8>,
+    ) -> Result<(Bytes, Share), Fault> {
+        let proxy = &self.proxy;
+        let lease = proxy.lease(Side::Prefill).await?;
+        let first = lease.index;
+        ex.prefill = proxy.prefill.upstreams[first].url.clone();
+        let data = Bytes::from(data);
+        match self.fetch(ex, Side::Prefill, lease, data.clone(), 0).await {
+            Err(fault) if fault.retryable => {
+                let Some(retry) = proxy.prefill.pick(Some(first)) else {
+                    return Err(fault);
+                };
+                let url = proxy.prefill.upstreams[retry.index].url.clone();
+                log::warn!(target: "routed_experts::proxy",
+                    "{} prefill {} unreachable, retrying on {url}", ex.request_id, ex.prefill);
+                ex.prefill = url;
+                self.fetch(ex, Side::Prefill, retry, data, 0).await
+            }
+            other => other,
+        }
+    }
+
+    /// POST `data` to the leased upstream: its response head, and the guard that gives the
+    /// lease back with the outcome the caller records in it (Failed already if no head came).
+    pub(crate) async fn post(
+        &self,
+        side: Side,
+        lease: Lease,
+        data: Bytes,
+    ) -> (ReleaseGuard<'_>, Result<Response<Incoming>, Fault>) {
+        let proxy = &self.proxy;
+        let u = &proxy.pool(side).upstreams[lease.index];
+        let mut guard = ReleaseGuard {
+            proxy,
+            side,
+            lease: Some(lease),
+            outcome: Outcome::Unknown,
+        };
+        let uri = u.target.uri(self.endpoint);
+        let head = proxy
+            .upstreams
+            .call(Method::POST, uri, &self.headers, data, None)
+            .await
+            .map_err(|e| {
+                guard.outcome = Outcome::Failed;
+                proxy.call_fault(side, &u.url, e)
+            });
+        (guard, head)
+    }
+
+    /// An upstream's whole reply body, within the size limit and the body budget.
+    /// `beside`: bytes the request already holds (the prefill body, while decode's reply is
+    /// read), which make it a holder in the budget's waiting rule.
+    pub(crate) async fn read_reply(
+        &self,
+        side: Side,
+        r: Response<Incoming>,
+        beside: usize,
+    ) -> Result<(Bytes, Share), CallError> {
+        let proxy = &self.proxy;
+        let mut share = proxy.budget.share().beside(beside);
+        let limit = proxy.config.max_upstream_bytes;
+        let (ceiling, deadline) = (self.ceiling(side), proxy.wait_deadline(self.deadline));
+        let body = proxy
+            .upstreams
+            .read_body(r, limit, &mut share, ceiling, deadline)
+            .await?;
+        Ok((body, share))
+    }
+
+    /// POST to an upstream and read its JSON reply, recording the upstream's health.
+    pub(crate) async fn fetch(
+        &self,
+        ex: &mut Exchange,
+        side: Side,
+        lease: Lease,
+        data: Bytes,
+        beside: usize,
+    ) -> Result<(Bytes, Share), Fault> {
+        let proxy = &self.proxy;
+        let url = &proxy.pool(side).upstreams[lease.index].url;
+        let began = Instant::now();
+        let (mut guard, head) = self.post(side, lease, data).await;
+        let reply = match head {
+            Ok(r) if encoding(&r).is_some() => {
+                guard.outcome = Outcome::of_status(r.status().as_u16());
+                Err(encoded_fault(side, url, encoding(&r).unwrap_or_default()))
+            }
+            Ok(r) => {
+                let status = r.status().as_u16();
+                let json = is_mime(r.headers().get(CONTENT_TYPE), "application/json");
+                self.read_reply(side, r, beside)
+                    .await
+                    .map(|(body, share)| (status, json, body, share))
+                    .map_err(|e| {
+                        guard.outcome = Outcome::Failed;
+                        proxy.call_fault(side, url, e)
+                    })
+            }
+            Err(fault) => Err(fault),
+        };
+        ex.seconds[Phase::from(side) as usize] += began.elapsed().as_secs_f64();
+        let (status, json, body, share) = reply?;
+        guard.outcome = Outcome::of_status(status);
+        if status >= 400 {
+            return Err(status_fault(side, url, status, &body));
+        }
+        let s = side.name();
+        if !json {
+            log::warn!(target: "routed_experts::proxy", "{s} server {url} did not answer with JSON");
+            return Err(Fault::new(
+                side.into(),
+                502,
+                format!("the {s} server did not answer with JSON"),
+            ));
+        }
+        Ok((body, share))
+    }
+}
+
+/// Gives a lease back when a request ends before its upstream call starts.
+pub(crate) struct LeaseGuard {
+    pub(crate) proxy: Arc<Proxy>,
+    pub(crate) lease: Option<Lease>,
+}
+
+impl LeaseGuard {
+    /// The lease, for the call that now gives it back itself.
+    pub(crate) fn take(&mut self) -> Lease {
+        self.lease.take().expect("a lease is taken once")
+    }
+}
+
+impl Drop for LeaseGuard {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            self.proxy.release(Side::Decode, lease, Outcome::Unknown);
+        }
+    }
+}
+
+/// Gives a lease back with the call's outcome (Unknown if the client left first).
+pub(crate) struct ReleaseGuard<'a> {
+    pub(crate) proxy: &'a Proxy,
+    pub(crate) side: Side,
+    pub(crate) lease: Option<Lease>,
+    pub(crate) outcome: Outcome,
+}
+
+impl Drop for ReleaseGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            self.proxy.release(self.side, lease, self.outcome);
+        }
+    }
+}
+
+/// The prefill body read as the proxy needs it, and, when the client gave a prompt start,
+/// each routing value's rows.
+pub(crate) fn prefill_rows(
+    body: &[u8],
+    start: Option<u64>,
+    max_bytes: usize,
+) -> routed_experts::Result<(PrefillBody<'_>, Vec<usize>)> {
+    let read = read_prefill(body)?;
+    let hints = Hints {
+        start,
+        ..Hints::default()
+    };
+    let rows = match start {
+        None => Vec::new(),
+        Some(_) => read
+            .routing
+            .values
+            .iter()
+            .map(|f| {
+                routing_rows(f, &hints, max_bytes)
+                    .map_err(|e| e.context(format!("choice {}", f.index)))
+            })
+            .collect::<routed_experts::Result<_>>()?,
+    };
+    Ok((read, rows))
+}
+
+/// Run `f` telling the runtime this thread blocks, when the work is large.
+pub(crate) fn blocking_if<T>(large: bool, f: impl FnOnce() -> T) -> T {
+    if large {
+        tokio::task::block_in_place(f)
+    } else {
+        f()
+    }
+}
+
+pub(crate) fn is_mime(value: Option<&HeaderValue>, mime: &str) -> bool {
+    value
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|m| m.trim().eq_ignore_ascii_case(mime))
+}
+
+pub(crate) fn upstream_headers(
+    id: &str,
+    auth: Option<HeaderValue>,
+) -> Vec<(&'static str, HeaderValue)> {
+    // Bodies are merged as they come: a compressed one could not be read.
+    let mut h = vec![
+        ("content-type", HeaderValue::from_static("application/json")),
+        ("accept-encoding", HeaderValue::from_static("identity")),
+    ];
+    if let Ok(v) = HeaderValue::from_str(id) {
+        h.push(("x-request-id", v));
+    }
+    if let Some(a) = auth {
+        h.push(("authorization", a));
+    }
+    h
+}
+
+/// A reply's content coding other than identity (which the proxy asked for), as sent.
+pub(crate) fn encoding(r: &Response<Incoming>) -> Option<String> {
+    let v = r.headers().get(hyper::header::CONTENT_ENCODING)?;
+    let text = String::from_utf8_lossy(v.as_bytes())
+        .trim()
+        .to_ascii_lowercase();
+    (text != "identity" && !text.is_empty()).then_some(text)
+}

@@ -1,0 +1,163 @@
+//! Exact routes: each path to its handler (completions, `/v1/models`, `/health`, `/metrics`),
+//! 404 and 405 for the rest.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response};
+
+use super::fault::{push_json_string, Fault};
+use super::parts::Outgoing;
+use super::pool::{Outcome, Side};
+use super::request::Api;
+use super::server::Routes;
+
+use super::call::upstream_headers;
+use super::fault::Blame;
+use super::record::{request_id, tag};
+use super::responses::{fault_response, json_response, response, Body};
+use super::shared::{Proxy, Slot};
+
+impl Proxy {
+    /// `GET /v1/models`, relayed from a decode server (clients call it first).
+    pub async fn models(self: &Arc<Self>, req: Request<Incoming>) -> Response<Body> {
+        let id = request_id(&req);
+        // The same rules as a completion: the upstream key in place of the client's, a slot
+        // under --max-in-flight, the request timeout.
+        let headers = upstream_headers(&id, self.upstream_auth(&req));
+        let Some(_slot) = Slot::take(self) else {
+            let mut response = fault_response(&self.in_flight_fault());
+            tag(&mut response, &id);
+            return response;
+        };
+        let answer = async {
+            let lease = self.lease(Side::Decode).await?;
+            let u = &self.decode.upstreams[lease.index];
+            let result = self
+                .upstreams
+                .call(
+                    Method::GET,
+                    u.target.uri("/v1/models"),
+                    &headers,
+                    Bytes::new(),
+                    None,
+                )
+                .await;
+            let result = match result {
+                Ok(r) => {
+                    let status = r.status();
+                    let mut share = self.budget.share();
+                    let limit = self.config.max_upstream_bytes;
+                    let deadline = tokio::time::Instant::now() + self.config.read_timeout;
+                    let ceiling = self.budget.limit();
+                    self.upstreams
+                        .read_body(r, limit, &mut share, ceiling, deadline)
+                        .await
+                        .map(|b| (status, Outgoing::new(b, Some(share), None)))
+                }
+                Err(e) => Err(e),
+            };
+            let outcome = match &result {
+                Ok((s, _)) => Outcome::of_status(s.as_u16()),
+                Err(_) => Outcome::Failed,
+            };
+            let url = u.url.clone();
+            self.release(Side::Decode, lease, outcome);
+            result.map_err(|e| self.call_fault(Side::Decode, &url, e))
+        };
+        let answer = tokio::time::timeout(self.config.request_timeout, answer);
+        let mut response = match answer.await {
+            Ok(Ok((status, body))) => json_response(status.as_u16(), body),
+            Ok(Err(fault)) => fault_response(&fault),
+            Err(_) => fault_response(&self.request_timeout_fault()),
+        };
+        tag(&mut response, &id);
+        response
+    }
+}
+
+pub(crate) async fn route(
+    proxy: Arc<Proxy>,
+    req: Request<Incoming>,
+    routes: Routes,
+) -> Response<Body> {
+    let path = req.uri().path();
+    let method = req.method().clone();
+    // Exact routes: a path that merely ends like one (`/admin/v1/completions`,
+    // `/etc/passwd/metrics`) is a 404, so an ingress's path rules cannot be walked around.
+    if let Some((endpoint, api)) = Api::of(path).filter(|_| routes != Routes::Admin) {
+        if method != Method::POST {
+            return not_allowed(format!("{endpoint} takes POST"), "POST");
+        }
+        return proxy.completion(req, endpoint, api).await;
+    }
+    let operator = matches!(path, "/health" | "/metrics");
+    let known = match routes {
+        Routes::All => operator || matches!(path, "/v1/models" | "/healthcheck"),
+        Routes::Service => matches!(path, "/v1/models" | "/healthcheck"),
+        Routes::Admin => operator || path == "/healthcheck",
+    };
+    if !known {
+        let mut shown = String::new();
+        push_json_string(&mut shown, &path.chars().take(200).collect::<String>());
+        return fault_response(&Fault::new(
+            Blame::Client,
+            404,
+            format!("no {method} {shown}"),
+        ));
+    }
+    if method != Method::GET && method != Method::HEAD {
+        return not_allowed(format!("{path} takes GET"), "GET, HEAD");
+    }
+    match path {
+        "/v1/models" => proxy.models(req).await,
+        "/healthcheck" => json_response(200, Bytes::from_static(br#"{"status":"ok"}"#)),
+        "/health" => health(&proxy),
+        _ => response(
+            200,
+            "text/plain; version=0.0.4; charset=utf-8",
+            Bytes::from(proxy.metrics.render()),
+        ),
+    }
+}
+
+pub(crate) fn not_allowed(message: String, allow: &'static str) -> Response<Body> {
+    fault_response(&Fault {
+        allow: Some(allow),
+        ..Fault::new(Blame::Client, 405, message)
+    })
+}
+
+/// Each upstream's passive health; 503 when a side has no server in rotation.
+pub(crate) fn health(proxy: &Proxy) -> Response<Body> {
+    let ok = proxy.prefill.any_healthy() && proxy.decode.any_healthy();
+    let side = |pool: &super::pool::Pool| {
+        serde_json::Value::Array(
+            pool.status()
+                .iter()
+                .map(|s| {
+                    serde_json::json!({
+                        "url": s.url,
+                        "healthy": s.healthy,
+                        "consecutive_failures": s.consecutive_failures,
+                        "retry_in_s": (s.retry_in * 1000.0).round() / 1000.0,
+                    })
+                })
+                .collect(),
+        )
+    };
+    let doc = serde_json::json!({
+        "status": if ok { "ok" } else { "unavailable" },
+        "in_flight": proxy.in_flight.load(Ordering::Relaxed),
+        "connections_limit": proxy.config.max_connections,
+        "buffered_bytes": proxy.budget.used(),
+        // Bytes held against --max-buffered-bytes: at the limit, replies wait or fail fast.
+        "buffered_limit": proxy.budget.limit(),
+        "prefill": side(&proxy.prefill),
+        "decode": side(&proxy.decode),
+    });
+    let body = serde_json::to_vec(&doc).unwrap_or_default();
+    json_response(if ok { 200 } else { 503 }, Bytes::from(body))
+}

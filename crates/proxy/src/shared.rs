@@ -1,0 +1,396 @@
+//! What the requests of one proxy share: settings, server pools, the body budget, metrics,
+//! completion slots; and a request's way in: its body received, a server leased.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, AUTHORIZATION, CONTENT_LENGTH};
+use hyper::{Method, Request, Response, StatusCode};
+
+use super::budget::{Budget, Share};
+use super::config::Config;
+use super::fault::Fault;
+use super::metrics::Metrics;
+use super::pool::{Lease, Outcome, Pool, Side};
+use super::request::{Api, ClientBody};
+use super::upstream::{CallError, Upstreams};
+
+use super::call::{upstream_headers, Call};
+use super::fault::Blame;
+use super::record::{request_id, Exchange};
+use super::responses::{fault_response, Body};
+
+/// Bodies at least this large are read or merged with the runtime told the thread blocks
+/// (`block_in_place`), so other connections move to the other workers meanwhile.
+pub(crate) const BLOCKING_BYTES: usize = 8 << 20;
+/// When every server of a side is out of rotation, one is probed before a request is refused:
+/// at most once a second, answered within two seconds (or the connect timeout, if shorter).
+pub(crate) const PROBE_INTERVAL: Duration = Duration::from_secs(1);
+pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Everything the requests of one proxy share.
+pub struct Proxy {
+    /// The settings it serves with.
+    pub config: Config,
+    /// The prefill servers.
+    pub prefill: Pool,
+    /// The decode servers.
+    pub decode: Pool,
+    /// Its metrics.
+    pub metrics: Metrics,
+    /// Bytes held in bodies.
+    pub budget: Arc<Budget>,
+    /// Completion requests being served.
+    pub in_flight: AtomicUsize,
+    pub(crate) upstreams: Upstreams,
+    pub(crate) merge_max_bytes: usize,
+}
+
+impl Proxy {
+    /// A proxy serving `config` (checked by [`Config::check`] first).
+    pub fn new(config: Config) -> Self {
+        let prefill = Pool::new(
+            Side::Prefill,
+            &config.prefill,
+            u32::try_from(config.eject_after).unwrap_or(u32::MAX),
+            config.eject_seconds,
+        );
+        let decode = Pool::new(
+            Side::Decode,
+            &config.decode,
+            u32::try_from(config.eject_after).unwrap_or(u32::MAX),
+            config.eject_seconds,
+        );
+        let metrics = Metrics::default();
+        for u in prefill.upstreams.iter().chain(&decode.upstreams) {
+            metrics.upstream_healthy(u.side, &u.url, true);
+        }
+        Proxy {
+            upstreams: Upstreams::new(
+                config.connect_timeout,
+                config.read_timeout,
+                config.max_in_flight,
+            ),
+            budget: Budget::new(config.max_buffered_bytes),
+            merge_max_bytes: config.max_merge_bytes,
+            prefill,
+            decode,
+            metrics,
+            in_flight: AtomicUsize::new(0),
+            config,
+        }
+    }
+
+    pub(crate) fn pool(&self, side: Side) -> &Pool {
+        match side {
+            Side::Prefill => &self.prefill,
+            Side::Decode => &self.decode,
+        }
+    }
+
+    pub(crate) fn release(&self, side: Side, lease: Lease, outcome: Outcome) {
+        let pool = self.pool(side);
+        let url = &pool.upstreams[lease.index].url;
+        if outcome == Outcome::Failed {
+            self.metrics.upstream_failed(side, url);
+        }
+        if let Some((index, healthy)) = pool.release(lease, outcome) {
+            let url = &pool.upstreams[index].url;
+            if healthy {
+                log::warn!(target: "routed_experts::proxy", "{} server {url} is back in rotation", side.name());
+            }
+            self.metrics.upstream_healthy(side, url, healthy);
+        }
+    }
+
+    /// A completion request (`endpoint` is its exact path).
+    pub async fn completion(
+        self: &Arc<Self>,
+        req: Request<Incoming>,
+        endpoint: &'static str,
+        api: Api,
+    ) -> Response<Body> {
+        let began = Instant::now();
+        let mut ex = Exchange::new(Arc::clone(self), request_id(&req), endpoint);
+        let deadline = tokio::time::Instant::from_std(began + self.config.request_timeout);
+        let auth = self.upstream_auth(&req);
+        // The body first, within its limits: a request takes a completion slot only once its
+        // body is whole, so clients that drip their bodies cannot hold the slots.
+        let raw = match self.receive_body(req).await {
+            Ok(raw) => raw,
+            Err(None) => {
+                // Nobody reads this; it says what the log says, never a 200.
+                ex.status(499, Some(Blame::Client));
+                return fault_response(
+                    &Fault::new(Blame::Client, 499, "the client left").closing(),
+                );
+            }
+            Err(Some(fault)) => return ex.fail(fault),
+        };
+        let Some(slot) = Slot::take(self) else {
+            return ex.fail(self.in_flight_fault());
+        };
+        let body = match ClientBody::parse(&raw.0, api) {
+            Ok(b) => b,
+            Err(fault) => return ex.fail(fault),
+        };
+        drop(raw); // its bytes go back to the budget; the parsed fields hold their own copy
+        ex.stream = body.stream;
+        let call = Call {
+            proxy: Arc::clone(self),
+            endpoint,
+            headers: upstream_headers(&ex.request_id, auth),
+            deadline,
+        };
+        match tokio::time::timeout_at(deadline, call.run(&mut ex, body, slot)).await {
+            Ok(Ok(response)) => response,
+            Ok(Err(fault)) => ex.fail(fault),
+            Err(_) => ex.fail(self.request_timeout_fault()),
+        }
+    }
+
+    /// What the upstreams are sent as `Authorization`: `--upstream-api-key` when set, else the
+    /// client's own header.
+    pub(crate) fn upstream_auth(&self, req: &Request<Incoming>) -> Option<HeaderValue> {
+        match &self.config.upstream_api_key {
+            Some(key) => HeaderValue::from_str(&format!("Bearer {key}")).ok(),
+            None => req.headers().get(AUTHORIZATION).cloned(),
+        }
+    }
+
+    /// Every slot of `--max-in-flight` taken.
+    pub(crate) fn in_flight_fault(&self) -> Fault {
+        self.metrics.rejected("in_flight");
+        let max = self.config.max_in_flight;
+        Fault::new(
+            Blame::Proxy,
+            503,
+            format!("the proxy is serving its limit of {max} requests"),
+        )
+        .retry_after(1)
+    }
+
+    /// A request (or stream) still under way at `--request-timeout`.
+    pub(crate) fn request_timeout_fault(&self) -> Fault {
+        let t = self.config.request_timeout.as_secs_f64();
+        Fault::new(
+            Blame::Proxy,
+            504,
+            format!("the request did not finish within {t} s (--request-timeout)"),
+        )
+    }
+
+    /// How long an upstream reply may wait for room in the body budget: as long as an
+    /// upstream may stay silent, within the request's own `deadline`.
+    pub(crate) fn wait_deadline(&self, deadline: tokio::time::Instant) -> tokio::time::Instant {
+        (tokio::time::Instant::now() + self.config.read_timeout).min(deadline)
+    }
+
+    /// The client's whole body, or the fault to answer with (`None`: the client left).
+    pub(crate) async fn receive_body(
+        &self,
+        req: Request<Incoming>,
+    ) -> Result<(Bytes, Share), Option<Fault>> {
+        let c = &self.config;
+        let too_large = |size: u64| {
+            Fault::new(
+                Blame::Client,
+                413,
+                format!(
+                    "the request body is {size} bytes, over the limit of {}",
+                    c.max_request_bytes
+                ),
+            )
+            .closing()
+        };
+        let declared = req
+            .headers()
+            .get(CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if let Some(n) = declared.filter(|&n| n > c.max_request_bytes as u64) {
+            return Err(Some(too_large(n)));
+        }
+        let mut share = self.budget.share();
+        let over_budget = || {
+            self.metrics.rejected("buffered_bytes");
+            Fault::new(
+                Blame::Proxy,
+                503,
+                format!(
+                    "the proxy is receiving its limit of {} bytes of request bodies",
+                    self.budget.limit()
+                ),
+            )
+            .retry_after(1)
+            .closing()
+        };
+        let mut body = req.into_body();
+        let mut out = Vec::with_capacity(declared.unwrap_or(0).min(1 << 20) as usize);
+        let read = async {
+            while let Some(frame) = body.frame().await {
+                let data = match frame {
+                    Ok(frame) => frame.into_data(),
+                    // Gone before the body ended: nobody to answer.
+                    Err(e) if e.is_canceled() || e.is_closed() => return Err(None),
+                    // Broken framing, or a half-close mid-body: answered, then closed.
+                    Err(e) => {
+                        let why = format!("the request body could not be read: {e}");
+                        return Err(Some(Fault::new(Blame::Client, 400, why).closing()));
+                    }
+                };
+                let Ok(data) = data else { continue };
+                let size = out.len() + data.len();
+                if size > c.max_request_bytes {
+                    return Err(Some(too_large(size as u64)));
+                }
+                if !share.grow(data.len()) {
+                    return Err(Some(over_budget()));
+                }
+                out.extend_from_slice(&data);
+            }
+            Ok(())
+        };
+        match tokio::time::timeout(c.body_timeout, read).await {
+            Ok(Ok(())) => Ok((Bytes::from(out), share)),
+            Ok(Err(e)) => Err(e),
+            Err(_) => {
+                self.metrics.rejected("body_timeout");
+                let t = c.body_timeout.as_secs_f64();
+                Err(Some(
+                    Fault::new(
+                        Blame::Client,
+                        408,
+                        format!("the request body did not arrive within {t} s"),
+                    )
+                    .closing(),
+                ))
+            }
+        }
+    }
+
+    /// The next server of `side`; when every one is out of rotation, the one due first is
+    /// probed and serves the request if it answers. Else 503 + Retry-After.
+    pub(crate) async fn lease(&self, side: Side) -> Result<Lease, Fault> {
+        let pool = self.pool(side);
+        if let Some(lease) = pool.pick(None) {
+            return Ok(lease);
+        }
+        if let Some(index) = pool.probe_candidate(PROBE_INTERVAL) {
+            let u = &pool.upstreams[index];
+            let wait = self.config.connect_timeout.min(PROBE_TIMEOUT);
+            let probe = self.upstreams.call(
+                Method::GET,
+                u.target.uri("/health"),
+                &[],
+                Bytes::new(),
+                Some(wait),
+            );
+            let answered = matches!(probe.await, Ok(r) if r.status() == StatusCode::OK);
+            if let Some(lease) = pool.probed(index, answered) {
+                log::warn!(target: "routed_experts::proxy",
+                    "{} server {} answered a health probe: trying it", side.name(), u.url);
+                return Ok(lease);
+            }
+        }
+        self.metrics.rejected("no_upstream");
+        Err(Fault::new(
+            Blame::Proxy,
+            503,
+            format!(
+                "no {} server is in rotation (each failed repeatedly, and none answered a \
+                 health probe)",
+                side.name()
+            ),
+        )
+        .retry_after(pool.retry_after()))
+    }
+}
+
+impl Proxy {
+    /// The fault a failed call is answered with: a server that could not be reached or read
+    /// (its address in the log, never to the client). A timeout is a 504; a connection never
+    /// made may be retried elsewhere.
+    pub(crate) fn call_fault(&self, side: Side, url: &str, e: CallError) -> Fault {
+        let s = side.name();
+        let limit = self.config.max_upstream_bytes;
+        match e {
+            CallError::Connect(why) => {
+                log::warn!(target: "routed_experts::proxy", "{s} server {url} failed: {why}");
+                Fault {
+                    retryable: true,
+                    ..Fault::new(
+                        side.into(),
+                        502,
+                        format!("the {s} server could not be reached: connect error"),
+                    )
+                }
+            }
+            CallError::Timeout => {
+                log::warn!(target: "routed_experts::proxy", "{s} server {url} failed: read timeout");
+                Fault::new(
+                    side.into(),
+                    504,
+                    format!("the {s} server did not answer in time (read timeout)"),
+                )
+            }
+            CallError::Broken(why) => {
+                log::warn!(target: "routed_experts::proxy", "{s} server {url} failed: {why}");
+                Fault::new(
+                    side.into(),
+                    502,
+                    format!("the {s} server failed: the connection broke"),
+                )
+            }
+            CallError::TooLarge(size, more) => Fault::new(
+                side.into(),
+                502,
+                format!(
+                    "the {s} server's reply is {}{size} bytes, over the limit of {limit} \
+                     (--max-upstream-bytes)",
+                    if more { "at least " } else { "" }
+                ),
+            ),
+            CallError::Budget => {
+                self.metrics.rejected("buffered_bytes");
+                Fault::new(
+                    Blame::Proxy,
+                    503,
+                    format!(
+                        "the proxy is holding its limit of {} bytes of bodies",
+                        self.budget.limit()
+                    ),
+                )
+                .retry_after(1)
+            }
+        }
+    }
+}
+
+/// A completion slot, given back on drop.
+pub(crate) struct Slot(Arc<Proxy>);
+
+impl Slot {
+    pub(crate) fn take(proxy: &Arc<Proxy>) -> Option<Slot> {
+        let max = proxy.config.max_in_flight;
+        proxy
+            .in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()?;
+        proxy.metrics.in_flight(1);
+        Some(Slot(Arc::clone(proxy)))
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.0.metrics.in_flight(-1);
+    }
+}
