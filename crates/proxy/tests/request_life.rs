@@ -1,0 +1,319 @@
+//! The proxy's request life, end to end in one process: stand-in prefill and decode engines
+//! (hyper servers speaking vLLM's P/D protocol) behind a real `Server`, and a client. A change
+//! to the proxy is tested here without building the Python extension.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use routed_experts::{encode_sidecar, from_response, DTypeChoice, Hints, Payload, Shape};
+use routed_experts_proxy::{Config, Server, Stop};
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+
+const LAYERS: usize = 3;
+const TOP_K: usize = 2;
+
+/// The routing a monolithic engine would record at `pos`: distinct, nonzero, below 256.
+fn truth(pos: usize) -> Vec<i64> {
+    (0..LAYERS * TOP_K)
+        .map(|i| ((pos * 7 + i * 3) % 250 + 1) as i64)
+        .collect()
+}
+
+/// Rows `[start, stop)` of the truth as a compact sidecar, with `zero_below` rows zeroed (decode
+/// never computed the prompt).
+fn sidecar(start: usize, stop: usize, zero_below: usize) -> Value {
+    let values: Vec<i64> = (start..stop)
+        .flat_map(|p| {
+            if p < zero_below {
+                vec![0; LAYERS * TOP_K]
+            } else {
+                truth(p)
+            }
+        })
+        .collect();
+    let shape = Shape::new(stop - start, LAYERS, TOP_K);
+    let p = Payload::from_values(&values, shape, start as u64, DTypeChoice::Compact).unwrap();
+    serde_json::from_slice(&encode_sidecar(&p)).unwrap()
+}
+
+/// How a stand-in engine answers.
+#[derive(Clone, Copy, PartialEq)]
+enum Engine {
+    /// A working engine (prefill or decode, by the request's `kv_transfer_params`).
+    Working,
+    /// A prefill that returns no routing.
+    NoRouting,
+    /// An engine that fails with a 500.
+    Crashes,
+}
+
+const KV: &str = r#"{"do_remote_prefill":true,"remote_engine_id":"p1","remote_block_ids":[3]}"#;
+
+fn answer(engine: Engine, body: &[u8]) -> Response<Full<Bytes>> {
+    let json_reply = |status: u16, v: Value| {
+        let mut r = Response::new(Full::new(Bytes::from(v.to_string())));
+        *r.status_mut() = hyper::StatusCode::from_u16(status).unwrap();
+        r.headers_mut()
+            .insert("content-type", "application/json".parse().unwrap());
+        r
+    };
+    if engine == Engine::Crashes {
+        return json_reply(500, json!({"error": "engine crashed"}));
+    }
+    let req: Value = serde_json::from_slice(body).unwrap();
+    let prompt = req["prompt"].as_array().map_or(0, Vec::len);
+    let generated = req["max_tokens"].as_u64().unwrap_or(4) as usize;
+    let kv = &req["kv_transfer_params"];
+    if kv["do_remote_decode"] == json!(true) {
+        let mut choice = json!({"index": 0, "text": "x", "finish_reason": "length"});
+        if engine != Engine::NoRouting {
+            choice["routed_experts"] = sidecar(0, prompt, 0);
+        }
+        let kv: Value = serde_json::from_str(KV).unwrap();
+        return json_reply(
+            200,
+            json!({"id": "p", "choices": [choice], "kv_transfer_params": kv}),
+        );
+    }
+    if *kv != serde_json::from_str::<Value>(KV).unwrap() {
+        return json_reply(
+            400,
+            json!({"error": "decode needs prefill's kv_transfer_params"}),
+        );
+    }
+    let rows = sidecar(0, prompt + generated - 1, prompt);
+    if req["stream"] == json!(true) {
+        let mut text = String::new();
+        for i in 0..generated {
+            let mut chunk = json!({"id": "d", "choices": [{"index": 0, "text": " tok"}]});
+            if i == generated - 1 {
+                chunk["choices"][0]["routed_experts"] = rows.clone();
+            }
+            text.push_str(&format!("data: {chunk}\n\n"));
+        }
+        text.push_str("data: [DONE]\n\n");
+        let mut r = Response::new(Full::new(Bytes::from(text)));
+        r.headers_mut()
+            .insert("content-type", "text/event-stream".parse().unwrap());
+        return r;
+    }
+    let choice =
+        json!({"index": 0, "text": " tok", "finish_reason": "length", "routed_experts": rows});
+    json_reply(200, json!({"id": "d", "choices": [choice]}))
+}
+
+/// A stand-in engine on a loopback port; counts the requests it served.
+async fn engine(kind: Engine, served: Arc<AtomicUsize>) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let served = Arc::clone(&served);
+            tokio::spawn(async move {
+                let service = service_fn(move |req: Request<Incoming>| {
+                    let served = Arc::clone(&served);
+                    async move {
+                        let body = req.into_body().collect().await.unwrap().to_bytes();
+                        served.fetch_add(1, Ordering::SeqCst);
+                        Ok::<_, Infallible>(answer(kind, &body))
+                    }
+                });
+                let _ = http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+/// The proxy in front of `prefill` and `decode`, serving on a thread of its own until dropped.
+struct Running {
+    addr: SocketAddr,
+    stopper: routed_experts_proxy::Stopper,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Running {
+    fn start(prefill: String, decode: String) -> Running {
+        let config = Config {
+            prefill: vec![prefill],
+            decode: vec![decode],
+            read_timeout: std::time::Duration::from_secs(30),
+            ..Config::default()
+        };
+        let server = Server::bind(config, "127.0.0.1:0".parse().unwrap(), None).unwrap();
+        let addr = server.local_addr().unwrap();
+        let stopper = server.stopper();
+        let thread = std::thread::spawn(move || server.run(false).unwrap());
+        Running {
+            addr,
+            stopper,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.stopper.stop(Stop::Now);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+async fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, Vec<u8>) {
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let req = Request::post(format!("http://{addr}{path}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let r = client.request(req).await.unwrap();
+    let status = r.status().as_u16();
+    let bytes = r.into_body().collect().await.unwrap().to_bytes();
+    (status, bytes.to_vec())
+}
+
+const PROMPT: usize = 9;
+const GENERATED: usize = 5;
+
+fn completion(stream: bool) -> String {
+    let prompt: Vec<usize> = (0..PROMPT).collect();
+    json!({"model": "moe", "prompt": prompt, "max_tokens": GENERATED, "stream": stream}).to_string()
+}
+
+/// The routing in a body (or a stream event's JSON) equals the truth for every position.
+fn assert_truth(json: &[u8]) {
+    let p = from_response(json, 0, &Hints::default(), 1 << 20)
+        .unwrap()
+        .expect("routing in choice 0");
+    assert_eq!((p.start(), p.num_tokens()), (0, PROMPT + GENERATED - 1));
+    let want: Vec<u8> = (0..p.num_tokens())
+        .flat_map(truth)
+        .map(|v| v as u8)
+        .collect();
+    assert_eq!(p.values::<u8>(), &want[..]);
+}
+
+fn error_side(body: &[u8]) -> String {
+    let v: Value = serde_json::from_slice(body).unwrap();
+    v["error"]["side"].as_str().unwrap().to_string()
+}
+
+fn counters() -> (Arc<AtomicUsize>, Arc<AtomicUsize>) {
+    (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_completion_merges_prefill_and_decode_to_the_truth() {
+    let (p, d) = counters();
+    let proxy = Running::start(
+        engine(Engine::Working, Arc::clone(&p)).await,
+        engine(Engine::Working, Arc::clone(&d)).await,
+    );
+    let (status, body) = post(proxy.addr, "/v1/completions", &completion(false)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_truth(&body);
+    assert_eq!((p.load(Ordering::SeqCst), d.load(Ordering::SeqCst)), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_relays_every_event_and_merges_the_routing_event() {
+    let (p, d) = counters();
+    let proxy = Running::start(
+        engine(Engine::Working, p).await,
+        engine(Engine::Working, d).await,
+    );
+    let (status, body) = post(proxy.addr, "/v1/completions", &completion(true)).await;
+    assert_eq!(status, 200);
+    let text = String::from_utf8(body).unwrap();
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .collect();
+    assert_eq!(events.len(), GENERATED + 1, "{text}");
+    assert_eq!(*events.last().unwrap(), "[DONE]");
+    let routed: Vec<&&str> = events
+        .iter()
+        .filter(|e| e.contains("routed_experts"))
+        .collect();
+    assert_eq!(routed.len(), 1);
+    assert_truth(routed[0].as_bytes());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_decode_is_a_502_that_blames_decode() {
+    let (p, d) = counters();
+    let proxy = Running::start(
+        engine(Engine::Working, p).await,
+        engine(Engine::Crashes, d).await,
+    );
+    for stream in [false, true] {
+        let (status, body) = post(proxy.addr, "/v1/completions", &completion(stream)).await;
+        assert_eq!((status, error_side(&body).as_str()), (502, "decode"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routing_missing_on_prefill_is_a_502_that_blames_prefill_never_a_200() {
+    let (p, d) = counters();
+    let proxy = Running::start(
+        engine(Engine::NoRouting, p).await,
+        engine(Engine::Working, d).await,
+    );
+    let (status, body) = post(proxy.addr, "/v1/completions", &completion(false)).await;
+    assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(error_side(&body), "prefill");
+    assert!(String::from_utf8_lossy(&body).contains("missing routing on the prefill side"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_prefill_is_a_502_that_blames_prefill() {
+    // A port that was bound and released: nothing listens there.
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let (_, d) = counters();
+    let proxy = Running::start(closed, engine(Engine::Working, Arc::clone(&d)).await);
+    let (status, body) = post(proxy.addr, "/v1/completions", &completion(false)).await;
+    assert_eq!((status, error_side(&body).as_str()), (502, "prefill"));
+    assert_eq!(
+        d.load(Ordering::SeqCst),
+        0,
+        "decode is never called without prefill"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_client_body_is_a_400_that_reaches_no_server() {
+    let (p, d) = counters();
+    let proxy = Running::start(
+        engine(Engine::Working, Arc::clone(&p)).await,
+        engine(Engine::Working, Arc::clone(&d)).await,
+    );
+    for bad in ["{", "[1, 2]", r#"{"prompt": [1], "stream": "yes"}"#] {
+        let (status, body) = post(proxy.addr, "/v1/completions", bad).await;
+        assert_eq!(
+            (status, error_side(&body).as_str()),
+            (400, "client"),
+            "{bad}"
+        );
+    }
+    assert_eq!((p.load(Ordering::SeqCst), d.load(Ordering::SeqCst)), (0, 0));
+}
