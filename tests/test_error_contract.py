@@ -163,7 +163,9 @@ def _public() -> dict[str, Any]:
                     found[f"{name}.{m}"] = getattr(obj, m)
         elif callable(obj):
             found[name] = obj
-    return {n: o for n, o in found.items() if _params(o)}
+    # Python 3.9 gives no signature for some extension classes: a class the sweep names is
+    # public all the same.
+    return {n: o for n, o in found.items() if _params(o) or n in VALID}
 
 
 def _params(obj: Any) -> list[str]:
