@@ -440,6 +440,9 @@ def test_a_bad_setting_is_a_config_error_naming_it(value: Any) -> None:
     for s in settings_declared():
         with pytest.raises(rx.ConfigError, match=s.name):
             ProxyConfig(**{s.name: value})
+    if not isinstance(value, str):
+        with pytest.raises(rx.ConfigError, match="upstream_api_key"):
+            ProxyConfig(upstream_api_key=value)
 
 
 def test_config_refuses_nonsense() -> None:

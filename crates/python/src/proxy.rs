@@ -84,20 +84,30 @@ fn config(
         decode,
         ..Config::default()
     };
+    apply(&mut c, settings)?;
+    c.check().map_err(ConfigError::new_err)?;
+    Ok(c)
+}
+
+/// Each setting of `settings` (None: the default) set on `c`, as its declaration reads it.
+fn apply(c: &mut Config, settings: &Bound<'_, PyDict>) -> PyResult<()> {
     for (key, value) in settings.iter() {
         let name: String = key.extract()?;
         if value.is_none() {
             continue;
         }
         if name == "upstream_api_key" {
-            c.upstream_api_key = Some(crate::convert::word_arg("upstream_api_key", &value)?);
+            let key = value.extract::<String>().map_err(|_| {
+                let got = crate::convert::a_value_of(&value);
+                ConfigError::new_err(format!("upstream_api_key: expected a str, got {got}"))
+            })?;
+            c.upstream_api_key = Some(key);
             continue;
         }
         c.set(&name, setting_value(&name, &value)?)
             .map_err(ConfigError::new_err)?;
     }
-    c.check().map_err(ConfigError::new_err)?;
-    Ok(c)
+    Ok(())
 }
 
 /// Every proxy setting as declared once in Rust: (name, unit, default, minimum, help), in the
@@ -115,16 +125,7 @@ pub fn _proxy_settings() -> Vec<(&'static str, &'static str, u64, u64, &'static 
 /// `ConfigError` names the first that cannot serve.
 #[pyfunction]
 pub fn _check_proxy_settings(settings: &Bound<'_, PyDict>) -> PyResult<()> {
-    let mut c = Config::default();
-    for (key, value) in settings.iter() {
-        let name: String = key.extract()?;
-        if value.is_none() || name == "upstream_api_key" {
-            continue;
-        }
-        c.set(&name, setting_value(&name, &value)?)
-            .map_err(ConfigError::new_err)?;
-    }
-    Ok(())
+    apply(&mut Config::default(), settings)
 }
 
 #[pymethods]
