@@ -196,3 +196,14 @@ def test_the_installed_package_holds_no_benchmark_harness_in_its_public_modules(
     assert public and not [m for m in public if m.rsplit(".", 1)[1] in harness], public
     # The command still finds it, on demand.
     assert main(["demo", "--tokens", "64"]) == 0
+
+
+def test_a_repeated_server_flag_adds_servers_it_never_keeps_only_the_last() -> None:
+    from routed_experts.cli import build_parser
+
+    parse = build_parser().parse_args
+    args = parse(["proxy", "--prefill", "http://p1", "--prefill", "http://p2", "http://p3",
+                  "--decode", "http://d1", "--decode", "http://d2"])
+    assert args.prefill == ["http://p1", "http://p2", "http://p3"]
+    assert args.decode == ["http://d1", "http://d2"]
+    assert parse(["proxy", "--prefill", "http://p", "--decode", "http://d"]).prefill == ["http://p"]

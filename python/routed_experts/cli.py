@@ -472,10 +472,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
     proxy = sub.add_parser("proxy", help="P/D proxy that merges routed experts")
     proxy.add_argument(
-        "--prefill", nargs="+", required=True, type=_url, help="prefill server URL(s)"
+        "--prefill", nargs="+", action="extend", required=True, type=_url,
+        help="prefill server URL(s): several after one flag, or the flag repeated",
     )
     proxy.add_argument(
-        "--decode", nargs="+", required=True, type=_url, help="decode server URL(s)"
+        "--decode", nargs="+", action="extend", required=True, type=_url,
+        help="decode server URL(s): several after one flag, or the flag repeated",
     )
     proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
     proxy.add_argument("--port", type=_count(1), default=8000, help="port to listen on")
