@@ -157,10 +157,22 @@ impl Metrics {
         };
         head(
             &mut o,
+            "routed_experts_proxy_build_info",
+            "gauge",
+            "The proxy's version (the value is always 1)",
+        );
+        let _ = writeln!(
+            o,
+            "routed_experts_proxy_build_info{{version=\"{}\"}} 1",
+            env!("CARGO_PKG_VERSION")
+        );
+        head(
+            &mut o,
             "routed_experts_proxy_requests_total",
             "counter",
-            "Requests answered, by endpoint, HTTP status and the side at fault (none, client, \
-             prefill, decode, merge, proxy); 499: the client left first",
+            "Requests answered, by endpoint (\"other\": a path the proxy does not serve, or the \
+             wrong method), HTTP status and the side at fault (none, client, prefill, decode, \
+             merge, proxy); 499: the client left first",
         );
         for ((endpoint, status, side), n) in lock(&self.requests).iter() {
             let _ = writeln!(

@@ -89,6 +89,7 @@ pub(crate) async fn route(
     // `/etc/passwd/metrics`) is a 404, so an ingress's path rules cannot be walked around.
     if let Some((endpoint, api)) = Api::of(path).filter(|_| routes != Routes::Admin) {
         if method != Method::POST {
+            proxy.metrics.request(endpoint, 405, Blame::Client.name());
             return not_allowed(format!("{endpoint} takes POST"), "POST");
         }
         return proxy.completion(req, endpoint, api).await;
@@ -100,6 +101,8 @@ pub(crate) async fn route(
         Routes::Admin => operator || path == "/healthcheck",
     };
     if !known {
+        // Counted under one label: a client's paths never become metric labels.
+        proxy.metrics.request("other", 404, Blame::Client.name());
         let mut shown = String::new();
         push_json_string(&mut shown, &path.chars().take(200).collect::<String>());
         return fault_response(&Fault::new(
@@ -109,6 +112,7 @@ pub(crate) async fn route(
         ));
     }
     if method != Method::GET && method != Method::HEAD {
+        proxy.metrics.request("other", 405, Blame::Client.name());
         return not_allowed(format!("{path} takes GET"), "GET, HEAD");
     }
     match path {

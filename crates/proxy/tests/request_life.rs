@@ -317,3 +317,45 @@ async fn a_malformed_client_body_is_a_400_that_reaches_no_server() {
     }
     assert_eq!((p.load(Ordering::SeqCst), d.load(Ordering::SeqCst)), (0, 0));
 }
+
+async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let req = Request::get(format!("http://{addr}{path}"))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let r = client.request(req).await.unwrap();
+    let status = r.status().as_u16();
+    let bytes = r.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_unknown_paths_and_wrong_methods_and_state_the_build() {
+    let (p, d) = counters();
+    let proxy = Running::start(
+        engine(Engine::Working, p).await,
+        engine(Engine::Working, d).await,
+    );
+    assert_eq!(get(proxy.addr, "/etc/passwd").await.0, 404);
+    assert_eq!(get(proxy.addr, "/v1/completions").await.0, 405);
+    assert_eq!(post(proxy.addr, "/health", "{}").await.0, 405);
+    let (status, text) = get(proxy.addr, "/metrics").await;
+    assert_eq!(status, 200);
+    let line = |endpoint: &str, code: u16| {
+        format!(
+            "routed_experts_proxy_requests_total{{endpoint=\"{endpoint}\",side=\"client\",\
+             status=\"{code}\"}} 1"
+        )
+    };
+    assert!(text.contains(&line("other", 404)), "{text}");
+    assert!(text.contains(&line("/v1/completions", 405)), "{text}");
+    assert!(text.contains(&line("other", 405)), "{text}");
+    assert!(
+        !text.contains("passwd"),
+        "a client's path never becomes a label"
+    );
+    let version = env!("CARGO_PKG_VERSION");
+    assert!(text.contains(&format!(
+        "routed_experts_proxy_build_info{{version=\"{version}\"}} 1"
+    )));
+}
