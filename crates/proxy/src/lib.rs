@@ -32,6 +32,7 @@ mod memory;
 mod metrics;
 mod parts;
 mod pool;
+mod process;
 mod record;
 mod relay;
 mod request;

@@ -307,6 +307,7 @@ impl Metrics {
                 num(*n as f64)
             );
         }
+        super::process::render(&mut o);
         o
     }
 }
