@@ -54,13 +54,13 @@ impl Call {
         let proxy = Arc::clone(&self.proxy);
         // A decode server first: with none to take the request, it is refused before a prefill
         // server computes a KV cache that no decode would ever fetch.
-        let lease = proxy.lease(Side::Decode).await?;
+        let lease = proxy.lease(Side::Decode, body.session).await?;
         let mut lease = LeaseGuard {
             proxy: Arc::clone(&proxy),
             lease: Some(lease),
         };
         let prefill_json = body.prefill_request();
-        let (prefill_body, prefill_share) = self.prefill(ex, prefill_json).await?;
+        let (prefill_body, prefill_share) = self.prefill(ex, prefill_json, body.session).await?;
         if ex.stream {
             let prefill = (prefill_body, prefill_share);
             return self.stream(ex, body, lease, prefill, slot).await;
@@ -160,15 +160,16 @@ impl Call {
         &self,
         ex: &mut Exchange,
         data: Vec<u8>,
+        session: Option<u64>,
     ) -> Result<(Bytes, Share), Fault> {
         let proxy = &self.proxy;
-        let lease = proxy.lease(Side::Prefill).await?;
+        let lease = proxy.lease(Side::Prefill, session).await?;
         let first = lease.index;
         ex.prefill = proxy.prefill.upstreams[first].url.clone();
         let data = Bytes::from(data);
         match self.fetch(ex, Side::Prefill, lease, data.clone(), 0).await {
             Err(fault) if fault.retryable => {
-                let Some(retry) = proxy.prefill.pick(Some(first)) else {
+                let Some(retry) = proxy.prefill.pick(Some(first), session) else {
                     return Err(fault);
                 };
                 let url = proxy.prefill.upstreams[retry.index].url.clone();

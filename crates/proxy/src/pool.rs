@@ -149,12 +149,26 @@ impl Pool {
         h.failures < self.eject_after
     }
 
-    /// The next upstream in rotation (not `avoid`), or one whose ejection is over and that has
-    /// no trial under way; `None` when there is neither.
-    pub fn pick(&self, avoid: Option<usize>) -> Option<Lease> {
+    /// The upstream for a request: with a `session` key, the one of the upstreams in rotation
+    /// (not `avoid`) that the key ranks first (rendezvous hashing: a session's turns meet the
+    /// same server, and its prefix cache, for as long as that server stays in rotation; a
+    /// server leaving moves only its own sessions); without one, the next in rotation. Else one
+    /// whose ejection is over and that has no trial under way; `None` when there is neither.
+    pub fn pick(&self, avoid: Option<usize>, session: Option<u64>) -> Option<Lease> {
         let now = Instant::now();
         let mut s = self.lock();
         let n = self.upstreams.len();
+        if let Some(key) = session {
+            let ranked = (0..n)
+                .filter(|&i| Some(i) != avoid && self.healthy(&s.health[i]))
+                .max_by_key(|&i| rank(key, &self.upstreams[i].url));
+            if let Some(index) = ranked {
+                return Some(Lease {
+                    index,
+                    trial: false,
+                });
+            }
+        }
         for i in 0..n {
             let index = (s.next + i) % n;
             if Some(index) == avoid {
@@ -290,6 +304,29 @@ impl Pool {
     }
 }
 
+/// How highly the session `key` ranks the server at `url` (a fixed hash of both: the same on
+/// every proxy and every run, so proxies beside each other agree).
+fn rank(key: u64, url: &str) -> u64 {
+    let mut h = FNV_OFFSET ^ key.wrapping_mul(FNV_PRIME);
+    for b in url.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(FNV_PRIME);
+    }
+    // A final mix, so URLs that differ in their last byte do not rank in step.
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^ (h >> 33)
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0100_0000_01b3;
+
+/// A session's key: a fixed hash of its id's JSON text.
+pub fn session_key(id: &[u8]) -> u64 {
+    id.iter().fold(FNV_OFFSET, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(FNV_PRIME)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -302,11 +339,56 @@ mod tests {
     }
 
     #[test]
+    fn a_session_meets_the_same_server_and_a_server_leaving_moves_only_its_sessions() {
+        let urls: Vec<String> = (1..=4).map(|i| format!("http://10.0.0.{i}:8000")).collect();
+        let p = Pool::new(Side::Prefill, &urls, 1, Duration::from_secs(60));
+        let keys: Vec<u64> = (0..400)
+            .map(|i| session_key(format!("\"s{i}\"").as_bytes()))
+            .collect();
+        let first: Vec<usize> = keys
+            .iter()
+            .map(|&k| p.pick(None, Some(k)).unwrap().index)
+            .collect();
+        // The same server every time, and the sessions spread over all four.
+        for (&k, &i) in keys.iter().zip(&first) {
+            assert_eq!(p.pick(None, Some(k)).unwrap().index, i);
+        }
+        for s in 0..4 {
+            let n = first.iter().filter(|&&i| i == s).count();
+            assert!(
+                (60..=140).contains(&n),
+                "server {s} got {n} of 400 sessions"
+            );
+        }
+        // Server 2 fails out of rotation: only its sessions move, each to one other server.
+        let l = p
+            .pick(
+                None,
+                Some(keys[first.iter().position(|&i| i == 2).unwrap()]),
+            )
+            .unwrap();
+        p.release(l, Outcome::Failed);
+        for (&k, &i) in keys.iter().zip(&first) {
+            let now = p.pick(None, Some(k)).unwrap().index;
+            if i == 2 {
+                assert_ne!(now, 2);
+            } else {
+                assert_eq!(now, i);
+            }
+        }
+        // `avoid` (a server that refused the connection) is skipped for the retry.
+        assert_ne!(
+            p.pick(Some(first[0]), Some(keys[0])).unwrap().index,
+            first[0]
+        );
+    }
+
+    #[test]
     fn round_robin_skips_ejected_servers_and_trials_one_at_a_time() {
         let p = pool(2, 2, Duration::ZERO);
         let order: Vec<usize> = (0..4)
             .map(|_| {
-                let l = p.pick(None).unwrap();
+                let l = p.pick(None, None).unwrap();
                 let i = l.index;
                 p.release(l, Outcome::Ok);
                 i
@@ -314,16 +396,16 @@ mod tests {
             .collect();
         assert_eq!(order, [0, 1, 0, 1]);
         for _ in 0..2 {
-            let l = p.pick(Some(1)).unwrap();
+            let l = p.pick(Some(1), None).unwrap();
             assert_eq!(l.index, 0);
             p.release(l, Outcome::Failed);
         }
         assert_eq!(p.status()[0].consecutive_failures, 2);
         assert!(!p.status()[0].healthy);
         // Ejection of zero seconds: 0 gets one trial; while it runs, only 1 is picked.
-        let trial = p.pick(Some(1)).unwrap();
+        let trial = p.pick(Some(1), None).unwrap();
         assert!(trial.trial && trial.index == 0);
-        assert!(p.pick(Some(1)).is_none());
+        assert!(p.pick(Some(1), None).is_none());
         assert_eq!(p.release(trial, Outcome::Ok), Some((0, true)));
         assert!(p.status()[0].healthy);
     }
@@ -331,9 +413,9 @@ mod tests {
     #[test]
     fn the_last_server_is_probed_at_most_once_per_interval() {
         let p = pool(1, 1, Duration::from_secs(60));
-        let l = p.pick(None).unwrap();
+        let l = p.pick(None, None).unwrap();
         assert_eq!(p.release(l, Outcome::Failed), Some((0, false)));
-        assert!(p.pick(None).is_none());
+        assert!(p.pick(None, None).is_none());
         assert_eq!(p.retry_after(), 60);
         let probe = p.probe_candidate(Duration::from_secs(1)).unwrap();
         assert!(p.probe_candidate(Duration::from_secs(1)).is_none()); // under way

@@ -52,6 +52,9 @@ pub struct ClientBody {
     pub start: Option<u64>,
     /// Whether the client asked for a stream.
     pub stream: bool,
+    /// The key of the request's `session_id` (vLLM's stable identity of related requests,
+    /// such as a rollout's turns): its turns go to the same servers.
+    pub session: Option<u64>,
 }
 
 impl ClientBody {
@@ -126,12 +129,17 @@ impl ClientBody {
                 ))
             }
         };
+        let session = match fields.get("session_id").map(|v| v.get()) {
+            None | Some("null") => None,
+            Some(text) => Some(super::pool::session_key(text.as_bytes())),
+        };
         Ok(ClientBody {
             api,
             fields,
             sampling,
             start,
             stream,
+            session,
         })
     }
 

@@ -33,7 +33,7 @@ impl Proxy {
             return response;
         };
         let answer = async {
-            let lease = self.lease(Side::Decode).await?;
+            let lease = self.lease(Side::Decode, None).await?;
             let u = &self.decode.upstreams[lease.index];
             let result = self
                 .upstreams

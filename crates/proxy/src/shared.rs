@@ -275,9 +275,9 @@ impl Proxy {
 
     /// The next server of `side`; when every one is out of rotation, the one due first is
     /// probed and serves the request if it answers. Else 503 + Retry-After.
-    pub(crate) async fn lease(&self, side: Side) -> Result<Lease, Fault> {
+    pub(crate) async fn lease(&self, side: Side, session: Option<u64>) -> Result<Lease, Fault> {
         let pool = self.pool(side);
-        if let Some(lease) = pool.pick(None) {
+        if let Some(lease) = pool.pick(None, session) {
             return Ok(lease);
         }
         if let Some(index) = pool.probe_candidate(PROBE_INTERVAL) {

@@ -150,9 +150,13 @@ struct Running {
 
 impl Running {
     fn start(prefill: String, decode: String) -> Running {
+        Running::start_many(vec![prefill], vec![decode])
+    }
+
+    fn start_many(prefill: Vec<String>, decode: Vec<String>) -> Running {
         let config = Config {
-            prefill: vec![prefill],
-            decode: vec![decode],
+            prefill,
+            decode,
             read_timeout: std::time::Duration::from_secs(30),
             ..Config::default()
         };
@@ -358,4 +362,54 @@ async fn metrics_count_unknown_paths_and_wrong_methods_and_state_the_build() {
     assert!(text.contains(&format!(
         "routed_experts_proxy_build_info{{version=\"{version}\"}} 1"
     )));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sessions_turns_meet_the_same_prefill_server_and_sessions_spread() {
+    let served: Vec<Arc<AtomicUsize>> = (0..3).map(|_| Arc::new(AtomicUsize::new(0))).collect();
+    let mut prefills = Vec::new();
+    for s in &served {
+        prefills.push(engine(Engine::Working, Arc::clone(s)).await);
+    }
+    let (_, d) = counters();
+    let proxy = Running::start_many(prefills, vec![engine(Engine::Working, d).await]);
+    let with_session = |id: &str| {
+        let mut body: Value = serde_json::from_str(&completion(false)).unwrap();
+        body["session_id"] = json!(id);
+        body.to_string()
+    };
+    let counts = || {
+        served
+            .iter()
+            .map(|s| s.load(Ordering::SeqCst))
+            .collect::<Vec<_>>()
+    };
+    // Six turns of one session: all on one prefill server.
+    for _ in 0..6 {
+        let (status, body) = post(proxy.addr, "/v1/completions", &with_session("rollout-7")).await;
+        assert_eq!(status, 200);
+        assert_truth(&body);
+    }
+    let after_one = counts();
+    assert_eq!(
+        after_one.iter().filter(|&&n| n == 6).count(),
+        1,
+        "{after_one:?}"
+    );
+    // Thirty sessions of one turn each: spread over every server.
+    for i in 0..30 {
+        let (status, _) = post(
+            proxy.addr,
+            "/v1/completions",
+            &with_session(&format!("s{i}")),
+        )
+        .await;
+        assert_eq!(status, 200);
+    }
+    let spread: Vec<usize> = counts()
+        .iter()
+        .zip(&after_one)
+        .map(|(a, b)| a - b)
+        .collect();
+    assert!(spread.iter().all(|&n| n > 0), "{spread:?}");
 }
