@@ -147,6 +147,11 @@ pub fn decode_range(text: &[u8], start: usize, end: usize) -> Result<Vec<u8>> {
         .ok_or_else(|| error_in(text, "data"))
 }
 
+/// A character of the standard base64 alphabet (padding `=` aside).
+pub fn is_alphabet(c: u8) -> bool {
+    c.is_ascii_alphanumeric() || c == b'+' || c == b'/'
+}
+
 /// Standard padded base64 of `bytes`.
 pub fn encode(bytes: &[u8]) -> Vec<u8> {
     filled_vec(encoded_len(bytes.len()), |out| encode_into(bytes, out))

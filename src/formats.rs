@@ -116,10 +116,11 @@ fn looks_like_base64(text: &[u8]) -> bool {
         return false;
     }
     let (head, tail) = text.split_at(text.len() - 4);
-    let body = |c: &u8| c.is_ascii_alphanumeric() || *c == b'+' || *c == b'/';
-    let head_ok = head[..head.len().min(SNIFF_BYTES)].iter().all(body);
+    let head_ok = head[..head.len().min(SNIFF_BYTES)]
+        .iter()
+        .all(|&c| b64::is_alphabet(c));
     let pad = tail.iter().rev().take_while(|&&c| c == b'=').count();
-    head_ok && pad <= 2 && tail[..4 - pad].iter().all(body)
+    head_ok && pad <= 2 && tail[..4 - pad].iter().all(|&c| b64::is_alphabet(c))
 }
 
 /// Decode a value of any format given as text, detecting which.

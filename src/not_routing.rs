@@ -51,8 +51,10 @@ pub fn describe(text: &[u8]) -> String {
     if first_line.starts_with("HTTP/") {
         return "an HTTP response with its head: pass only its body".to_string();
     }
-    let base64_char = |c: char| c.is_ascii_alphanumeric() || "+/=".contains(c);
-    if s.chars().all(base64_char) {
+    if trimmed
+        .iter()
+        .all(|&c| crate::b64::is_alphabet(c) || c == b'=')
+    {
         let n = s.len();
         let plural = if n == 1 { "" } else { "s" };
         return format!(

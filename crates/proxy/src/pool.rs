@@ -307,10 +307,7 @@ impl Pool {
 /// How highly the session `key` ranks the server at `url` (a fixed hash of both: the same on
 /// every proxy and every run, so proxies beside each other agree).
 fn rank(key: u64, url: &str) -> u64 {
-    let mut h = FNV_OFFSET ^ key.wrapping_mul(FNV_PRIME);
-    for b in url.bytes() {
-        h = (h ^ u64::from(b)).wrapping_mul(FNV_PRIME);
-    }
+    let mut h = fnv(FNV_OFFSET ^ key.wrapping_mul(FNV_PRIME), url.as_bytes());
     // A final mix, so URLs that differ in their last byte do not rank in step.
     h ^= h >> 33;
     h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
@@ -322,9 +319,14 @@ const FNV_PRIME: u64 = 0x0100_0000_01b3;
 
 /// A session's key: a fixed hash of its id's JSON text.
 pub fn session_key(id: &[u8]) -> u64 {
-    id.iter().fold(FNV_OFFSET, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(FNV_PRIME)
-    })
+    fnv(FNV_OFFSET, id)
+}
+
+/// FNV-1a over `bytes`, from `h`.
+fn fnv(h: u64, bytes: &[u8]) -> u64 {
+    bytes
+        .iter()
+        .fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(FNV_PRIME))
 }
 
 #[cfg(test)]

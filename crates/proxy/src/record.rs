@@ -86,11 +86,8 @@ impl Drop for Exchange {
         }
         let total = self.began.elapsed().as_secs_f64();
         let m = &self.proxy.metrics;
-        m.request(
-            self.endpoint,
-            self.status,
-            self.side.map_or("none", Blame::name),
-        );
+        let side = self.side.map_or("none", Blame::name);
+        m.request(self.endpoint, self.status, side);
         m.observe(Phase::Total, total);
         for phase in [Phase::Prefill, Phase::Decode, Phase::Merge] {
             let s = self.seconds[phase as usize];
@@ -102,7 +99,7 @@ impl Drop for Exchange {
         log::info!(target: "routed_experts::proxy",
             "request_id={} endpoint={} status={} side={} stream={} prefill={} decode={} \
              prefill_ms={p:.1} decode_ms={d:.1} merge_ms={g:.1} total_ms={:.1} bytes_out={}",
-            self.request_id, self.endpoint, self.status, self.side.map_or("none", Blame::name), self.stream, self.prefill,
+            self.request_id, self.endpoint, self.status, side, self.stream, self.prefill,
             self.decode, total * 1e3, self.bytes_out);
     }
 }

@@ -181,16 +181,21 @@ impl Drop for Running {
     }
 }
 
-async fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, Vec<u8>) {
+/// A request's status and whole body.
+async fn send(req: Request<Full<Bytes>>) -> (u16, Vec<u8>) {
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-    let req = Request::post(format!("http://{addr}{path}"))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap();
     let r = client.request(req).await.unwrap();
     let status = r.status().as_u16();
     let bytes = r.into_body().collect().await.unwrap().to_bytes();
     (status, bytes.to_vec())
+}
+
+async fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, Vec<u8>) {
+    let req = Request::post(format!("http://{addr}{path}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    send(req).await
 }
 
 const PROMPT: usize = 9;
@@ -323,14 +328,11 @@ async fn a_malformed_client_body_is_a_400_that_reaches_no_server() {
 }
 
 async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     let req = Request::get(format!("http://{addr}{path}"))
         .body(Full::new(Bytes::new()))
         .unwrap();
-    let r = client.request(req).await.unwrap();
-    let status = r.status().as_u16();
-    let bytes = r.into_body().collect().await.unwrap().to_bytes();
-    (status, String::from_utf8_lossy(&bytes).into_owned())
+    let (status, body) = send(req).await;
+    (status, String::from_utf8_lossy(&body).into_owned())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

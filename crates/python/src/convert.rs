@@ -491,13 +491,13 @@ macro_rules! named_args {
             use pyo3::prelude::*;
             $(
                 pub fn $name<T: TryFrom<$t>>(v: &Bound<'_, PyAny>) -> PyResult<T> {
+                    // Every `$t` here is `Copy`: the value is shown only when it does not fit.
                     let read: $t = super::$read(stringify!($name), v)?;
-                    let shown = format!("{read:?}");
                     T::try_from(read).map_err(|_| {
                         crate::errors::py_err(routed_experts::Error::field(
                             stringify!($name),
                             "a smaller integer",
-                            shown,
+                            format!("{read:?}"),
                         ))
                     })
                 }
