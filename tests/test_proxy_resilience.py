@@ -398,8 +398,12 @@ def test_every_proxy_setting_is_declared_once_and_each_copy_follows_it() -> None
     declared = settings_declared()
     names = [s.name for s in declared]
     assert len(set(names)) == len(names) and "max_merge_bytes" in names
+    from routed_experts.proxy.config import text_settings_declared
+
     fields = {f.name: f.default for f in dataclasses.fields(ProxyConfig)}
-    assert set(fields) - {"upstream_api_key"} == set(names)
+    text = {name: default for name, default, _ in text_settings_declared()}
+    assert set(fields) - set(text) == set(names)
+    assert {n: fields[n] for n in text} == text
     parser = build_parser()
     args = parser.parse_args(["proxy", "--prefill", "http://p", "--decode", "http://d"])
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -440,9 +444,16 @@ def test_a_bad_setting_is_a_config_error_naming_it(value: Any) -> None:
     for s in settings_declared():
         with pytest.raises(rx.ConfigError, match=s.name):
             ProxyConfig(**{s.name: value})
-    if not isinstance(value, str):
-        with pytest.raises(rx.ConfigError, match="upstream_api_key"):
-            ProxyConfig(upstream_api_key=value)
+    from routed_experts.proxy.config import text_settings_declared
+
+    for name, _, _ in text_settings_declared():
+        if not isinstance(value, str):
+            with pytest.raises(rx.ConfigError, match=f"{name}: expected a str"):
+                ProxyConfig(**{name: value})
+    with pytest.raises(rx.ConfigError, match="prefill_policy: expected one of round_robin"):
+        ProxyConfig(prefill_policy="cache_aware")
+    with pytest.raises(rx.ConfigError, match="session_header: expected a header name"):
+        ProxyConfig(session_header="X Session")
 
 
 def test_config_refuses_nonsense() -> None:
@@ -490,8 +501,12 @@ def test_bench_proxy_runs_every_part_small(tmp_path: Any) -> None:
     assert len(results["memory"]["rounds"]) == 3
     faults = results["faults"]
     assert all(f["wrong_200"] == 0 for f in faults.values())
-    assert faults["one decode hung"]["ejected"] == ["decode[1]"]
-    assert faults["one decode hung"]["ok_of_healthy_pct"] == 100.0
+    # Least load (decode's default) sends the hung server no more than it holds: its requests
+    # under way keep it last, so fewer than --eject-after fail and it may stay in rotation.
+    hung = faults["one decode hung"]
+    assert hung["ejected"] in ([], ["decode[1]"])
+    assert hung["requests"] - hung["ok"] <= 3
+    assert hung["ok_of_healthy_pct"] == 100.0
     assert faults["decode drops routing"]["ok"] == 0
     assert faults["one prefill down"]["ok"] == faults["one prefill down"]["requests"]
 

@@ -23,6 +23,7 @@ __all__ = [
     "_check_proxy_settings",
     "_from_raw",
     "_proxy_settings",
+    "_proxy_text_settings",
     "_read_prefill",
     "_trajectory_from_payload",
     "agreement",
@@ -304,6 +305,7 @@ class StreamMerger:
     def buffered(self) -> int: ...
 
 def _proxy_settings() -> list[tuple[str, str, int, int, str]]: ...
+def _proxy_text_settings() -> list[tuple[str, str | None, str]]: ...
 def _check_proxy_settings(settings: dict[str, Any]) -> None: ...
 @final
 class _ProxyServer:

@@ -252,6 +252,13 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     from routed_experts.proxy import ProxyConfig, serve
 
     settings = {name: getattr(args, name) for name in proxy_settings()}
+    if args.upstreams_file is None and not (args.prefill and args.decode):
+        print(
+            "routed-experts proxy: give the servers as --prefill and --decode, or in "
+            "--upstreams-file",
+            file=sys.stderr,
+        )
+        return 2
     key = args.upstream_api_key or os.environ.get(UPSTREAM_KEY_ENV)
     config = ProxyConfig(**settings, upstream_api_key=key)
     try:
@@ -472,16 +479,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
     proxy = sub.add_parser("proxy", help="P/D proxy that merges routed experts")
     proxy.add_argument(
-        "--prefill", nargs="+", action="extend", required=True, type=_url,
-        help="prefill server URL(s): several after one flag, or the flag repeated",
+        "--prefill", nargs="+", action="extend", default=[], type=_url,
+        help="prefill server URL(s): several after one flag, or the flag repeated "
+        "(or --upstreams-file)",
     )
     proxy.add_argument(
-        "--decode", nargs="+", action="extend", required=True, type=_url,
+        "--decode", nargs="+", action="extend", default=[], type=_url,
         help="decode server URL(s): several after one flag, or the flag repeated",
     )
     proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
     proxy.add_argument("--port", type=_count(1), default=8000, help="port to listen on")
     _add_proxy_limits(proxy)
+    _add_proxy_choices(proxy)
     proxy.add_argument(
         "--admin-port",
         type=_count(1),
@@ -558,6 +567,20 @@ def _add_proxy_limits(p: argparse.ArgumentParser) -> None:
         )
 
 
+def _add_proxy_choices(p: argparse.ArgumentParser) -> None:
+    """The proxy's text settings but the API key (its own flag, with the environment): one
+    flag each, default and help from Rust's declaration; the policies take their names."""
+    from routed_experts.proxy.config import text_settings_declared
+
+    for name, default, help_text in text_settings_declared():
+        if name == "upstream_api_key":
+            continue
+        choices = ["round_robin", "least_load", "session"] if name.endswith("_policy") else None
+        p.add_argument(
+            "--" + name.replace("_", "-"), default=default, choices=choices, help=help_text
+        )
+
+
 def size_text(n: int) -> str:
     """A byte count as the flags write it: `64MiB` for whole binary units, else the number."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -569,9 +592,10 @@ def size_text(n: int) -> str:
 def proxy_settings() -> list[str]:
     """The ProxyConfig fields the proxy's flags set (all but the API key, which may come from
     the environment)."""
-    from routed_experts.proxy.config import settings_declared
+    from routed_experts.proxy.config import settings_declared, text_settings_declared
 
-    return [s.name for s in settings_declared()]
+    text = [name for name, _, _ in text_settings_declared() if name != "upstream_api_key"]
+    return [s.name for s in settings_declared()] + text
 
 
 def main(argv: Sequence[str] | None = None) -> int:

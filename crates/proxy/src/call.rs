@@ -68,7 +68,7 @@ impl Call {
         let read = self.read_prefill(&prefill_body, body.start)?;
         let decode_json = body.decode_request(read.kv_transfer_params);
         let lease = lease.take();
-        ex.decode = proxy.decode.upstreams[lease.index].url.clone();
+        ex.decode = lease.upstream.url.clone();
         let (decode_body, decode_share) = self
             .fetch(
                 ex,
@@ -164,15 +164,15 @@ impl Call {
     ) -> Result<(Bytes, Share), Fault> {
         let proxy = &self.proxy;
         let lease = proxy.lease(Side::Prefill, session).await?;
-        let first = lease.index;
-        ex.prefill = proxy.prefill.upstreams[first].url.clone();
+        let first = Arc::clone(&lease.upstream);
+        ex.prefill = first.url.clone();
         let data = Bytes::from(data);
         match self.fetch(ex, Side::Prefill, lease, data.clone(), 0).await {
             Err(fault) if fault.retryable => {
-                let Some(retry) = proxy.prefill.pick(Some(first), session) else {
+                let Some(retry) = proxy.pick(Side::Prefill, Some(&first), session) else {
                     return Err(fault);
                 };
-                let url = proxy.prefill.upstreams[retry.index].url.clone();
+                let url = retry.upstream.url.clone();
                 log::warn!(target: "routed_experts::proxy",
                     "{} prefill {} unreachable, retrying on {url}", ex.request_id, ex.prefill);
                 ex.prefill = url;
@@ -191,7 +191,7 @@ impl Call {
         data: Bytes,
     ) -> (ReleaseGuard<'_>, Result<Response<Incoming>, Fault>) {
         let proxy = &self.proxy;
-        let u = &proxy.pool(side).upstreams[lease.index];
+        let u = Arc::clone(&lease.upstream);
         let mut guard = ReleaseGuard {
             proxy,
             side,
@@ -240,7 +240,8 @@ impl Call {
         beside: usize,
     ) -> Result<(Bytes, Share), Fault> {
         let proxy = &self.proxy;
-        let url = &proxy.pool(side).upstreams[lease.index].url;
+        let upstream = Arc::clone(&lease.upstream);
+        let url = &upstream.url;
         let began = Instant::now();
         let (mut guard, head) = self.post(side, lease, data).await;
         let reply = match head {

@@ -3,7 +3,10 @@
 //! the Python config, the command's flags and the README's table are made from or checked
 //! against) all come from the one list below.
 
+use std::path::PathBuf;
 use std::time::Duration;
+
+use super::pool::Policy;
 
 /// What a setting counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,6 +73,16 @@ macro_rules! settings {
             pub decode: Vec<String>,
             /// Sent as `Authorization: Bearer` instead of the client's header.
             pub upstream_api_key: Option<String>,
+            /// How a prefill server is picked (default: by session, else least load).
+            pub prefill_policy: Policy,
+            /// How a decode server is picked (default: least load).
+            pub decode_policy: Policy,
+            /// A request header whose value is the session key (e.g. `X-Session-Id`); when
+            /// absent from a request, its body's `session_id` is.
+            pub session_header: Option<String>,
+            /// A file listing the servers (`prefill URL` or `decode URL` a line), read at start
+            /// and again on SIGHUP; then `prefill` and `decode` stay empty.
+            pub upstreams_file: Option<PathBuf>,
             $(
                 #[doc = $help]
                 pub $name: settings!(@type $unit),
@@ -82,6 +95,10 @@ macro_rules! settings {
                     prefill: Vec::new(),
                     decode: Vec::new(),
                     upstream_api_key: None,
+                    prefill_policy: Policy::Session,
+                    decode_policy: Policy::LeastLoad,
+                    session_header: None,
+                    upstreams_file: None,
                     $( $name: settings!(@default $unit, $default), )*
                 }
             }
@@ -212,9 +229,82 @@ fn below(s: &Setting, got: &str) -> String {
     }
 }
 
+/// The settings that take text, beside [`SETTINGS`]: `(name, default, help)`.
+pub const TEXT_SETTINGS: &[(&str, Option<&str>, &str)] = &[
+    (
+        "upstream_api_key",
+        None,
+        "sent to the servers as `Authorization: Bearer` instead of the client's header",
+    ),
+    (
+        "prefill_policy",
+        Some("session"),
+        "how a prefill server is picked: round_robin, least_load (fewest requests under way) \
+         or session (a session's requests to the server its key ranks first, within a bound \
+         on any server's share; without a key, least load)",
+    ),
+    (
+        "decode_policy",
+        Some("least_load"),
+        "how a decode server is picked: round_robin, least_load or session",
+    ),
+    (
+        "session_header",
+        None,
+        "a request header whose value is the session key (e.g. X-Session-Id); without it in a \
+         request, the body's session_id is the key",
+    ),
+    (
+        "upstreams_file",
+        None,
+        "a file listing the servers, `prefill URL` or `decode URL` a line (# comments), read \
+         at start and again on SIGHUP, instead of --prefill/--decode",
+    ),
+];
+
 impl Config {
+    /// Set the text setting `name` (one of [`TEXT_SETTINGS`]), checked; `Err` says which and
+    /// why.
+    pub fn set_text(&mut self, name: &str, value: &str) -> Result<(), String> {
+        match name {
+            "upstream_api_key" => self.upstream_api_key = Some(value.to_string()),
+            "prefill_policy" => {
+                self.prefill_policy = Policy::parse(value).map_err(|e| format!("{name}: {e}"))?
+            }
+            "decode_policy" => {
+                self.decode_policy = Policy::parse(value).map_err(|e| format!("{name}: {e}"))?
+            }
+            "session_header" => {
+                hyper::header::HeaderName::from_bytes(value.as_bytes()).map_err(|_| {
+                    format!("{name}: expected a header name like X-Session-Id, got {value:?}")
+                })?;
+                self.session_header = Some(value.to_string());
+            }
+            "upstreams_file" => self.upstreams_file = Some(PathBuf::from(value)),
+            _ => return Err(format!("unknown proxy setting {name:?}")),
+        }
+        Ok(())
+    }
+
+    /// The prefill and decode servers: `prefill` and `decode`, or the upstreams file's.
+    pub fn upstream_lists(&self) -> Result<(Vec<String>, Vec<String>), String> {
+        let Some(path) = &self.upstreams_file else {
+            return Ok((self.prefill.clone(), self.decode.clone()));
+        };
+        if !self.prefill.is_empty() || !self.decode.is_empty() {
+            return Err(
+                "give the servers either in upstreams_file or as prefill and decode, not both"
+                    .into(),
+            );
+        }
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("upstreams_file {}: {e}", path.display()))?;
+        read_upstreams(&text).map_err(|e| format!("upstreams_file {}: {e}", path.display()))
+    }
+
     fn check_upstreams(&self) -> Result<(), String> {
-        for (side, urls) in [("prefill", &self.prefill), ("decode", &self.decode)] {
+        let (prefill, decode) = self.upstream_lists()?;
+        for (side, urls) in [("prefill", &prefill), ("decode", &decode)] {
             if urls.is_empty() {
                 return Err(format!("give at least one {side} server"));
             }
@@ -224,6 +314,35 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// The servers an upstreams file lists: a line is `prefill URL` or `decode URL`; blank lines
+/// and `#` comments are skipped. `Err` names the line.
+pub fn read_upstreams(text: &str) -> Result<(Vec<String>, Vec<String>), String> {
+    let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+    for (n, line) in text.lines().enumerate() {
+        let line = line.split('#').next().unwrap_or("").trim();
+        if line.is_empty() {
+            continue;
+        }
+        let mut words = line.split_whitespace();
+        let (side, url) = (words.next().unwrap_or(""), words.next());
+        let list = match (side, url, words.next()) {
+            ("prefill", Some(_), None) => &mut prefill,
+            ("decode", Some(_), None) => &mut decode,
+            _ => {
+                let shown: String = line.chars().take(80).collect();
+                return Err(format!(
+                    "line {}: expected `prefill URL` or `decode URL`, got {shown:?}",
+                    n + 1
+                ));
+            }
+        };
+        let url = url.unwrap_or_default();
+        super::upstream::Target::parse(url).map_err(|e| format!("line {}: {e}", n + 1))?;
+        list.push(url.to_string());
+    }
+    Ok((prefill, decode))
 }
 
 #[cfg(test)]
@@ -306,6 +425,54 @@ mod tests {
             d.header_timeout.as_secs(),
             setting("header_timeout").unwrap().default
         );
+    }
+
+    #[test]
+    fn text_settings_are_checked_and_the_upstreams_file_is_read_by_line() {
+        let mut c = config();
+        for (name, default, _) in TEXT_SETTINGS {
+            if let Some(d) = default {
+                assert_eq!(c.set_text(name, d), Ok(()));
+            }
+        }
+        assert_eq!(c.set_text("decode_policy", "round_robin"), Ok(()));
+        assert_eq!(c.decode_policy, Policy::RoundRobin);
+        assert!(c
+            .set_text("prefill_policy", "cache_aware")
+            .unwrap_err()
+            .starts_with("prefill_policy: expected one of"));
+        assert!(c
+            .set_text("session_header", "x y")
+            .unwrap_err()
+            .starts_with("session_header"));
+        assert!(c.set_text("bogus", "1").unwrap_err().contains("unknown"));
+        let text = "# servers\nprefill http://a:1\n\ndecode  http://b:2/v  # the big one\nprefill http://c:3\n";
+        assert_eq!(
+            read_upstreams(text),
+            Ok((
+                vec!["http://a:1".into(), "http://c:3".into()],
+                vec!["http://b:2/v".into()]
+            ))
+        );
+        assert_eq!(
+            read_upstreams("prefill\n").unwrap_err(),
+            "line 1: expected `prefill URL` or `decode URL`, got \"prefill\""
+        );
+        assert!(read_upstreams("decode http://a:1 x\n")
+            .unwrap_err()
+            .starts_with("line 1"));
+        assert!(read_upstreams("\ndecode a:1\n")
+            .unwrap_err()
+            .starts_with("line 2: expected a URL"));
+        // Either the file or the lists.
+        c.upstreams_file = Some("/nonexistent/upstreams".into());
+        assert!(c.check().unwrap_err().contains("not both"));
+        c.prefill.clear();
+        c.decode.clear();
+        assert!(c
+            .check()
+            .unwrap_err()
+            .starts_with("upstreams_file /nonexistent/upstreams: "));
     }
 
     #[test]

@@ -28,6 +28,7 @@ mod call;
 pub mod config;
 mod conn_io;
 mod fault;
+mod membership;
 mod memory;
 mod metrics;
 mod parts;
@@ -45,6 +46,7 @@ mod upstream;
 
 pub use config::Config;
 pub use fault::{error_body, Blame, Fault};
+pub use pool::{Changed, Policy, Side, SESSION_LOAD_FACTOR};
 pub use request::{Api, ClientBody, MAX_DEPTH, PREFILL_KV_TRANSFER_PARAMS, STEERING};
 pub use server::{Server, Stop, Stopper};
 pub use stream::{StreamError, StreamMerger};

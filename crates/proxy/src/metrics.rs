@@ -1,7 +1,7 @@
 //! The proxy's Prometheus metrics, kept in memory and written as the text exposition format at
 //! `GET /metrics`. Names and labels are the Python data plane's, so dashboards carry over.
 
-use super::pool::Side;
+use super::pool::{Choice, Side};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -71,6 +71,8 @@ pub struct Metrics {
     upstream_healthy: Mutex<BTreeMap<(&'static str, String), bool>>,
     upstream_failures: Mutex<BTreeMap<(&'static str, String), u64>>,
     routing_rows: Mutex<BTreeMap<(&'static str, String), Suspect>>,
+    picks: Mutex<BTreeMap<(&'static str, String, &'static str), u64>>,
+    list_changes: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -130,6 +132,28 @@ impl Metrics {
     /// An upstream entered (`true`) or left the rotation.
     pub fn upstream_healthy(&self, side: Side, url: &str, healthy: bool) {
         lock(&self.upstream_healthy).insert((side.name(), url.to_string()), healthy);
+    }
+
+    /// A server picked for a request, and why.
+    pub fn picked(&self, side: Side, url: &str, choice: Choice) {
+        *lock(&self.picks)
+            .entry((side.name(), url.to_string(), choice.name()))
+            .or_default() += 1;
+    }
+
+    /// A server added to a side's list (`added`) or taken out of it.
+    pub fn list_changed(&self, side: Side, url: &str, added: bool) {
+        let change = if added { "added" } else { "removed" };
+        *lock(&self.list_changes)
+            .entry((side.name(), change))
+            .or_default() += 1;
+        let mut healthy = lock(&self.upstream_healthy);
+        if added {
+            healthy.insert((side.name(), url.to_string()), true);
+        } else {
+            // A gauge of a server no longer listed would say it serves.
+            healthy.remove(&(side.name(), url.to_string()));
+        }
     }
 
     /// A failed request to an upstream.
@@ -259,6 +283,34 @@ impl Metrics {
             let _ = writeln!(
                 o,
                 "routed_experts_proxy_upstream_healthy{{side=\"{side}\",upstream=\"{url}\"}} {v}"
+            );
+        }
+        head(
+            &mut o,
+            "routed_experts_proxy_upstream_picks_total",
+            "counter",
+            "Requests sent to each upstream, by why it was picked (turn, least_load, session: the \
+             server the session ranks first, session_moved: another, as its first was out of \
+             rotation or over the load bound, trial: a trial after ejection)",
+        );
+        for ((side, url, choice), n) in lock(&self.picks).iter() {
+            let _ = writeln!(
+                o,
+                "routed_experts_proxy_upstream_picks_total{{choice=\"{choice}\",side=\"{side}\",upstream=\"{url}\"}} {}",
+                num(*n as f64)
+            );
+        }
+        head(
+            &mut o,
+            "routed_experts_proxy_upstream_list_changes_total",
+            "counter",
+            "Servers added to or removed from a side's list while running (admin endpoint, SIGHUP)",
+        );
+        for ((side, change), n) in lock(&self.list_changes).iter() {
+            let _ = writeln!(
+                o,
+                "routed_experts_proxy_upstream_list_changes_total{{change=\"{change}\",side=\"{side}\"}} {}",
+                num(*n as f64)
             );
         }
         head(

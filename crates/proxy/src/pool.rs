@@ -1,11 +1,15 @@
-//! The servers of one side (prefill or decode): round robin over those in rotation, and passive
-//! health checks. A server that fails `eject_after` times in a row (no connection, a timeout, a
-//! broken reply, a 5xx) leaves the rotation for `eject_seconds`; then it gets one trial request
-//! at a time until one succeeds. When every server of a side is out, the one due first is
-//! probed (`GET /health`) before a request is refused, so failures alone never shut the last
-//! server of a side out.
+//! The servers of one side (prefill or decode): which one serves a request (the side's
+//! [`Policy`]), passive health checks, and the list changed while running.
+//!
+//! A server that fails `eject_after` times in a row (no connection, a timeout, a broken reply, a
+//! 5xx) leaves the rotation for `eject_seconds`; then it gets one trial request at a time until
+//! one succeeds. When every server of a side is out, the one due first is probed (`GET
+//! /health`) before a request is refused, so failures alone never shut the last server of a
+//! side out. A server removed while requests are under way keeps serving them: each request
+//! holds its server ([`Lease`]), not a position in the list.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::upstream::Target;
@@ -25,6 +29,88 @@ impl Side {
         match self {
             Side::Prefill => "prefill",
             Side::Decode => "decode",
+        }
+    }
+
+    /// The side `name` names.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "prefill" => Some(Side::Prefill),
+            "decode" => Some(Side::Decode),
+            _ => None,
+        }
+    }
+}
+
+/// How a side picks the server for a request among those in rotation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// Each in turn.
+    RoundRobin,
+    /// The one with the fewest requests under way (ties in turn).
+    LeastLoad,
+    /// A request with a session key goes to the server its key ranks first (rendezvous
+    /// hashing), unless that server holds more than [`SESSION_LOAD_FACTOR`] times the average
+    /// load, in which case the next in its ranking that does not; a request without a key goes
+    /// to the least loaded.
+    Session,
+}
+
+/// The bound on a server's share under [`Policy::Session`]: a session's request goes to a
+/// server only while its requests under way are below this factor times the side's average
+/// (counting the request), so one hot session cannot swamp a server (consistent hashing with
+/// bounded loads; 1.25 is the factor its authors recommend).
+pub const SESSION_LOAD_FACTOR: f64 = 1.25;
+
+impl Policy {
+    /// Every policy, by name.
+    pub const ALL: [Policy; 3] = [Policy::RoundRobin, Policy::LeastLoad, Policy::Session];
+
+    /// Its name, as the command's flag takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::RoundRobin => "round_robin",
+            Policy::LeastLoad => "least_load",
+            Policy::Session => "session",
+        }
+    }
+
+    /// The policy `name` names; `Err` lists the names.
+    pub fn parse(name: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.name() == name)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.iter().map(|p| p.name()).collect();
+                format!("expected one of {}, got {name:?}", names.join(", "))
+            })
+    }
+}
+
+/// Why a server was picked, for the metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Choice {
+    /// Its turn (round robin).
+    Turn,
+    /// The least loaded (least load, or a session policy's request without a key).
+    LeastLoad,
+    /// The server the request's session ranks first.
+    Session,
+    /// Not the session's first server: it was out of rotation, avoided or over the load bound.
+    SessionMoved,
+    /// A trial request to a server whose ejection is over.
+    Trial,
+}
+
+impl Choice {
+    /// Its metric label.
+    pub fn name(self) -> &'static str {
+        match self {
+            Choice::Turn => "turn",
+            Choice::LeastLoad => "least_load",
+            Choice::Session => "session",
+            Choice::SessionMoved => "session_moved",
+            Choice::Trial => "trial",
         }
     }
 }
@@ -59,84 +145,141 @@ struct Health {
     probed_at: Option<Instant>,
 }
 
-/// One server: where it is, and its health.
+impl Health {
+    fn new() -> Self {
+        Health {
+            failures: 0,
+            ejected_until: None,
+            trials: 0,
+            probed_at: None,
+        }
+    }
+}
+
+/// One server: where it is, and the requests it is serving.
+#[derive(Debug)]
 pub struct Upstream {
-    /// Its side.
-    pub side: Side,
     /// Its base URL as given, without a trailing slash.
     pub url: String,
     /// Where requests go.
     pub target: Target,
+    in_flight: AtomicUsize,
 }
 
-/// An upstream picked for one request; `trial` when it is out of rotation and on trial.
-/// Give it back with [`Pool::release`].
+impl Upstream {
+    fn new(url: &str) -> Result<Arc<Self>, String> {
+        Ok(Arc::new(Upstream {
+            url: url.trim_end_matches('/').to_string(),
+            target: Target::parse(url)?,
+            in_flight: AtomicUsize::new(0),
+        }))
+    }
+
+    /// Requests it is serving now (leases not yet dropped).
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Acquire)
+    }
+}
+
+/// An upstream picked for one request; `trial` when it is out of rotation and on trial. Give it
+/// back with [`Pool::release`]; it counts as one of the server's requests under way until it
+/// is dropped.
 #[derive(Debug)]
 pub struct Lease {
-    /// The upstream's position in its pool.
-    pub index: usize,
+    /// The server.
+    pub upstream: Arc<Upstream>,
     /// Whether this request is its trial.
     pub trial: bool,
+    /// Why it was picked.
+    pub choice: Choice,
+}
+
+impl Lease {
+    fn new(upstream: &Arc<Upstream>, choice: Choice) -> Self {
+        upstream.in_flight.fetch_add(1, Ordering::AcqRel);
+        Lease {
+            upstream: Arc::clone(upstream),
+            trial: choice == Choice::Trial,
+            choice,
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.upstream.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// One upstream's health as `/health` shows it.
-pub struct Status<'a> {
+pub struct Status {
     /// Its URL.
-    pub url: &'a str,
+    pub url: String,
     /// In rotation.
     pub healthy: bool,
     /// Failures in a row.
     pub consecutive_failures: u32,
     /// Seconds until it may be tried again (0 while healthy).
     pub retry_in: f64,
+    /// Requests it is serving.
+    pub in_flight: usize,
 }
 
-/// Round robin over one side's upstreams, skipping those out of rotation.
+/// One side's upstreams, picked by its policy, skipping those out of rotation.
 pub struct Pool {
     /// Its side.
     pub side: Side,
-    /// Its servers, in the order given.
-    pub upstreams: Vec<Upstream>,
+    /// How it picks.
+    pub policy: Policy,
     eject_after: u32,
     eject_for: Duration,
     state: Mutex<PoolState>,
 }
 
-struct PoolState {
-    next: usize,
-    health: Vec<Health>,
+struct Member {
+    upstream: Arc<Upstream>,
+    health: Health,
 }
 
-/// A health change the caller reports (log line, metric): `(index, healthy)`.
-pub type Change = Option<(usize, bool)>;
+struct PoolState {
+    next: usize,
+    members: Vec<Member>,
+}
+
+/// A health change the caller reports (log line, metric): `(url, healthy)`.
+pub type Change = Option<(String, bool)>;
+
+/// What a change of the list did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Changed {
+    /// URLs added.
+    pub added: Vec<String>,
+    /// URLs removed.
+    pub removed: Vec<String>,
+}
 
 impl Pool {
-    /// The pool of `urls` (checked by `Config::check` first).
-    pub fn new(side: Side, urls: &[String], eject_after: u32, eject_for: Duration) -> Self {
-        let upstreams = urls
-            .iter()
-            .map(|url| Upstream {
-                side,
-                url: url.trim_end_matches('/').to_string(),
-                target: Target::parse(url).expect("URLs are checked by Config::check"),
-            })
-            .collect::<Vec<_>>();
-        let health = upstreams
-            .iter()
-            .map(|_| Health {
-                failures: 0,
-                ejected_until: None,
-                trials: 0,
-                probed_at: None,
-            })
-            .collect();
-        Pool {
+    /// The pool of `urls` (each once; a URL given twice is one server), picking by `policy`;
+    /// `Err` names a URL that is not one, or says the list is empty.
+    pub fn new(
+        side: Side,
+        urls: &[String],
+        policy: Policy,
+        eject_after: u32,
+        eject_for: Duration,
+    ) -> Result<Self, String> {
+        let pool = Pool {
             side,
-            upstreams,
+            policy,
             eject_after,
             eject_for,
-            state: Mutex::new(PoolState { next: 0, health }),
-        }
+            state: Mutex::new(PoolState {
+                next: 0,
+                members: Vec::new(),
+            }),
+        };
+        pool.replace(urls)?;
+        Ok(pool)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
@@ -149,94 +292,119 @@ impl Pool {
         h.failures < self.eject_after
     }
 
-    /// The upstream for a request: with a `session` key, the one of the upstreams in rotation
-    /// (not `avoid`) that the key ranks first (rendezvous hashing: a session's turns meet the
-    /// same server, and its prefix cache, for as long as that server stays in rotation; a
-    /// server leaving moves only its own sessions); without one, the next in rotation. Else one
-    /// whose ejection is over and that has no trial under way; `None` when there is neither.
-    pub fn pick(&self, avoid: Option<usize>, session: Option<u64>) -> Option<Lease> {
+    /// The upstream for a request. First a server whose ejection is over and that has no trial
+    /// under way (its trial); else, among those in rotation but `avoid`, the one the policy
+    /// picks (`session`: the request's session key, if it has one); `None` when there is
+    /// neither.
+    pub fn pick(&self, avoid: Option<&Upstream>, session: Option<u64>) -> Option<Lease> {
         let now = Instant::now();
         let mut s = self.lock();
-        let n = self.upstreams.len();
-        if let Some(key) = session {
-            let ranked = (0..n)
-                .filter(|&i| Some(i) != avoid && self.healthy(&s.health[i]))
-                .max_by_key(|&i| rank(key, &self.upstreams[i].url));
-            if let Some(index) = ranked {
-                return Some(Lease {
-                    index,
-                    trial: false,
-                });
+        let n = s.members.len();
+        let start = s.next;
+        let avoided = |m: &Member| avoid.is_some_and(|a| std::ptr::eq(a, &*m.upstream));
+        // In rotation order from the next, so trials and ties take turns.
+        let order: Vec<usize> = (0..n).map(|i| (start + i) % n).collect();
+        for &i in &order {
+            let m = &mut s.members[i];
+            let h = &m.health;
+            if !avoided(m)
+                && !self.healthy(h)
+                && h.trials == 0
+                && h.ejected_until.is_none_or(|t| now >= t)
+            {
+                m.health.trials += 1;
+                s.next = (i + 1) % n;
+                return Some(Lease::new(&s.members[i].upstream, Choice::Trial));
             }
         }
-        for i in 0..n {
-            let index = (s.next + i) % n;
-            if Some(index) == avoid {
-                continue;
+        let candidates: Vec<usize> = order
+            .into_iter()
+            .filter(|&i| !avoided(&s.members[i]) && self.healthy(&s.members[i].health))
+            .collect();
+        let load = |i: usize| s.members[i].upstream.in_flight();
+        let (index, choice) = match (self.policy, session) {
+            (Policy::RoundRobin, _) => (*candidates.first()?, Choice::Turn),
+            (Policy::Session, Some(key)) => {
+                let rank_of = |i: usize| rank(key, &s.members[i].upstream.url);
+                let mut ranked = candidates.clone();
+                ranked.sort_by_key(|&i| std::cmp::Reverse(rank_of(i)));
+                let total: usize = candidates.iter().map(|&i| load(i)).sum();
+                let cap = session_cap(total, candidates.len());
+                // Some server is below the cap: were all at or above it, the total would be
+                // at least its count times the cap, more than the total.
+                let index = ranked
+                    .iter()
+                    .copied()
+                    .find(|&i| load(i) < cap)
+                    .or(ranked.first().copied())?;
+                let first = (0..n).max_by_key(|&i| rank_of(i));
+                let choice = if first == Some(index) {
+                    Choice::Session
+                } else {
+                    Choice::SessionMoved
+                };
+                (index, choice)
             }
-            let h = &s.health[index];
-            if self.healthy(h) {
-                s.next = (index + 1) % n;
-                return Some(Lease {
-                    index,
-                    trial: false,
-                });
-            }
-            if h.ejected_until.is_none_or(|t| now >= t) && h.trials == 0 {
-                s.health[index].trials += 1;
-                return Some(Lease { index, trial: true });
-            }
+            _ => (
+                candidates.iter().copied().min_by_key(|&i| load(i))?,
+                Choice::LeastLoad,
+            ),
+        };
+        if choice != Choice::Session && choice != Choice::SessionMoved {
+            s.next = (index + 1) % n;
         }
-        None
+        Some(Lease::new(&s.members[index].upstream, choice))
     }
 
     /// When nothing can be picked: the out-of-rotation upstream to probe before refusing (the
     /// one whose ejection ends first, with no trial or probe under way and none probed in the
     /// last `interval`), reserved as a trial; `None` when there is none.
-    pub fn probe_candidate(&self, interval: Duration) -> Option<usize> {
+    pub fn probe_candidate(&self, interval: Duration) -> Option<Arc<Upstream>> {
         let now = Instant::now();
         let mut s = self.lock();
-        let index = s
-            .health
-            .iter()
-            .enumerate()
-            .filter(|(_, h)| {
-                !self.healthy(h)
+        let m = s
+            .members
+            .iter_mut()
+            .filter(|m| {
+                let h = &m.health;
+                h.failures >= self.eject_after
                     && h.trials == 0
                     && h.probed_at
                         .is_none_or(|t| now.duration_since(t) >= interval)
             })
-            .min_by_key(|(_, h)| h.ejected_until)
-            .map(|(i, _)| i)?;
-        let h = &mut s.health[index];
-        h.trials += 1;
-        h.probed_at = Some(now);
-        Some(index)
+            .min_by_key(|m| m.health.ejected_until)?;
+        m.health.trials += 1;
+        m.health.probed_at = Some(now);
+        Some(Arc::clone(&m.upstream))
     }
 
     /// The outcome of a probe: a trial lease when the server answered (the request it serves
     /// decides whether it rejoins), else `None`.
-    pub fn probed(&self, index: usize, answered: bool) -> Option<Lease> {
+    pub fn probed(&self, upstream: &Arc<Upstream>, answered: bool) -> Option<Lease> {
         if answered {
-            return Some(Lease { index, trial: true });
+            return Some(Lease::new(upstream, Choice::Trial));
         }
-        self.lock().health[index].trials -= 1;
+        if let Some(m) = self.lock().member(upstream) {
+            m.health.trials = m.health.trials.saturating_sub(1);
+        }
         None
     }
 
     /// Record how a request to the leased upstream ended; returns a change of rotation to
-    /// report.
+    /// report. A server removed meanwhile has no health to record.
     pub fn release(&self, lease: Lease, outcome: Outcome) -> Change {
         let mut s = self.lock();
-        let h = &mut s.health[lease.index];
+        let m = s.member(&lease.upstream)?;
+        let h = &mut m.health;
         if lease.trial {
             h.trials = h.trials.saturating_sub(1);
         }
         let was_healthy = h.failures < self.eject_after;
+        let url = &m.upstream.url;
         match outcome {
             Outcome::Ok => {
                 h.failures = 0;
-                (!was_healthy).then_some((lease.index, true))
+                (!was_healthy).then(|| (url.clone(), true))
             }
             Outcome::Failed => {
                 h.failures = h.failures.saturating_add(1);
@@ -245,18 +413,94 @@ impl Pool {
                     if h.failures == self.eject_after || lease.trial {
                         log::warn!(
                             target: "routed_experts::proxy",
-                            "{} server {} failed {} times in a row: out of rotation for {} s",
+                            "{} server {url} failed {} times in a row: out of rotation for {} s",
                             self.side.name(),
-                            self.upstreams[lease.index].url,
                             h.failures,
                             self.eject_for.as_secs_f64()
                         );
                     }
                 }
-                (was_healthy && h.failures >= self.eject_after).then_some((lease.index, false))
+                (was_healthy && h.failures >= self.eject_after).then(|| (url.clone(), false))
             }
             Outcome::Unknown => None,
         }
+    }
+
+    /// Add the server at `url`, in rotation; `Ok(false)` when it is already there.
+    pub fn add(&self, url: &str) -> Result<bool, String> {
+        let upstream = Upstream::new(url)?;
+        let mut s = self.lock();
+        if s.members.iter().any(|m| m.upstream.url == upstream.url) {
+            return Ok(false);
+        }
+        s.members.push(Member {
+            upstream,
+            health: Health::new(),
+        });
+        Ok(true)
+    }
+
+    /// Take the server at `url` out of the list (requests it is serving finish there);
+    /// `Ok(false)` when it is not there; `Err` when it is the side's last server.
+    pub fn remove(&self, url: &str) -> Result<bool, String> {
+        let url = url.trim_end_matches('/');
+        let mut s = self.lock();
+        let Some(i) = s.members.iter().position(|m| m.upstream.url == url) else {
+            return Ok(false);
+        };
+        if s.members.len() == 1 {
+            return Err(format!(
+                "{url} is the last {} server: add another first",
+                self.side.name()
+            ));
+        }
+        s.members.remove(i);
+        let n = s.members.len();
+        s.next %= n;
+        Ok(true)
+    }
+
+    /// Make the list `urls` (in that order): servers that stay keep their health, those not in
+    /// it are removed. All or nothing: `Err` names a URL that is not one, or says it is empty.
+    pub fn replace(&self, urls: &[String]) -> Result<Changed, String> {
+        if urls.is_empty() {
+            return Err(format!("give at least one {} server", self.side.name()));
+        }
+        let mut wanted: Vec<Arc<Upstream>> = Vec::with_capacity(urls.len());
+        for url in urls {
+            let u = Upstream::new(url).map_err(|e| format!("{}: {e}", self.side.name()))?;
+            if !wanted.iter().any(|w| w.url == u.url) {
+                wanted.push(u);
+            }
+        }
+        let mut s = self.lock();
+        let mut old: Vec<Member> = std::mem::take(&mut s.members);
+        let mut changed = Changed::default();
+        for u in wanted {
+            match old.iter().position(|m| m.upstream.url == u.url) {
+                Some(i) => s.members.push(old.swap_remove(i)),
+                None => {
+                    changed.added.push(u.url.clone());
+                    s.members.push(Member {
+                        upstream: u,
+                        health: Health::new(),
+                    });
+                }
+            }
+        }
+        changed.removed = old.into_iter().map(|m| m.upstream.url.clone()).collect();
+        let n = s.members.len();
+        s.next %= n;
+        Ok(changed)
+    }
+
+    /// Its servers' URLs, in order.
+    pub fn urls(&self) -> Vec<String> {
+        self.lock()
+            .members
+            .iter()
+            .map(|m| m.upstream.url.clone())
+            .collect()
     }
 
     /// Whole seconds until an upstream of this side may be tried again (at least 1).
@@ -264,10 +508,11 @@ impl Pool {
         let now = Instant::now();
         let s = self.lock();
         let wait = s
-            .health
+            .members
             .iter()
-            .map(|h| {
-                h.ejected_until
+            .map(|m| {
+                m.health
+                    .ejected_until
                     .map_or(0.0, |t| t.saturating_duration_since(now).as_secs_f64())
             })
             .fold(f64::INFINITY, f64::min);
@@ -275,16 +520,16 @@ impl Pool {
     }
 
     /// Each upstream's health, for `/health`.
-    pub fn status(&self) -> Vec<Status<'_>> {
+    pub fn status(&self) -> Vec<Status> {
         let now = Instant::now();
         let s = self.lock();
-        self.upstreams
+        s.members
             .iter()
-            .zip(&s.health)
-            .map(|(u, h)| {
+            .map(|m| {
+                let h = &m.health;
                 let healthy = self.healthy(h);
                 Status {
-                    url: &u.url,
+                    url: m.upstream.url.clone(),
                     healthy,
                     consecutive_failures: h.failures,
                     retry_in: if healthy {
@@ -293,6 +538,7 @@ impl Pool {
                         h.ejected_until
                             .map_or(0.0, |t| t.saturating_duration_since(now).as_secs_f64())
                     },
+                    in_flight: m.upstream.in_flight(),
                 }
             })
             .collect()
@@ -300,8 +546,24 @@ impl Pool {
 
     /// Whether any upstream is in rotation.
     pub fn any_healthy(&self) -> bool {
-        self.lock().health.iter().any(|h| self.healthy(h))
+        self.lock().members.iter().any(|m| self.healthy(&m.health))
     }
+}
+
+impl PoolState {
+    fn member(&mut self, upstream: &Arc<Upstream>) -> Option<&mut Member> {
+        self.members
+            .iter_mut()
+            .find(|m| Arc::ptr_eq(&m.upstream, upstream))
+    }
+}
+
+/// The most requests under way a server may hold and still take a session's request: the load
+/// factor times the average over `servers` (counting the request), and at least 2, so that
+/// below any real load a session stays on its server.
+fn session_cap(in_flight: usize, servers: usize) -> usize {
+    let fair = SESSION_LOAD_FACTOR * (in_flight as f64 + 1.0) / servers.max(1) as f64;
+    (fair.ceil() as usize).max(2)
 }
 
 /// How highly the session `key` ranks the server at `url` (a fixed hash of both: the same on
@@ -333,27 +595,35 @@ fn fnv(h: u64, bytes: &[u8]) -> u64 {
 mod tests {
     use super::*;
 
-    fn pool(n: usize, eject_after: u32, eject_for: Duration) -> Pool {
-        let urls: Vec<String> = (0..n)
-            .map(|i| format!("http://127.0.0.1:{}", 1000 + i))
-            .collect();
-        Pool::new(Side::Decode, &urls, eject_after, eject_for)
+    fn urls(n: usize) -> Vec<String> {
+        (1..=n).map(|i| format!("http://10.0.0.{i}:8000")).collect()
+    }
+
+    fn pool(n: usize, policy: Policy, eject_after: u32, eject_for: Duration) -> Pool {
+        Pool::new(Side::Decode, &urls(n), policy, eject_after, eject_for).unwrap()
+    }
+
+    fn key(i: usize) -> u64 {
+        session_key(format!("\"s{i}\"").as_bytes())
+    }
+
+    /// The server (by its place in `urls`) a lease holds.
+    fn place(l: &Lease) -> usize {
+        urls(8).iter().position(|u| *u == l.upstream.url).unwrap()
     }
 
     #[test]
     fn a_session_meets_the_same_server_and_a_server_leaving_moves_only_its_sessions() {
-        let urls: Vec<String> = (1..=4).map(|i| format!("http://10.0.0.{i}:8000")).collect();
-        let p = Pool::new(Side::Prefill, &urls, 1, Duration::from_secs(60));
-        let keys: Vec<u64> = (0..400)
-            .map(|i| session_key(format!("\"s{i}\"").as_bytes()))
-            .collect();
+        let p = pool(4, Policy::Session, 1, Duration::from_secs(60));
+        let keys: Vec<u64> = (0..400).map(key).collect();
         let first: Vec<usize> = keys
             .iter()
-            .map(|&k| p.pick(None, Some(k)).unwrap().index)
+            .map(|&k| place(&p.pick(None, Some(k)).unwrap()))
             .collect();
         // The same server every time, and the sessions spread over all four.
         for (&k, &i) in keys.iter().zip(&first) {
-            assert_eq!(p.pick(None, Some(k)).unwrap().index, i);
+            let l = p.pick(None, Some(k)).unwrap();
+            assert_eq!((place(&l), l.choice), (i, Choice::Session));
         }
         for s in 0..4 {
             let n = first.iter().filter(|&&i| i == s).count();
@@ -371,58 +641,185 @@ mod tests {
             .unwrap();
         p.release(l, Outcome::Failed);
         for (&k, &i) in keys.iter().zip(&first) {
-            let now = p.pick(None, Some(k)).unwrap().index;
+            let l = p.pick(None, Some(k)).unwrap();
             if i == 2 {
-                assert_ne!(now, 2);
+                assert_ne!(place(&l), 2);
+                assert_eq!(l.choice, Choice::SessionMoved);
             } else {
-                assert_eq!(now, i);
+                assert_eq!(place(&l), i);
             }
         }
         // `avoid` (a server that refused the connection) is skipped for the retry.
+        let l = p.pick(None, Some(keys[0])).unwrap();
         assert_ne!(
-            p.pick(Some(first[0]), Some(keys[0])).unwrap().index,
+            place(&p.pick(Some(&l.upstream), Some(keys[0])).unwrap()),
             first[0]
         );
     }
 
     #[test]
+    fn removing_a_server_moves_only_its_sessions_and_adding_one_takes_a_fair_share() {
+        let p = pool(4, Policy::Session, 3, Duration::from_secs(60));
+        let before: Vec<usize> = (0..400)
+            .map(|i| place(&p.pick(None, Some(key(i))).unwrap()))
+            .collect();
+        assert_eq!(p.remove(&urls(4)[1]), Ok(true));
+        assert_eq!(p.remove(&urls(4)[1]), Ok(false));
+        let moved = (0..400)
+            .filter(|&i| place(&p.pick(None, Some(key(i))).unwrap()) != before[i])
+            .count();
+        let on_1 = before.iter().filter(|&&s| s == 1).count();
+        assert_eq!(moved, on_1);
+        // Back: every session returns where it was.
+        assert_eq!(p.add(&urls(4)[1]), Ok(true));
+        assert_eq!(p.add(&format!("{}/", urls(4)[1])), Ok(false));
+        let now: Vec<usize> = (0..400)
+            .map(|i| place(&p.pick(None, Some(key(i))).unwrap()))
+            .collect();
+        assert_eq!(now, before);
+        // A fifth server takes about a fifth, all of them from the others.
+        assert_eq!(p.add(&urls(5)[4]), Ok(true));
+        let to_new = (0..400)
+            .filter(|&i| {
+                let s = place(&p.pick(None, Some(key(i))).unwrap());
+                assert!(s == 4 || s == before[i]);
+                s == 4
+            })
+            .count();
+        assert!((50..=110).contains(&to_new), "{to_new} of 400 moved");
+    }
+
+    #[test]
+    fn the_last_server_cannot_be_removed_and_a_bad_list_changes_nothing() {
+        let p = pool(2, Policy::LeastLoad, 3, Duration::from_secs(60));
+        assert_eq!(p.remove(&urls(2)[0]), Ok(true));
+        assert!(p
+            .remove(&urls(2)[1])
+            .unwrap_err()
+            .contains("last decode server"));
+        assert!(p.add("localhost:1").is_err());
+        let bad = vec![urls(3)[2].clone(), "ftp://x".to_string()];
+        assert!(p.replace(&bad).is_err());
+        assert!(p.replace(&[]).unwrap_err().contains("at least one"));
+        assert_eq!(p.urls(), [urls(2)[1].clone()]);
+        let changed = p.replace(&urls(3)).unwrap();
+        assert_eq!(changed.added, [urls(3)[0].clone(), urls(3)[2].clone()]);
+        assert!(changed.removed.is_empty());
+        assert_eq!(p.urls(), urls(3));
+        let changed = p.replace(&urls(1)).unwrap();
+        assert_eq!(changed.removed.len(), 2);
+    }
+
+    #[test]
+    fn a_removed_server_finishes_its_requests_and_its_lease_is_released_harmlessly() {
+        let p = pool(2, Policy::RoundRobin, 1, Duration::from_secs(60));
+        let l = p.pick(None, None).unwrap();
+        assert_eq!(l.upstream.in_flight(), 1);
+        p.remove(&l.upstream.url.clone()).unwrap();
+        let upstream = Arc::clone(&l.upstream);
+        assert_eq!(p.release(l, Outcome::Failed), None);
+        assert_eq!(upstream.in_flight(), 0);
+        assert!(p.pick(None, None).unwrap().upstream.url != upstream.url);
+    }
+
+    #[test]
+    fn least_load_picks_the_server_with_fewest_requests_under_way() {
+        let p = pool(3, Policy::LeastLoad, 3, Duration::from_secs(60));
+        let mut held: Vec<Lease> = (0..3).map(|_| p.pick(None, None).unwrap()).collect();
+        let mut places: Vec<usize> = held.iter().map(place).collect();
+        places.sort_unstable();
+        assert_eq!(places, [0, 1, 2]);
+        let second = p.pick(None, None).unwrap();
+        drop(held.remove(1));
+        let l = p.pick(None, None).unwrap();
+        assert_eq!(l.choice, Choice::LeastLoad);
+        assert_eq!(l.upstream.in_flight(), 1);
+        assert_ne!(place(&l), place(&second));
+        // A session policy's request without a key goes to the least loaded too.
+        let s = pool(3, Policy::Session, 3, Duration::from_secs(60));
+        let _a = s.pick(None, None).unwrap();
+        let _b = s.pick(None, None).unwrap();
+        let c = s.pick(None, None).unwrap();
+        assert_eq!((c.choice, c.upstream.in_flight()), (Choice::LeastLoad, 1));
+    }
+
+    #[test]
+    fn one_hot_session_spills_past_the_load_bound() {
+        let p = pool(4, Policy::Session, 3, Duration::from_secs(60));
+        let held: Vec<Lease> = (0..40)
+            .map(|_| p.pick(None, Some(key(7))).unwrap())
+            .collect();
+        let mut per = [0usize; 4];
+        for l in &held {
+            per[place(l)] += 1;
+        }
+        // No server holds more than the bound allows at the moment it was picked.
+        let most = *per.iter().max().unwrap();
+        assert!(most <= session_cap(39, 4), "{per:?}");
+        assert!(held.iter().any(|l| l.choice == Choice::SessionMoved));
+        // Below any real load a session stays put.
+        assert_eq!(session_cap(0, 4), 2);
+        assert_eq!(session_cap(15, 4), 5);
+    }
+
+    #[test]
     fn round_robin_skips_ejected_servers_and_trials_one_at_a_time() {
-        let p = pool(2, 2, Duration::ZERO);
+        let p = pool(2, Policy::RoundRobin, 2, Duration::ZERO);
         let order: Vec<usize> = (0..4)
             .map(|_| {
                 let l = p.pick(None, None).unwrap();
-                let i = l.index;
+                let i = place(&l);
                 p.release(l, Outcome::Ok);
                 i
             })
             .collect();
         assert_eq!(order, [0, 1, 0, 1]);
+        let _zero = p.pick(None, None).unwrap();
+        let one = Arc::clone(&p.pick(None, None).unwrap().upstream);
+        assert_eq!(place(&p.pick(Some(&one), None).unwrap()), 0);
         for _ in 0..2 {
-            let l = p.pick(Some(1), None).unwrap();
-            assert_eq!(l.index, 0);
+            let l = p.pick(Some(&one), None).unwrap();
+            assert_eq!(place(&l), 0);
             p.release(l, Outcome::Failed);
         }
         assert_eq!(p.status()[0].consecutive_failures, 2);
         assert!(!p.status()[0].healthy);
         // Ejection of zero seconds: 0 gets one trial; while it runs, only 1 is picked.
-        let trial = p.pick(Some(1), None).unwrap();
-        assert!(trial.trial && trial.index == 0);
-        assert!(p.pick(Some(1), None).is_none());
-        assert_eq!(p.release(trial, Outcome::Ok), Some((0, true)));
+        let trial = p.pick(None, None).unwrap();
+        assert!(trial.trial && place(&trial) == 0);
+        assert!(p.pick(Some(&one), None).is_none());
+        assert_eq!(place(&p.pick(None, None).unwrap()), 1);
+        assert_eq!(
+            p.release(trial, Outcome::Ok),
+            Some((urls(2)[0].clone(), true))
+        );
         assert!(p.status()[0].healthy);
     }
 
     #[test]
     fn the_last_server_is_probed_at_most_once_per_interval() {
-        let p = pool(1, 1, Duration::from_secs(60));
+        let p = pool(1, Policy::RoundRobin, 1, Duration::from_secs(60));
         let l = p.pick(None, None).unwrap();
-        assert_eq!(p.release(l, Outcome::Failed), Some((0, false)));
+        assert_eq!(
+            p.release(l, Outcome::Failed),
+            Some((urls(1)[0].clone(), false))
+        );
         assert!(p.pick(None, None).is_none());
         assert_eq!(p.retry_after(), 60);
         let probe = p.probe_candidate(Duration::from_secs(1)).unwrap();
         assert!(p.probe_candidate(Duration::from_secs(1)).is_none()); // under way
-        assert!(p.probed(probe, false).is_none());
+        assert!(p.probed(&probe, false).is_none());
         assert!(p.probe_candidate(Duration::from_secs(1)).is_none()); // probed a moment ago
         assert!(p.probe_candidate(Duration::ZERO).is_some());
+    }
+
+    #[test]
+    fn policies_are_named() {
+        for p in Policy::ALL {
+            assert_eq!(Policy::parse(p.name()), Ok(p));
+        }
+        assert!(Policy::parse("cache_aware")
+            .unwrap_err()
+            .contains("round_robin, least_load, session"));
     }
 }

@@ -90,7 +90,7 @@ impl Call {
         let opts = self.merge_options(body.start);
         drop(body);
         let lease = lease.take();
-        let url = proxy.decode.upstreams[lease.index].url.clone();
+        let url = lease.upstream.url.clone();
         let began = Instant::now();
         let decode = match self
             .open_stream(lease, decode_json, prefill_share.held())
@@ -147,7 +147,8 @@ impl Call {
         data: Vec<u8>,
         beside: usize,
     ) -> Result<(Lease, Response<Incoming>), Fault> {
-        let url = &self.proxy.decode.upstreams[lease.index].url;
+        let upstream = std::sync::Arc::clone(&lease.upstream);
+        let url = &upstream.url;
         let (mut guard, head) = self.post(Side::Decode, lease, data.into()).await;
         let r = head?;
         let status = r.status().as_u16();

@@ -34,7 +34,7 @@ impl Proxy {
         };
         let answer = async {
             let lease = self.lease(Side::Decode, None).await?;
-            let u = &self.decode.upstreams[lease.index];
+            let u = std::sync::Arc::clone(&lease.upstream);
             let result = self
                 .upstreams
                 .call(
@@ -94,6 +94,9 @@ pub(crate) async fn route(
         }
         return proxy.completion(req, endpoint, api).await;
     }
+    if path == "/upstreams" && routes != Routes::Service {
+        return upstreams(&proxy, req, routes).await;
+    }
     let operator = matches!(path, "/health" | "/metrics");
     let known = match routes {
         Routes::All => operator || matches!(path, "/v1/models" | "/healthcheck"),
@@ -127,6 +130,32 @@ pub(crate) async fn route(
     }
 }
 
+/// `/upstreams`: read anywhere the operator endpoints are served; changed only on the admin
+/// port, which clients cannot reach.
+async fn upstreams(proxy: &Proxy, req: Request<Incoming>, routes: Routes) -> Response<Body> {
+    let method = req.method().clone();
+    let change = method == Method::POST || method == Method::DELETE;
+    if method == Method::GET || method == Method::HEAD {
+        return proxy.upstream_list();
+    }
+    if change && routes == Routes::Admin {
+        return proxy.change_upstreams(req, method == Method::POST).await;
+    }
+    proxy.metrics.request("other", 405, Blame::Client.name());
+    if change {
+        return not_allowed(
+            "/upstreams is changed on the admin port only (--admin-port)".into(),
+            "GET, HEAD",
+        );
+    }
+    let allow = if routes == Routes::Admin {
+        "GET, HEAD, POST, DELETE"
+    } else {
+        "GET, HEAD"
+    };
+    not_allowed(format!("/upstreams takes {allow}"), allow)
+}
+
 pub(crate) fn not_allowed(message: String, allow: &'static str) -> Response<Body> {
     fault_response(&Fault {
         allow: Some(allow),
@@ -147,6 +176,7 @@ pub(crate) fn health(proxy: &Proxy) -> Response<Body> {
                         "healthy": s.healthy,
                         "consecutive_failures": s.consecutive_failures,
                         "retry_in_s": (s.retry_in * 1000.0).round() / 1000.0,
+                        "in_flight": s.in_flight,
                     })
                 })
                 .collect(),
@@ -161,6 +191,7 @@ pub(crate) fn health(proxy: &Proxy) -> Response<Body> {
         "buffered_limit": proxy.budget.limit(),
         "prefill": side(&proxy.prefill),
         "decode": side(&proxy.decode),
+        "policies": {"prefill": proxy.prefill.policy.name(), "decode": proxy.decode.policy.name()},
     });
     let body = serde_json::to_vec(&doc).unwrap_or_default();
     json_response(if ok { 200 } else { 503 }, Bytes::from(body))

@@ -90,16 +90,15 @@ impl Server {
     /// Check `config` and bind `addr` (and `admin`, which then alone serves `/health` and
     /// `/metrics`). Port 0 picks a free port ([`local_addr`](Self::local_addr) says which).
     pub fn bind(config: Config, addr: SocketAddr, admin: Option<SocketAddr>) -> io::Result<Self> {
-        config
-            .check()
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        let proxy =
+            Proxy::new(config).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         let listener = bind(addr)?;
         let admin = admin.map(bind).transpose()?;
         let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
         Ok(Server {
             listener,
             admin,
-            proxy: Arc::new(Proxy::new(config)),
+            proxy: Arc::new(proxy),
             stop: Arc::new(watch::channel(Stop::Running).0),
             workers,
         })
@@ -151,7 +150,10 @@ impl Server {
         let gate = Gate::new(proxy.config.max_connections);
         let graceful = GracefulShutdown::new();
         if signals {
-            tokio::spawn(forward_signals(Stopper(Arc::clone(&stop))));
+            tokio::spawn(forward_signals(
+                Stopper(Arc::clone(&stop)),
+                Arc::clone(&proxy),
+            ));
         }
         tokio::spawn(give_back_memory(Arc::clone(&proxy)));
         let mut stopped = stop.subscribe();
@@ -360,12 +362,14 @@ pub(crate) fn shutdown_write(stream: &TcpStream) {
     }
 }
 
-/// SIGTERM or SIGINT: a graceful stop; a second one: stop at once.
-async fn forward_signals(stopper: Stopper) {
+/// SIGTERM or SIGINT: a graceful stop; a second one: stop at once. SIGHUP: the upstreams file
+/// re-read.
+async fn forward_signals(stopper: Stopper, proxy: Arc<Proxy>) {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (
+    let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
+        signal(SignalKind::hangup()),
     ) else {
         log::warn!(target: "routed_experts::proxy", "cannot listen for signals");
         return;
@@ -374,9 +378,30 @@ async fn forward_signals(stopper: Stopper) {
         let name = tokio::select! {
             _ = term.recv() => "SIGTERM",
             _ = int.recv() => "SIGINT",
+            _ = hup.recv() => {
+                reload(&proxy);
+                continue;
+            }
         };
         log::info!(target: "routed_experts::proxy", "{name} received");
         stopper.stop(Stop::Graceful);
+    }
+}
+
+/// SIGHUP: the upstreams file re-read, what changed logged.
+fn reload(proxy: &Proxy) {
+    match proxy.reload_upstreams_file() {
+        Ok(None) => log::warn!(target: "routed_experts::proxy",
+            "SIGHUP: no upstreams file to re-read (--upstreams-file)"),
+        Ok(Some(changes)) => {
+            for (side, c) in ["prefill", "decode"].iter().zip(&changes) {
+                log::warn!(target: "routed_experts::proxy",
+                    "SIGHUP: {side} servers re-read: added {:?}, removed {:?}", c.added, c.removed);
+            }
+        }
+        Err(e) => {
+            log::error!(target: "routed_experts::proxy", "SIGHUP: {e}; the lists are unchanged")
+        }
     }
 }
 

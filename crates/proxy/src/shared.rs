@@ -8,14 +8,14 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use hyper::header::{HeaderValue, AUTHORIZATION, CONTENT_LENGTH};
+use hyper::header::{HeaderName, HeaderValue, AUTHORIZATION, CONTENT_LENGTH};
 use hyper::{Method, Request, Response, StatusCode};
 
 use super::budget::{Budget, Share};
 use super::config::Config;
 use super::fault::Fault;
 use super::metrics::Metrics;
-use super::pool::{Lease, Outcome, Pool, Side};
+use super::pool::{session_key, Lease, Outcome, Pool, Side, Upstream};
 use super::request::{Api, ClientBody};
 use super::upstream::{CallError, Upstreams};
 
@@ -48,28 +48,33 @@ pub struct Proxy {
     pub in_flight: AtomicUsize,
     pub(crate) upstreams: Upstreams,
     pub(crate) merge_max_bytes: usize,
+    pub(crate) session_header: Option<HeaderName>,
 }
 
 impl Proxy {
-    /// A proxy serving `config` (checked by [`Config::check`] first).
-    pub fn new(config: Config) -> Self {
-        let prefill = Pool::new(
-            Side::Prefill,
-            &config.prefill,
-            u32::try_from(config.eject_after).unwrap_or(u32::MAX),
-            config.eject_seconds,
-        );
-        let decode = Pool::new(
-            Side::Decode,
-            &config.decode,
-            u32::try_from(config.eject_after).unwrap_or(u32::MAX),
-            config.eject_seconds,
-        );
+    /// A proxy serving `config`; `Err` says what cannot serve (as [`Config::check`] does).
+    pub fn new(config: Config) -> Result<Self, String> {
+        config.check()?;
+        let (prefill, decode) = config.upstream_lists()?;
+        let eject_after = u32::try_from(config.eject_after).unwrap_or(u32::MAX);
+        let pool = |side, urls: &[String], policy| {
+            Pool::new(side, urls, policy, eject_after, config.eject_seconds)
+        };
+        let prefill = pool(Side::Prefill, &prefill, config.prefill_policy)?;
+        let decode = pool(Side::Decode, &decode, config.decode_policy)?;
         let metrics = Metrics::default();
-        for u in prefill.upstreams.iter().chain(&decode.upstreams) {
-            metrics.upstream_healthy(u.side, &u.url, true);
+        for pool in [&prefill, &decode] {
+            for url in pool.urls() {
+                metrics.upstream_healthy(pool.side, &url, true);
+            }
         }
-        Proxy {
+        let session_header = match &config.session_header {
+            Some(h) => Some(
+                HeaderName::from_bytes(h.as_bytes()).map_err(|e| format!("session_header: {e}"))?,
+            ),
+            None => None,
+        };
+        Ok(Proxy {
             upstreams: Upstreams::new(
                 config.connect_timeout,
                 config.read_timeout,
@@ -81,8 +86,9 @@ impl Proxy {
             decode,
             metrics,
             in_flight: AtomicUsize::new(0),
+            session_header,
             config,
-        }
+        })
     }
 
     pub(crate) fn pool(&self, side: Side) -> &Pool {
@@ -94,17 +100,27 @@ impl Proxy {
 
     pub(crate) fn release(&self, side: Side, lease: Lease, outcome: Outcome) {
         let pool = self.pool(side);
-        let url = &pool.upstreams[lease.index].url;
         if outcome == Outcome::Failed {
-            self.metrics.upstream_failed(side, url);
+            self.metrics.upstream_failed(side, &lease.upstream.url);
         }
-        if let Some((index, healthy)) = pool.release(lease, outcome) {
-            let url = &pool.upstreams[index].url;
+        if let Some((url, healthy)) = pool.release(lease, outcome) {
             if healthy {
                 log::warn!(target: "routed_experts::proxy", "{} server {url} is back in rotation", side.name());
             }
-            self.metrics.upstream_healthy(side, url, healthy);
+            self.metrics.upstream_healthy(side, &url, healthy);
         }
+    }
+
+    /// A server of `side` for a request (see [`Pool::pick`]), its choice counted.
+    pub(crate) fn pick(
+        &self,
+        side: Side,
+        avoid: Option<&Upstream>,
+        session: Option<u64>,
+    ) -> Option<Lease> {
+        let lease = self.pool(side).pick(avoid, session)?;
+        self.metrics.picked(side, &lease.upstream.url, lease.choice);
+        Some(lease)
     }
 
     /// A completion request (`endpoint` is its exact path).
@@ -118,6 +134,11 @@ impl Proxy {
         let mut ex = Exchange::new(Arc::clone(self), request_id(&req), endpoint);
         let deadline = tokio::time::Instant::from_std(began + self.config.request_timeout);
         let auth = self.upstream_auth(&req);
+        let session_header = self
+            .session_header
+            .as_ref()
+            .and_then(|h| req.headers().get(h))
+            .map(|v| session_key(v.as_bytes()));
         // The body first, within its limits: a request takes a completion slot only once its
         // body is whole, so clients that drip their bodies cannot hold the slots.
         let raw = match self.receive_body(req).await {
@@ -134,10 +155,11 @@ impl Proxy {
         let Some(slot) = Slot::take(self) else {
             return ex.fail(self.in_flight_fault());
         };
-        let body = match ClientBody::parse(&raw.0, api) {
+        let mut body = match ClientBody::parse(&raw.0, api) {
             Ok(b) => b,
             Err(fault) => return ex.fail(fault),
         };
+        body.session = session_header.or(body.session);
         drop(raw); // its bytes go back to the budget; the parsed fields hold their own copy
         ex.stream = body.stream;
         let call = Call {
@@ -277,11 +299,10 @@ impl Proxy {
     /// probed and serves the request if it answers. Else 503 + Retry-After.
     pub(crate) async fn lease(&self, side: Side, session: Option<u64>) -> Result<Lease, Fault> {
         let pool = self.pool(side);
-        if let Some(lease) = pool.pick(None, session) {
+        if let Some(lease) = self.pick(side, None, session) {
             return Ok(lease);
         }
-        if let Some(index) = pool.probe_candidate(PROBE_INTERVAL) {
-            let u = &pool.upstreams[index];
+        if let Some(u) = pool.probe_candidate(PROBE_INTERVAL) {
             let wait = self.config.connect_timeout.min(PROBE_TIMEOUT);
             let probe = self.upstreams.call(
                 Method::GET,
@@ -291,7 +312,8 @@ impl Proxy {
                 Some(wait),
             );
             let answered = matches!(probe.await, Ok(r) if r.status() == StatusCode::OK);
-            if let Some(lease) = pool.probed(index, answered) {
+            if let Some(lease) = pool.probed(&u, answered) {
+                self.metrics.picked(side, &u.url, lease.choice);
                 log::warn!(target: "routed_experts::proxy",
                     "{} server {} answered a health probe: trying it", side.name(), u.url);
                 return Ok(lease);

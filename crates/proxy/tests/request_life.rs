@@ -5,7 +5,7 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -115,20 +115,52 @@ fn answer(engine: Engine, body: &[u8]) -> Response<Full<Bytes>> {
 
 /// A stand-in engine on a loopback port; counts the requests it served.
 async fn engine(kind: Engine, served: Arc<AtomicUsize>) -> String {
+    serve_engine(kind, None, move |_| {
+        served.fetch_add(1, Ordering::SeqCst);
+    })
+    .await
+}
+
+/// A working stand-in engine that records each request's `session_id` as it arrives and
+/// answers only while `gate` is open.
+async fn recording_engine(
+    gate: &tokio::sync::watch::Sender<bool>,
+) -> (String, Arc<Mutex<Vec<String>>>) {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = Arc::clone(&seen);
+    let url = serve_engine(Engine::Working, Some(gate.subscribe()), move |body| {
+        let req: Value = serde_json::from_slice(body).unwrap();
+        if let Some(id) = req["session_id"].as_str() {
+            log.lock().unwrap().push(id.to_string());
+        }
+    })
+    .await;
+    (url, seen)
+}
+
+async fn serve_engine(
+    kind: Engine,
+    gate: Option<tokio::sync::watch::Receiver<bool>>,
+    on_request: impl Fn(&[u8]) + Send + Sync + 'static,
+) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
+    let on_request = Arc::new(on_request);
     tokio::spawn(async move {
         loop {
             let Ok((stream, _)) = listener.accept().await else {
                 return;
             };
-            let served = Arc::clone(&served);
+            let (on_request, gate) = (Arc::clone(&on_request), gate.clone());
             tokio::spawn(async move {
                 let service = service_fn(move |req: Request<Incoming>| {
-                    let served = Arc::clone(&served);
+                    let (on_request, mut gate) = (Arc::clone(&on_request), gate.clone());
                     async move {
                         let body = req.into_body().collect().await.unwrap().to_bytes();
-                        served.fetch_add(1, Ordering::SeqCst);
+                        on_request(&body);
+                        if let Some(gate) = gate.as_mut() {
+                            let _ = gate.wait_for(|open| *open).await;
+                        }
                         Ok::<_, Infallible>(answer(kind, &body))
                     }
                 });
@@ -144,6 +176,7 @@ async fn engine(kind: Engine, served: Arc<AtomicUsize>) -> String {
 /// The proxy in front of `prefill` and `decode`, serving on a thread of its own until dropped.
 struct Running {
     addr: SocketAddr,
+    admin: Option<SocketAddr>,
     stopper: routed_experts_proxy::Stopper,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -160,12 +193,19 @@ impl Running {
             read_timeout: std::time::Duration::from_secs(30),
             ..Config::default()
         };
-        let server = Server::bind(config, "127.0.0.1:0".parse().unwrap(), None).unwrap();
+        Running::start_config(config, false)
+    }
+
+    fn start_config(config: Config, admin: bool) -> Running {
+        let admin = admin.then(|| "127.0.0.1:0".parse().unwrap());
+        let server = Server::bind(config, "127.0.0.1:0".parse().unwrap(), admin).unwrap();
         let addr = server.local_addr().unwrap();
+        let admin = server.admin_addr();
         let stopper = server.stopper();
         let thread = std::thread::spawn(move || server.run(false).unwrap());
         Running {
             addr,
+            admin,
             stopper,
             thread: Some(thread),
         }
@@ -191,7 +231,13 @@ async fn send(req: Request<Full<Bytes>>) -> (u16, Vec<u8>) {
 }
 
 async fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, Vec<u8>) {
-    let req = Request::post(format!("http://{addr}{path}"))
+    call(hyper::Method::POST, addr, path, body).await
+}
+
+async fn call(method: hyper::Method, addr: SocketAddr, path: &str, body: &str) -> (u16, Vec<u8>) {
+    let req = Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"))
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body.to_string())))
         .unwrap();
@@ -414,4 +460,164 @@ async fn a_sessions_turns_meet_the_same_prefill_server_and_sessions_spread() {
         .map(|(a, b)| a - b)
         .collect();
     assert!(spread.iter().all(|&n| n > 0), "{spread:?}");
+}
+
+/// Where each session's request went since the recorders were last cleared: the index of the
+/// recorder that saw it.
+fn placement(recorders: &[Arc<Mutex<Vec<String>>>], sessions: &[String]) -> Vec<usize> {
+    sessions
+        .iter()
+        .map(|id| {
+            let mut at = recorders
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.lock().unwrap().contains(id))
+                .map(|(i, _)| i);
+            let i = at.next().expect("every session was served");
+            assert!(
+                at.next().is_none(),
+                "one session's one turn was served twice"
+            );
+            i
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn servers_added_and_removed_under_load_lose_no_request_and_move_only_their_sessions() {
+    let (gate, _) = tokio::sync::watch::channel(true);
+    let mut urls = Vec::new();
+    let mut recorders = Vec::new();
+    for _ in 0..4 {
+        let (url, seen) = recording_engine(&gate).await;
+        urls.push(url);
+        recorders.push(seen);
+    }
+    let (_, d) = counters();
+    let config = Config {
+        prefill: urls[..3].to_vec(),
+        decode: vec![engine(Engine::Working, d).await],
+        read_timeout: std::time::Duration::from_secs(30),
+        ..Config::default()
+    };
+    let proxy = Running::start_config(config, true);
+    let admin = proxy.admin.unwrap();
+    let sessions: Vec<String> = (0..24).map(|i| format!("rollout-{i}")).collect();
+    let body = |id: &str| {
+        let mut body: Value = serde_json::from_str(&completion(false)).unwrap();
+        body["session_id"] = json!(id);
+        body.to_string()
+    };
+    let (gate, recorders, sessions, proxy_ref, body) =
+        (&gate, &recorders, &sessions, &proxy, &body);
+    // One turn per session, one at a time (no load, so each goes to its first server).
+    let turn = || async {
+        for r in recorders {
+            r.lock().unwrap().clear();
+        }
+        for id in sessions {
+            let (status, reply) = post(proxy_ref.addr, "/v1/completions", &body(id)).await;
+            assert_eq!(status, 200);
+            assert_truth(&reply);
+        }
+    };
+    // A turn of every session at once, held at the engines while `change` runs.
+    let under_load = |change: (hyper::Method, String)| async move {
+        gate.send_replace(false);
+        let arrived = || {
+            recorders
+                .iter()
+                .map(|r| r.lock().unwrap().len())
+                .sum::<usize>()
+        };
+        let before = arrived();
+        let addr = proxy_ref.addr;
+        let requests: Vec<_> = sessions
+            .iter()
+            .map(|id| {
+                let b = body(id);
+                tokio::spawn(async move { post(addr, "/v1/completions", &b).await })
+            })
+            .collect();
+        let wait = async {
+            while arrived() < before + sessions.len() {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(20), wait)
+            .await
+            .unwrap();
+        let (status, reply) = call(change.0, admin, "/upstreams", &change.1).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&reply));
+        assert_eq!(reply, br#"{"changed":true}"#);
+        gate.send_replace(true);
+        for r in requests {
+            let (status, reply) = r.await.unwrap();
+            assert_eq!(status, 200, "{}", String::from_utf8_lossy(&reply));
+            assert_truth(&reply);
+        }
+    };
+    turn().await;
+    let first = placement(recorders, sessions);
+    let busiest = (0..3)
+        .max_by_key(|s| first.iter().filter(|&&f| f == *s).count())
+        .unwrap();
+    let change = |url: &str| json!({"side": "prefill", "url": url}).to_string();
+    under_load((hyper::Method::DELETE, change(&urls[busiest]))).await;
+    turn().await;
+    let after_removal = placement(recorders, sessions);
+    for (f, a) in first.iter().zip(&after_removal) {
+        if *f == busiest {
+            assert_ne!(*a, busiest, "a session of the removed server stayed on it");
+        } else {
+            assert_eq!(a, f, "a session moved though its server stayed");
+        }
+    }
+    under_load((hyper::Method::POST, change(&urls[3]))).await;
+    turn().await;
+    let after_adding = placement(recorders, sessions);
+    for (a, n) in after_removal.iter().zip(&after_adding) {
+        assert!(
+            n == a || *n == 3,
+            "a session moved to a server that was not added"
+        );
+    }
+    // The list, the metrics and the refusals say what happened.
+    let (_, list) = get(admin, "/upstreams").await;
+    let list: Value = serde_json::from_str(&list).unwrap();
+    assert_eq!(list["prefill"]["servers"].as_array().unwrap().len(), 3);
+    assert_eq!(list["prefill"]["policy"], "session");
+    let (_, metrics) = get(admin, "/metrics").await;
+    for change in ["added", "removed"] {
+        let line = format!(
+            "routed_experts_proxy_upstream_list_changes_total{{change=\"{change}\",side=\"prefill\"}} 1"
+        );
+        assert!(metrics.contains(&line), "{metrics}");
+    }
+    assert!(metrics.contains("choice=\"session\",side=\"prefill\""));
+    let only = json!({"side": "decode", "url": list["decode"]["servers"][0]}).to_string();
+    let (status, reply) = call(hyper::Method::DELETE, admin, "/upstreams", &only).await;
+    assert_eq!(status, 409, "the last decode server stays");
+    assert!(String::from_utf8_lossy(&reply).contains("last decode server"));
+    let (status, reply) = call(
+        hyper::Method::POST,
+        admin,
+        "/upstreams",
+        r#"{"side":"both","url":"http://a:1"}"#,
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert!(String::from_utf8_lossy(&reply).contains("side: expected"));
+    // Clients cannot change the list (no admin routes on the service port).
+    assert_eq!(
+        call(
+            hyper::Method::POST,
+            proxy.addr,
+            "/upstreams",
+            &change(&urls[0])
+        )
+        .await
+        .0,
+        404
+    );
 }

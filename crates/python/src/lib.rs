@@ -173,7 +173,9 @@ mod _core {
     #[pymodule_export]
     use crate::payload::{_from_raw, RoutedExperts};
     #[pymodule_export]
-    use crate::proxy::{_ProxyServer, _check_proxy_settings, _proxy_settings, StreamMerger};
+    use crate::proxy::{
+        _ProxyServer, _check_proxy_settings, _proxy_settings, _proxy_text_settings, StreamMerger,
+    };
     #[pymodule_export]
     use crate::quality::{agreement, expert_load, Agreement, ExpertLoad};
     #[pymodule_export]

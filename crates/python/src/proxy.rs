@@ -10,7 +10,7 @@ use crate::errors::PyResult;
 
 use pyo3::types::PyDict;
 
-use routed_experts_proxy::config::{Unit, Value, SETTINGS};
+use routed_experts_proxy::config::{Unit, Value, SETTINGS, TEXT_SETTINGS};
 use routed_experts_proxy::{Config, Server, Stop, Stopper};
 
 use crate::errors::ConfigError;
@@ -96,12 +96,12 @@ fn apply(c: &mut Config, settings: &Bound<'_, PyDict>) -> PyResult<()> {
         if value.is_none() {
             continue;
         }
-        if name == "upstream_api_key" {
-            let key = value.extract::<String>().map_err(|_| {
+        if TEXT_SETTINGS.iter().any(|(n, _, _)| *n == name) {
+            let text = value.extract::<String>().map_err(|_| {
                 let got = crate::convert::a_value_of(&value);
-                ConfigError::new_err(format!("upstream_api_key: expected a str, got {got}"))
+                ConfigError::new_err(format!("{name}: expected a str, got {got}"))
             })?;
-            c.upstream_api_key = Some(key);
+            c.set_text(&name, &text).map_err(ConfigError::new_err)?;
             continue;
         }
         c.set(&name, setting_value(&name, &value)?)
@@ -119,6 +119,12 @@ pub fn _proxy_settings() -> Vec<(&'static str, &'static str, u64, u64, &'static 
         .iter()
         .map(|s| (s.name, s.unit.name(), s.default, s.minimum, s.help))
         .collect()
+}
+
+/// The proxy settings that take text, as declared in Rust: (name, default or None, help).
+#[pyfunction]
+pub fn _proxy_text_settings() -> Vec<(&'static str, Option<&'static str>, &'static str)> {
+    TEXT_SETTINGS.to_vec()
 }
 
 /// Check proxy settings (a dict of `ProxyConfig`'s fields) without starting a server: a

@@ -7,7 +7,7 @@ import urllib.parse
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
-from routed_experts._core import _check_proxy_settings, _proxy_settings
+from routed_experts._core import _check_proxy_settings, _proxy_settings, _proxy_text_settings
 
 MiB = 1024 * 1024
 
@@ -30,6 +30,10 @@ class ProxyConfig:
     eject_after: int = 3
     eject_seconds: float = 10.0
     upstream_api_key: str | None = None  # sent as `Authorization: Bearer` instead of the client's
+    prefill_policy: str = "session"  # round_robin, least_load or session
+    decode_policy: str = "least_load"
+    session_header: str | None = None  # e.g. "X-Session-Id"; else the body's session_id
+    upstreams_file: str | None = None  # `prefill URL` / `decode URL` lines, re-read on SIGHUP
     header_timeout: float = 30.0
     max_header_bytes: int = 64 * 1024
     max_connections: int = 4096
@@ -59,6 +63,11 @@ class Setting(NamedTuple):
 def settings_declared() -> list[Setting]:
     """Every proxy setting as declared once in Rust, in the order the command lists them."""
     return [Setting(*s) for s in _proxy_settings()]
+
+
+def text_settings_declared() -> list[tuple[str, str | None, str]]:
+    """The proxy settings that take text, as declared in Rust: (name, default, help)."""
+    return list(_proxy_text_settings())
 
 
 def check_url(url: str) -> str:

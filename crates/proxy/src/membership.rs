@@ -1,0 +1,145 @@
+//! Servers added and removed while the proxy runs: `POST` and `DELETE /upstreams` on the admin
+//! port, and the upstreams file re-read on SIGHUP. A request under way holds its server, so a
+//! server removed finishes what it is serving; a session moves only if its server left.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::Request;
+
+use super::config::read_upstreams;
+use super::fault::{Blame, Fault};
+use super::pool::{Changed, Side};
+use super::responses::{fault_response, json_response, Body};
+use super::shared::Proxy;
+
+/// The largest body `/upstreams` reads: one side and one URL.
+const MAX_CHANGE_BYTES: usize = 64 << 10;
+/// How long that body may take to arrive.
+const CHANGE_BODY_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl Proxy {
+    /// `GET /upstreams`: each side's servers, in order, and its policy.
+    pub(crate) fn upstream_list(&self) -> hyper::Response<Body> {
+        let side = |pool: &super::pool::Pool| serde_json::json!({"policy": pool.policy.name(), "servers": pool.urls()});
+        let doc = serde_json::json!({
+            "prefill": side(&self.prefill),
+            "decode": side(&self.decode),
+        });
+        json_response(
+            200,
+            Bytes::from(serde_json::to_vec(&doc).unwrap_or_default()),
+        )
+    }
+
+    /// `POST /upstreams` (`add`) or `DELETE /upstreams` with `{"side": "prefill"|"decode",
+    /// "url": "http://HOST:PORT"}`: 200 with `{"changed": bool}` (false: it was already there,
+    /// or not there), 400 for a bad body, 409 for the side's last server.
+    pub(crate) async fn change_upstreams(
+        &self,
+        req: Request<Incoming>,
+        add: bool,
+    ) -> hyper::Response<Body> {
+        match self.read_change(req).await.and_then(|(side, url)| {
+            let pool = self.pool(side);
+            let changed = if add {
+                pool.add(&url)
+            } else {
+                pool.remove(&url)
+            };
+            let changed = changed.map_err(|e| {
+                let status = if add { 400 } else { 409 };
+                Fault::new(Blame::Client, status, e)
+            })?;
+            if changed {
+                let url = url.trim_end_matches('/');
+                let verb = if add { "added to" } else { "removed from" };
+                log::warn!(target: "routed_experts::proxy",
+                    "{} server {url} {verb} the list (admin endpoint)", side.name());
+                self.metrics.list_changed(side, url, add);
+            }
+            Ok(changed)
+        }) {
+            Ok(changed) => {
+                let doc = serde_json::json!({"changed": changed});
+                json_response(200, Bytes::from(doc.to_string()))
+            }
+            Err(fault) => fault_response(&fault),
+        }
+    }
+
+    async fn read_change(&self, req: Request<Incoming>) -> Result<(Side, String), Fault> {
+        let bad = |why: String| Fault::new(Blame::Client, 400, why);
+        let body = Limited::new(req.into_body(), MAX_CHANGE_BYTES).collect();
+        let body = match tokio::time::timeout(CHANGE_BODY_TIMEOUT, body).await {
+            Ok(Ok(b)) => b.to_bytes(),
+            Ok(Err(e)) => return Err(bad(format!("the body could not be read: {e}"))),
+            Err(_) => {
+                return Err(Fault::new(
+                    Blame::Client,
+                    408,
+                    "the body did not arrive in time",
+                ))
+            }
+        };
+        let expected = r#"expected {"side": "prefill" or "decode", "url": "http://HOST:PORT"}"#;
+        let doc: serde_json::Value =
+            serde_json::from_slice(&body).map_err(|e| bad(format!("{expected}: {e}")))?;
+        let fields = doc.as_object().filter(|o| o.len() == 2);
+        let text = |name: &str| fields.and_then(|o| o.get(name)).and_then(|v| v.as_str());
+        let (Some(side), Some(url)) = (text("side"), text("url")) else {
+            return Err(bad(format!(
+                "{expected}, got {}",
+                shorten(&doc.to_string())
+            )));
+        };
+        let side = Side::parse(side).ok_or_else(|| {
+            bad(format!(
+                r#"side: expected "prefill" or "decode", got {:?}"#,
+                shorten(side)
+            ))
+        })?;
+        Ok((side, url.to_string()))
+    }
+
+    /// Make both lists the upstreams file's (what SIGHUP does): all or nothing, so a file
+    /// half-written or with one bad line changes nothing. `Ok(None)` without a file.
+    pub fn reload_upstreams_file(&self) -> Result<Option<[Changed; 2]>, String> {
+        let Some(path) = &self.config.upstreams_file else {
+            return Ok(None);
+        };
+        let at = |e: String| format!("upstreams_file {}: {e}", path.display());
+        let text = std::fs::read_to_string(path).map_err(|e| at(e.to_string()))?;
+        let (prefill, decode) = read_upstreams(&text).map_err(at)?;
+        for (side, urls) in [(Side::Prefill, &prefill), (Side::Decode, &decode)] {
+            if urls.is_empty() {
+                return Err(at(format!(
+                    "no {} server (the lists are unchanged)",
+                    side.name()
+                )));
+            }
+        }
+        let mut changes = [Changed::default(), Changed::default()];
+        for (i, (side, urls)) in [(Side::Prefill, prefill), (Side::Decode, decode)]
+            .into_iter()
+            .enumerate()
+        {
+            // Cannot fail: every URL parsed and the list is not empty.
+            let changed = self.pool(side).replace(&urls).map_err(at)?;
+            for (urls, added) in [(&changed.added, true), (&changed.removed, false)] {
+                for url in urls {
+                    self.metrics.list_changed(side, url, added);
+                }
+            }
+            changes[i] = changed;
+        }
+        Ok(Some(changes))
+    }
+}
+
+/// At most 80 characters of `text`, for an error message.
+fn shorten(text: &str) -> String {
+    text.chars().take(80).collect()
+}
