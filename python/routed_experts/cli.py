@@ -272,6 +272,27 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_engine(args: argparse.Namespace) -> int:
+    from routed_experts.stand_in_engine import StandInEngine
+
+    try:
+        engine = StandInEngine(
+            args.role, args.model, args.host, args.port,
+            prefill_us_per_token=args.prefill_us_per_token, cache_blocks=args.cache_blocks,
+            decode_ms=args.decode_ms,
+        )
+    except OSError as e:
+        print(f"routed-experts engine: cannot listen on {args.host}:{args.port}: {e}",
+              file=sys.stderr)
+        return 2
+    print(f"stand-in {args.role} engine ({args.model}) on {engine.url}", flush=True)
+    try:
+        engine.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def cmd_bench_proxy(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401  (the pass-through baseline, run in a child process)
@@ -339,6 +360,17 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
     if not n > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return n
+
+
+def _seconds_or_zero(text: str) -> float:
+    """An argparse type: a finite number, zero or more."""
+    try:
+        n = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= n < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number from 0 up, got {text}")
     return n
 
 
@@ -488,7 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode server URL(s): several after one flag, or the flag repeated",
     )
     proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    proxy.add_argument("--port", type=_count(1), default=8000, help="port to listen on")
+    proxy.add_argument(
+        "--port", type=_count(0), default=8000, help="port to listen on (0: a free one, logged)"
+    )
     _add_proxy_limits(proxy)
     _add_proxy_choices(proxy)
     proxy.add_argument(
@@ -508,6 +542,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="info logs one line per request",
     )
     proxy.set_defaults(func=cmd_proxy)
+    engine = sub.add_parser(
+        "engine",
+        help="a stand-in prefill or decode engine (vLLM's P/D protocol, synthetic routing; no "
+        "GPU) to try the proxy with",
+    )
+    engine.add_argument("--role", required=True, choices=["prefill", "decode"])
+    engine.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    engine.add_argument(
+        "--port", type=_count(0), default=8100, help="port to listen on (0: a free one, printed)"
+    )
+    engine.add_argument(
+        "--model", choices=sorted(MODELS), default="qwen3-30b-a3b", help="routing geometry"
+    )
+    engine.add_argument(
+        "--prefill-us-per-token", type=_seconds_or_zero, default=0.0,
+        help="prefill: microseconds of compute per prompt token not in the prefix cache "
+        "(one prompt at a time)",
+    )
+    engine.add_argument(
+        "--cache-blocks", type=_count(0), default=0,
+        help="prefill: a prefix cache of this many 16-token blocks (LRU; 0: none)",
+    )
+    engine.add_argument(
+        "--decode-ms", type=_seconds_or_zero, default=0.0,
+        help="decode: milliseconds each request takes",
+    )
+    engine.set_defaults(func=cmd_engine)
     bench_proxy = sub.add_parser(
         "bench-proxy",
         help="bounded loopback load and fault benchmark of the proxy beside a pass-through relay",

@@ -97,9 +97,11 @@ def serve(
     configure_logging(log_level)
     server = ProxyServer(prefill, decode, config, host, port, admin_port)
     admin = f"; admin on port {server.admin_port}" if admin_port is not None else ""
-    log.info(
-        "routed-experts proxy on http://%s:%d; prefill %s; decode %s%s",
-        host, server.port, " ".join(prefill), " ".join(decode), admin,
+    servers = (
+        f"servers from {server.config.upstreams_file} (re-read on SIGHUP)"
+        if server.config.upstreams_file
+        else f"prefill {' '.join(prefill)}; decode {' '.join(decode)}"
     )
+    log.info("routed-experts proxy on http://%s:%d; %s%s", host, server.port, servers, admin)
     server.serve(signals=True)
     log.info("routed-experts proxy stopped")

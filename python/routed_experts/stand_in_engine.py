@@ -1,0 +1,287 @@
+"""A stand-in inference engine, to try the proxy (and measure its routing policies) without a
+GPU: `routed-experts engine --role prefill|decode`. It speaks vLLM's disaggregated-serving
+protocol as the proxy drives it, returns synthetic routing of a real model's size, and can model
+a prefix cache. Standard library and numpy only, so it needs no extra.
+
+- Prefill answers a request with `kv_transfer_params.do_remote_decode` with its prompt's
+  routing (rows [0, P)) and the `kv_transfer_params` decode needs.
+- Decode refuses a request without prefill's `kv_transfer_params` (400), and returns the whole
+  sequence's routing with the prompt rows zeroed (rows [0, P + G - 1)), as a vLLM decode server
+  that did not compute the prompt does; streamed, the routing comes with the last event.
+- A position's routing depends only on the tokens up to it (a rolling hash), so every server
+  agrees on a prompt's rows and a merge can be checked against `routing_of(tokens, G)`.
+- A token is a byte of the prompt's UTF-8 text (or an id of a prompt given as ids).
+- With `cache_blocks`, prefill keeps an LRU of 16-token blocks, hashed in a chain as vLLM's
+  automatic prefix caching does: a prompt's leading blocks found there are cached, and only the
+  rest costs compute time (`prefill_us_per_token`, one prompt at a time, as a GPU's compute is
+  shared). `GET /stats` reports requests, prompt tokens and cached tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import numpy as np
+
+from routed_experts._bench.synthetic import MODELS
+from routed_experts._core import RoutedExperts
+
+BLOCK = 16  # tokens per prefix-cache block (vLLM's default block size)
+MAX_BODY = 64 << 20  # a request body larger than this is refused (413)
+_MASK = (1 << 61) - 1  # rolling hashes are kept below a Mersenne prime
+
+
+def prompt_tokens(body: dict[str, Any]) -> list[int]:
+    """The request's prompt as tokens: ids as given, or the bytes of its text (chat: every
+    message's content, in order)."""
+    if "messages" in body:
+        text = "".join(str(m.get("content", "")) for m in body["messages"])
+        return list(text.encode())
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    return list(str(prompt).encode())
+
+
+def routing_of(tokens: list[int], generated: int, model: str) -> np.ndarray:
+    """The routing a monolithic engine would record for `tokens` and `generated` more: rows
+    [0, P + G - 1), each row `top_k` distinct experts per layer, a function of the tokens up to
+    its position."""
+    layers, top_k, experts = MODELS[model]
+    rows = len(tokens) + generated - 1
+    hashes = np.empty(max(rows, 0), dtype=np.uint64)
+    h = 0
+    for i in range(rows):
+        token = tokens[i] if i < len(tokens) else 7  # generated tokens: one fixed stand-in
+        h = (h * 1_000_003 + token + 1) & _MASK
+        hashes[i] = h
+    per_layer = np.arange(layers, dtype=np.uint64) * np.uint64(2654435761)
+    base = (hashes[:, None] ^ per_layer[None, :]) % np.uint64(experts)
+    stride = np.uint64(max(experts // top_k, 1))
+    ids = (base[:, :, None] + np.arange(top_k, dtype=np.uint64) * stride) % np.uint64(experts)
+    return ids.astype(np.int64)
+
+
+class PrefixCache:
+    """An LRU of `capacity` blocks of `BLOCK` tokens, each named by a hash of its tokens and of
+    every block before it (so a block matches only after the same prefix)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def lookup_and_insert(self, tokens: list[int]) -> int:
+        """Tokens of `tokens` already cached (whole leading blocks); then the prompt's blocks
+        are cached, the least recently used evicted."""
+        chain, names = 0, []
+        for lo in range(0, len(tokens) - len(tokens) % BLOCK, BLOCK):
+            chain = hash((chain, tuple(tokens[lo : lo + BLOCK])))
+            names.append(chain)
+        cached = 0
+        for name in names:
+            if name not in self.blocks:
+                break
+            cached += 1
+        for name in names:
+            self.blocks[name] = None
+            self.blocks.move_to_end(name)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+        return cached * BLOCK
+
+
+class StandInEngine:
+    """One stand-in engine (`role` "prefill" or "decode") serving on `host:port` (0: a free
+    port) on threads of its own; a context manager, or `serve_forever()`."""
+
+    def __init__(
+        self,
+        role: str,
+        model: str = "qwen3-30b-a3b",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        prefill_us_per_token: float = 0.0,
+        cache_blocks: int = 0,
+        decode_ms: float = 0.0,
+    ) -> None:
+        if role not in ("prefill", "decode"):
+            raise ValueError(f'role: expected "prefill" or "decode", got {role!r}')
+        if model not in MODELS:
+            raise ValueError(f"model: expected one of {', '.join(sorted(MODELS))}, got {model!r}")
+        self.role, self.model = role, model
+        self.num_experts = MODELS[model][2]
+        self.prefill_us_per_token, self.decode_ms = prefill_us_per_token, decode_ms
+        self.cache = PrefixCache(cache_blocks) if cache_blocks > 0 else None
+        self.compute = threading.Lock()  # one prompt's compute at a time
+        self.stats_lock = threading.Lock()
+        self.stats: dict[str, int] = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
+        self.engine_id = f"stand-in-{role}-{id(self):x}"
+        self.server = ThreadingHTTPServer((host, port), self._handler())
+        self.server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.server_address[:2]
+        assert isinstance(host, str)  # an IPv4 listener's address
+        return f"http://{host}:{port}"
+
+    def serve_forever(self) -> None:
+        self.server.serve_forever()
+
+    def __enter__(self) -> StandInEngine:
+        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def answer(self, path: str, body: dict[str, Any]) -> tuple[int, str, bytes]:
+        """(status, content type, body) for a completion request's JSON `body`."""
+        chat = path == "/v1/chat/completions"
+        tokens = prompt_tokens(body)
+        if not tokens:
+            return _error(400, "the prompt is empty")
+        generated = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+        kv = body.get("kv_transfer_params") or {}
+        if self.role == "prefill":
+            if not kv.get("do_remote_decode"):
+                return _error(400, "a prefill server takes kv_transfer_params.do_remote_decode")
+            self._prefill_compute(tokens)
+            rows = routing_of(tokens, 1, self.model)
+            params = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": self.engine_id,
+                "remote_block_ids": list(range(len(tokens) // BLOCK + 1)),
+                "remote_host": "127.0.0.1",
+                "remote_port": 14579,
+            }
+            doc = self._reply(chat, "x", rows, len(tokens), 1)
+            doc["kv_transfer_params"] = params
+            return 200, "application/json", json.dumps(doc).encode()
+        if not kv.get("do_remote_prefill") or not kv.get("remote_engine_id"):
+            return _error(400, "a decode server needs the kv_transfer_params prefill returned")
+        if self.decode_ms:
+            time.sleep(self.decode_ms / 1000)
+        rows = routing_of(tokens, generated, self.model)
+        rows[: len(tokens)] = 0  # decode did not compute the prompt
+        if body.get("stream"):
+            return 200, "text/event-stream", self._stream(chat, rows, len(tokens), generated)
+        doc = self._reply(chat, " tok" * generated, rows, len(tokens), generated)
+        return 200, "application/json", json.dumps(doc).encode()
+
+    def _prefill_compute(self, tokens: list[int]) -> None:
+        with self.compute:
+            cached = self.cache.lookup_and_insert(tokens) if self.cache else 0
+            if self.prefill_us_per_token:
+                time.sleep((len(tokens) - cached) * self.prefill_us_per_token / 1e6)
+        with self.stats_lock:
+            self.stats["requests"] += 1
+            self.stats["prompt_tokens"] += len(tokens)
+            self.stats["cached_tokens"] += cached
+
+    def _routing(self, rows: np.ndarray) -> dict[str, Any]:
+        return RoutedExperts.from_array(rows, num_experts=self.num_experts).to_dict()
+
+    def _reply(
+        self, chat: bool, text: str, rows: np.ndarray, prompt: int, generated: int
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["routed_experts"] = self._routing(rows)
+        return {
+            "id": f"cmpl-{self.role}",
+            "object": "chat.completion" if chat else "text_completion",
+            "model": self.model,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": generated,
+                "total_tokens": prompt + generated,
+            },
+        }
+
+    def _stream(self, chat: bool, rows: np.ndarray, prompt: int, generated: int) -> bytes:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        events = []
+        for i in range(generated):
+            choice: dict[str, Any] = {"index": 0}
+            if chat:
+                choice["delta"] = {"content": " tok"}
+            else:
+                choice["text"] = " tok"
+            if i == generated - 1:  # vLLM sends the routing with the last chunk
+                choice["finish_reason"] = "length"
+                choice["routed_experts"] = self._routing(rows)
+            doc = {"id": "cmpl-decode", "object": kind, "model": self.model, "choices": [choice]}
+            events.append(b"data: " + json.dumps(doc).encode() + b"\n\n")
+        events.append(b"data: [DONE]\n\n")
+        return b"".join(events)
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as the proxy's pooled client expects
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+                pass  # one line per request would drown the proxy's own log
+
+            def _send(self, status: int, content_type: str, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("content-type", content_type)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                if self.path == "/health":
+                    self._send(200, "application/json", b"{}")
+                elif self.path == "/v1/models":
+                    doc = {"object": "list", "data": [{"id": engine.model, "object": "model"}]}
+                    self._send(200, "application/json", json.dumps(doc).encode())
+                elif self.path == "/stats":
+                    with engine.stats_lock:
+                        stats = dict(engine.stats)
+                    self._send(200, "application/json", json.dumps(stats).encode())
+                else:
+                    self._send(*_error(404, f"no GET {self.path[:100]}"))
+
+            def do_POST(self) -> None:  # noqa: N802
+                try:
+                    length = int(self.headers.get("content-length", ""))
+                except ValueError:
+                    self._send(*_error(411, "a content-length is required"))
+                    return
+                if not 0 <= length <= MAX_BODY:
+                    self._send(*_error(413, f"a body of {length} bytes is over {MAX_BODY}"))
+                    return
+                raw = self.rfile.read(length)
+                if self.path not in ("/v1/completions", "/v1/chat/completions"):
+                    self._send(*_error(404, f"no POST {self.path[:100]}"))
+                    return
+                try:
+                    body = json.loads(raw)
+                    if not isinstance(body, dict):
+                        raise ValueError("the body is not a JSON object")
+                    self._send(*engine.answer(self.path, body))
+                except (ValueError, TypeError) as e:
+                    self._send(*_error(400, str(e)))
+
+        return Handler
+
+
+def _error(status: int, message: str) -> tuple[int, str, bytes]:
+    doc = {"error": {"message": message, "type": "invalid_request_error", "code": status}}
+    return status, "application/json", json.dumps(doc).encode()

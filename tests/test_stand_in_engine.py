@@ -1,0 +1,195 @@
+"""The stand-in engine `routed-experts engine` runs: its routing, its prefix cache model, its
+protocol (what it refuses), and the proxy's merge of its halves against its truth."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import routed_experts as rx
+from routed_experts.proxy import ProxyServer
+from routed_experts.stand_in_engine import BLOCK, PrefixCache, StandInEngine, routing_of
+
+
+def _post(url: str, body: Any, path: str = "/v1/completions") -> tuple[int, bytes]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data, {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+@given(st.lists(st.integers(0, 255), min_size=1, max_size=60), st.integers(1, 20))
+def test_a_rows_routing_depends_only_on_the_tokens_up_to_it(tokens: list[int], more: int) -> None:
+    rows = routing_of(tokens, 1, "deepseek-v3")
+    assert rows.shape == (len(tokens), 58, 8)
+    longer = routing_of([*tokens, 3] * 2, more, "deepseek-v3")
+    np.testing.assert_array_equal(longer[: len(tokens)], rows)
+    # top_k distinct experts in every layer of every row, within the model's experts
+    assert rows.min() >= 0 and rows.max() < 256
+    ordered = np.sort(rows, axis=-1)
+    assert (np.diff(ordered, axis=-1) > 0).all()
+
+
+def test_the_prefix_cache_matches_whole_leading_blocks_and_evicts_the_least_recent() -> None:
+    cache = PrefixCache(capacity=4)
+    a = list(range(3 * BLOCK + 5))
+    assert cache.lookup_and_insert(a) == 0
+    assert cache.lookup_and_insert(a) == 3 * BLOCK  # the tail of 5 is no block
+    assert cache.lookup_and_insert([*a[: 2 * BLOCK], 999, *a[2 * BLOCK :]]) == 2 * BLOCK
+    # A block matches only after the same prefix: the same tokens later in a prompt do not.
+    b = [7] * BLOCK + a[: BLOCK]
+    assert cache.lookup_and_insert(b) == 0
+    # Capacity 4: a's first blocks were used longest ago and are gone.
+    assert cache.lookup_and_insert(a) == 0
+
+
+@given(st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=3 * BLOCK), max_size=12))
+def test_cached_tokens_never_exceed_the_prompt_and_a_repeat_is_a_whole_hit(
+    prompts: list[list[int]],
+) -> None:
+    cache = PrefixCache(capacity=10_000)
+    for p in prompts:
+        assert 0 <= cache.lookup_and_insert(p) <= len(p)
+        assert cache.lookup_and_insert(p) == len(p) - len(p) % BLOCK
+
+
+def test_the_protocol_is_vllms_and_what_it_cannot_serve_is_refused() -> None:
+    with StandInEngine("prefill", cache_blocks=64) as prefill, StandInEngine("decode") as decode:
+        kv = {"do_remote_decode": True}
+        status, body = _post(prefill.url, {"prompt": "hello", "kv_transfer_params": kv})
+        assert status == 200
+        doc = json.loads(body)
+        assert doc["kv_transfer_params"]["do_remote_prefill"] is True
+        p = rx.from_response(body)
+        assert p is not None and p.shape == (5, 48, 8) and p.start == 0
+        # Prefill refuses a request that is not one; decode one without prefill's params.
+        assert _post(prefill.url, {"prompt": "hello"})[0] == 400
+        assert _post(decode.url, {"prompt": "hello", "max_tokens": 2})[0] == 400
+        assert _post(prefill.url, b"[1, 2]")[0] == 400
+        assert _post(prefill.url, b"{not json")[0] == 400
+        assert _post(prefill.url, {"prompt": ""})[0] == 400
+        assert _post(prefill.url, {"prompt": "x"}, path="/v2/other")[0] == 404
+        assert _get(prefill.url + "/stats") == {
+            "requests": 1, "prompt_tokens": 5, "cached_tokens": 0,
+        }
+    with pytest.raises(ValueError, match="role"):
+        StandInEngine("both")
+    with pytest.raises(ValueError, match="model"):
+        StandInEngine("decode", model="gpt-moe")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_the_proxy_merges_its_halves_to_the_truth(stream: bool, path: str) -> None:
+    with StandInEngine("prefill", model="kimi-k2") as prefill, StandInEngine(
+        "decode", model="kimi-k2"
+    ) as decode, ProxyServer([prefill.url], [decode.url]) as proxy:
+        text = "a prompt of forty-one bytes, give or take"
+        body: dict[str, Any] = {"model": "m", "max_tokens": 6, "stream": stream}
+        if path.endswith("chat/completions"):
+            body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body["prompt"] = text
+        status, reply = _post(proxy.url, body, path)
+        assert status == 200, reply
+        if stream:
+            events = [line[6:] for line in reply.split(b"\n") if line.startswith(b"data: {")]
+            reply = next(e for e in events if b"routed_experts" in e)
+        p = rx.from_response(reply)
+        assert p is not None
+        assert p.to_numpy().dtype == np.uint16  # 384 experts
+        np.testing.assert_array_equal(
+            p.to_numpy(), routing_of(list(text.encode()), 6, "kimi-k2")
+        )
+
+
+def test_sighup_rereads_the_upstreams_file_all_or_nothing(tmp_path: Any) -> None:
+    """`routed-experts proxy --upstreams-file`: SIGHUP makes the lists the file's; a file with
+    a bad line changes nothing (and says so in the log); requests go on throughout."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = str(Path(sys.executable).with_name("routed-experts"))
+    listing = tmp_path / "upstreams"
+    with StandInEngine("prefill") as p1, StandInEngine("prefill") as p2, StandInEngine(
+        "decode"
+    ) as d:
+        listing.write_text(f"# one of each\nprefill {p1.url}\ndecode {d.url}\n")
+        proc = subprocess.Popen(
+            [exe, "proxy", "--upstreams-file", str(listing), "--port", "0"],
+            stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            assert proc.stderr is not None
+            port = None
+            for line in proc.stderr:
+                found = re.search(r"on http://127\.0\.0\.1:(\d+); servers from", line)
+                if found:
+                    port = found.group(1)
+                    break
+            assert port, "the proxy never said its port"
+            url = f"http://127.0.0.1:{port}"
+
+            def servers() -> list[str]:
+                return list(_get(url + "/upstreams")["prefill"]["servers"])
+
+            def after_sighup(want: list[str]) -> str:
+                proc.send_signal(signal.SIGHUP)
+                assert proc.stderr is not None
+                for line in proc.stderr:  # the reload's log line says it is done
+                    if "SIGHUP" in line and ("decode" in line or "unchanged" in line):
+                        break
+                assert servers() == want
+                assert _post(url, {"model": "m", "prompt": "hi", "max_tokens": 2})[0] == 200
+                return line
+
+            assert servers() == [p1.url]
+            listing.write_text(f"prefill {p1.url}\nprefill {p2.url}\ndecode {d.url}\n")
+            after_sighup([p1.url, p2.url])
+            listing.write_text(f"prefill {p2.url}\nprefill localhost:1\ndecode {d.url}\n")
+            said = after_sighup([p1.url, p2.url])
+            assert "line 2: expected a URL" in said and "unchanged" in said
+            listing.write_text(f"prefill {p2.url}\n")
+            said = after_sighup([p1.url, p2.url])
+            assert "no decode server" in said
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+            if proc.stderr is not None:
+                proc.stderr.close()
+
+
+def test_the_command_takes_servers_from_the_flags_or_the_file_never_both(
+    tmp_path: Any, capsys: Any
+) -> None:
+    from routed_experts.cli import main
+
+    listing = tmp_path / "upstreams"
+    listing.write_text("prefill http://127.0.0.1:1\ndecode http://127.0.0.1:2\n")
+    assert main(["proxy", "--port", "0"]) == 2
+    assert "give the servers as --prefill and --decode, or in --upstreams-file" in (
+        capsys.readouterr().err
+    )
+    both = ["proxy", "--port", "0", "--upstreams-file", str(listing), "--prefill", "http://a:1"]
+    assert main(both) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main(["proxy", "--port", "0", "--upstreams-file", str(tmp_path / "none")]) == 2
+    assert "upstreams_file" in capsys.readouterr().err
