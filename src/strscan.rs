@@ -4,8 +4,11 @@
 //! beyond finding its end: routing bodies are megabytes of base64, all printable ASCII.
 
 /// Index of the first byte of `s` that is `"`, `\`, below 0x20 or above 0x7f.
+///
+/// x86_64: AVX2 when the CPU has it, else SSE2; aarch64: NEON; elsewhere, or with the feature
+/// `portable` (which the tests use to run every caller through it), the portable loop.
 pub fn find_special(s: &[u8]) -> Option<usize> {
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(all(target_arch = "x86_64", not(feature = "portable")))]
     {
         if std::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2 (checked just above), the one requirement of `avx2`.
@@ -14,7 +17,14 @@ pub fn find_special(s: &[u8]) -> Option<usize> {
         // SAFETY: SSE2 is part of the x86_64 baseline: every x86_64 CPU has it.
         unsafe { x86::sse2(s) }
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(all(target_arch = "aarch64", not(feature = "portable")))]
+    {
+        neon::find(s)
+    }
+    #[cfg(any(
+        feature = "portable",
+        not(any(target_arch = "x86_64", target_arch = "aarch64"))
+    ))]
     {
         scalar(s)
     }
@@ -29,6 +39,7 @@ fn scalar(s: &[u8]) -> Option<usize> {
 }
 
 #[cfg(target_arch = "x86_64")]
+#[cfg_attr(feature = "portable", allow(dead_code))] // only the tests call it then
 mod x86 {
     use std::arch::x86_64::*;
 
@@ -92,6 +103,38 @@ mod x86 {
     }
 }
 
+#[cfg(target_arch = "aarch64")]
+#[cfg_attr(feature = "portable", allow(dead_code))]
+mod neon {
+    use std::arch::aarch64::*;
+
+    /// 16 bytes at a time: a lane is special when it equals `"` or `\`, is below 0x20 or
+    /// above 0x7f; a block with any such lane is searched byte by byte for the first.
+    pub fn find(s: &[u8]) -> Option<usize> {
+        let mut i = 0;
+        while i + 16 <= s.len() {
+            // SAFETY: NEON is part of the aarch64 baseline (every aarch64 CPU has it), and
+            // bytes i..i+16 are inside `s` (loop condition); vld1q_u8 needs no alignment.
+            let any = unsafe {
+                let v = vld1q_u8(s.as_ptr().add(i));
+                let hit = vorrq_u8(
+                    vorrq_u8(
+                        vceqq_u8(v, vdupq_n_u8(b'"')),
+                        vceqq_u8(v, vdupq_n_u8(b'\\')),
+                    ),
+                    vorrq_u8(vcltq_u8(v, vdupq_n_u8(0x20)), vcgtq_u8(v, vdupq_n_u8(0x7f))),
+                );
+                vmaxvq_u8(hit) != 0
+            };
+            if any {
+                return super::scalar(&s[i..i + 16]).map(|j| i + j);
+            }
+            i += 16;
+        }
+        super::scalar(&s[i..]).map(|j| i + j)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -115,6 +158,8 @@ mod tests {
                             assert_eq!(x86::avx2(&text[start..]), want);
                         }
                     }
+                    #[cfg(target_arch = "aarch64")]
+                    assert_eq!(neon::find(&text[start..]), want);
                 }
                 text[at] = saved;
             }

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
 import routed_experts as rx
+
+# Under user-mode emulation (tests/emulated_wheel_check.py) code runs several times slower:
+# no per-example deadline there (the properties are the same; only the clock differs).
+if os.environ.get("ROUTED_EXPERTS_EMULATED"):
+    settings.register_profile("emulated", deadline=None)
+    settings.load_profile("emulated")
 
 REPO = Path(__file__).resolve().parent.parent
 # Golden vectors from an independent implementation of the format (tests/vectors/README.md).

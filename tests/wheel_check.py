@@ -25,6 +25,7 @@ filterwarnings = error
 addopts = -ra --strict-markers -p no:cacheprovider
 markers =
     source_tree: needs the source checkout
+    slow_under_emulation: minutes under qemu-user; skipped there
 """
 
 
@@ -94,7 +95,9 @@ def check(python: str, wheel: Path, work: Path, clean_bin: Path) -> None:
 
 def main() -> None:
     dist = Path(sys.argv[1] if len(sys.argv) > 1 else "dist")
-    wheels = sorted(dist.glob("routed_experts-*-abi3-*.whl"))
+    import platform
+
+    wheels = sorted(dist.glob(f"routed_experts-*-abi3-*{platform.machine()}.whl"))
     if len(wheels) != 1:
         sys.exit(f"wheel_check: want one abi3 wheel in {dist}, found {[w.name for w in wheels]}")
     pythons = os.environ.get("WHEEL_PYTHONS", "").split() or default_pythons()

@@ -590,9 +590,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench_proxy.add_argument(
         "--only",
         nargs="+",
-        choices=["load", "stream", "memory", "faults", "lockup", "slow", "split"],
+        choices=["load", "stream", "memory", "faults", "lockup", "slow", "split", "sessions"],
         help="run only these parts (default: load, stream, memory, faults; lockup, slow and "
-        "split, the long-context reliability rounds, run apart at their own sizes)",
+        "split, the long-context reliability rounds, and sessions, the multi-turn policies, run "
+        "apart at their own sizes)",
+    )
+    bench_proxy.add_argument(
+        "--sessions", type=_count(1), default=64, help="sessions in the sessions part"
+    )
+    bench_proxy.add_argument(
+        "--turns", type=_count(1), default=8, help="turns of each session in the sessions part"
     )
     bench_proxy.add_argument(
         "--memory-budget",

@@ -8,6 +8,7 @@
 //! side out. A server removed while requests are under way keeps serving them: each request
 //! holds its server ([`Lease`]), not a position in the list.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -244,6 +245,33 @@ struct Member {
 struct PoolState {
     next: usize,
     members: Vec<Member>,
+    last: SessionMemory,
+}
+
+/// Where each recent session's last request went, so a session that had to move (its first
+/// server over the load bound) stays where its newest prefix now is. Bounded: two generations
+/// of at most [`REMEMBERED_SESSIONS`] each; when the newer is full it becomes the older and
+/// the older is forgotten (a forgotten session goes back to its first-ranked server).
+#[derive(Default)]
+struct SessionMemory {
+    newer: HashMap<u64, Arc<Upstream>>,
+    older: HashMap<u64, Arc<Upstream>>,
+}
+
+/// Sessions remembered per generation of [`SessionMemory`].
+const REMEMBERED_SESSIONS: usize = 1 << 16;
+
+impl SessionMemory {
+    fn get(&self, key: u64) -> Option<&Arc<Upstream>> {
+        self.newer.get(&key).or_else(|| self.older.get(&key))
+    }
+
+    fn put(&mut self, key: u64, upstream: &Arc<Upstream>) {
+        if self.newer.len() >= REMEMBERED_SESSIONS && !self.newer.contains_key(&key) {
+            self.older = std::mem::take(&mut self.newer);
+        }
+        self.newer.insert(key, Arc::clone(upstream));
+    }
 }
 
 /// A health change the caller reports (log line, metric): `(url, healthy)`.
@@ -276,6 +304,7 @@ impl Pool {
             state: Mutex::new(PoolState {
                 next: 0,
                 members: Vec::new(),
+                last: SessionMemory::default(),
             }),
         };
         pool.replace(urls)?;
@@ -325,24 +354,39 @@ impl Pool {
         let (index, choice) = match (self.policy, session) {
             (Policy::RoundRobin, _) => (*candidates.first()?, Choice::Turn),
             (Policy::Session, Some(key)) => {
+                // Where the session was last (if still listed and in rotation), then the
+                // servers in the order its key ranks them.
+                let last = s.last.get(key).and_then(|u| {
+                    candidates
+                        .iter()
+                        .copied()
+                        .find(|&i| Arc::ptr_eq(&s.members[i].upstream, u))
+                });
                 let rank_of = |i: usize| rank(key, &s.members[i].upstream.url);
                 let mut ranked = candidates.clone();
                 ranked.sort_by_key(|&i| std::cmp::Reverse(rank_of(i)));
+                let home = last.or(ranked.first().copied());
                 let total: usize = candidates.iter().map(|&i| load(i)).sum();
                 let cap = session_cap(total, candidates.len());
                 // Some server is below the cap: were all at or above it, the total would be
-                // at least its count times the cap, more than the total.
-                let index = ranked
-                    .iter()
-                    .copied()
+                // at least their count times the cap, more than the total.
+                let index = home
+                    .into_iter()
+                    .chain(ranked.iter().copied())
                     .find(|&i| load(i) < cap)
-                    .or(ranked.first().copied())?;
-                let first = (0..n).max_by_key(|&i| rank_of(i));
+                    .or(home)?;
+                // Its home unless the session had one out of rotation, or over the bound.
+                let first = match s.last.get(key) {
+                    Some(u) => s.members.iter().position(|m| Arc::ptr_eq(&m.upstream, u)),
+                    None => (0..n).max_by_key(|&i| rank_of(i)),
+                };
                 let choice = if first == Some(index) {
                     Choice::Session
                 } else {
                     Choice::SessionMoved
                 };
+                let upstream = Arc::clone(&s.members[index].upstream);
+                s.last.put(key, &upstream);
                 (index, choice)
             }
             _ => (
@@ -658,35 +702,44 @@ mod tests {
     }
 
     #[test]
-    fn removing_a_server_moves_only_its_sessions_and_adding_one_takes_a_fair_share() {
+    fn removing_a_server_moves_only_its_sessions_and_adding_one_moves_none() {
         let p = pool(4, Policy::Session, 3, Duration::from_secs(60));
-        let before: Vec<usize> = (0..400)
-            .map(|i| place(&p.pick(None, Some(key(i))).unwrap()))
-            .collect();
+        let place_of = |i: usize| place(&p.pick(None, Some(key(i))).unwrap());
+        let before: Vec<usize> = (0..400).map(place_of).collect();
         assert_eq!(p.remove(&urls(4)[1]), Ok(true));
         assert_eq!(p.remove(&urls(4)[1]), Ok(false));
-        let moved = (0..400)
-            .filter(|&i| place(&p.pick(None, Some(key(i))).unwrap()) != before[i])
-            .count();
+        let after: Vec<usize> = (0..400).map(place_of).collect();
+        let moved = (0..400).filter(|&i| after[i] != before[i]).count();
         let on_1 = before.iter().filter(|&&s| s == 1).count();
         assert_eq!(moved, on_1);
-        // Back: every session returns where it was.
+        // Back, and a fifth: sessions already seen stay where their prefixes are cached...
         assert_eq!(p.add(&urls(4)[1]), Ok(true));
         assert_eq!(p.add(&format!("{}/", urls(4)[1])), Ok(false));
-        let now: Vec<usize> = (0..400)
-            .map(|i| place(&p.pick(None, Some(key(i))).unwrap()))
-            .collect();
-        assert_eq!(now, before);
-        // A fifth server takes about a fifth, all of them from the others.
         assert_eq!(p.add(&urls(5)[4]), Ok(true));
-        let to_new = (0..400)
-            .filter(|&i| {
-                let s = place(&p.pick(None, Some(key(i))).unwrap());
-                assert!(s == 4 || s == before[i]);
-                s == 4
-            })
-            .count();
-        assert!((50..=110).contains(&to_new), "{to_new} of 400 moved");
+        let now: Vec<usize> = (0..400).map(place_of).collect();
+        assert_eq!(now, after);
+        // ...and new sessions spread over all five, the new servers included.
+        let mut per = [0usize; 5];
+        for i in 400..900 {
+            per[place_of(i)] += 1;
+        }
+        assert!(per.iter().all(|&n| (60..=140).contains(&n)), "{per:?}");
+    }
+
+    #[test]
+    fn a_session_that_moved_stays_where_its_last_request_went() {
+        let p = pool(3, Policy::Session, 1, Duration::from_secs(60));
+        let home = p.pick(None, Some(key(1))).unwrap();
+        // Its home is avoided once (a refused connection): the retry goes elsewhere...
+        let moved = p.pick(Some(&home.upstream), Some(key(1))).unwrap();
+        assert_eq!(moved.choice, Choice::SessionMoved);
+        assert_ne!(moved.upstream.url, home.upstream.url);
+        // ...and the next turn follows it there, where its newest prefix is.
+        let next = p.pick(None, Some(key(1))).unwrap();
+        assert_eq!(
+            (next.upstream.url.as_str(), next.choice),
+            (moved.upstream.url.as_str(), Choice::Session)
+        );
     }
 
     #[test]

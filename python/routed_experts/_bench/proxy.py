@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union, cast
@@ -334,12 +334,15 @@ class RouterChild(Child):
     """vllm-router (the Rust router P/D operators run, from PyPI) in front of the engines, as
     its README starts it; up once its port accepts connections."""
 
-    def __init__(self, prefill: list[Child], decode: list[Child]) -> None:
+    def __init__(self, prefill: Sequence[Any], decode: Sequence[Any], policy: str = "round_robin",
+                 prefill_policy: str | None = None) -> None:
         exe = vllm_router()
         assert exe is not None
         port, metrics_port = _free_port(), _free_port()
-        cmd = [exe, "--vllm-pd-disaggregation", "--policy", "round_robin", "--host", "127.0.0.1",
+        cmd = [exe, "--vllm-pd-disaggregation", "--policy", policy, "--host", "127.0.0.1",
                "--port", str(port), "--prometheus-port", str(metrics_port), "--log-level", "error"]
+        if prefill_policy:
+            cmd += ["--prefill-policy", prefill_policy]
         for c in prefill:
             cmd += ["--prefill", c.url]
         for c in decode:
@@ -672,6 +675,16 @@ def _closed_port() -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     parts = args.only or ["load", "stream", "memory", "faults"]
+    if "sessions" in parts:  # its own engines and sizes
+        if len(parts) > 1:
+            raise SystemExit("bench-proxy: run sessions apart from the other parts")
+        from .sessions import run_sessions
+
+        results = run_sessions(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return 1 if any(f["wrong_200"] for f in results["fronts"].values()) else 0
     reliability = [p for p in parts if p in RELIABILITY_PARTS]
     if reliability and len(reliability) == len(parts):  # at their own sizes (reliability.py)
         from .reliability import run_reliability
