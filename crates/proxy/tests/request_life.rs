@@ -462,6 +462,9 @@ async fn a_sessions_turns_meet_the_same_prefill_server_and_sessions_spread() {
     assert!(spread.iter().all(|&n| n > 0), "{spread:?}");
 }
 
+/// Given where each session's request is held, the change to make to `/upstreams`.
+type ChangeFor = Box<dyn FnOnce(&[usize]) -> (hyper::Method, String) + Send>;
+
 /// Where each session's request went since the recorders were last cleared: the index of the
 /// recorder that saw it.
 fn placement(recorders: &[Arc<Mutex<Vec<String>>>], sessions: &[String]) -> Vec<usize> {
@@ -523,7 +526,7 @@ async fn servers_added_and_removed_under_load_lose_no_request_and_move_only_thei
     };
     // A turn of every session at once, held at the engines while the change `change_for` picks
     // (from where each session's request is held) is made; returns that placement.
-    let under_load = |change_for: Box<dyn FnOnce(&[usize]) -> (hyper::Method, String) + Send>| async move {
+    let under_load = |change_for: ChangeFor| async move {
         for r in recorders {
             r.lock().unwrap().clear();
         }

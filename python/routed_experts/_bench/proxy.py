@@ -400,7 +400,8 @@ def engine_spec(
     return spec + ([fault] if fault else [])
 
 
-def _server(kind: str, prefill: list[Child], decode: list[Child], **settings: Any) -> list[str]:
+def _server(kind: str, prefill: Sequence[Any], decode: Sequence[Any], **settings: Any) -> list[str]:
+    """The child spec of a front (`kind`) before servers that have a `.url`."""
     return [
         "serve",
         kind,
@@ -680,11 +681,11 @@ def run_bench(args: argparse.Namespace) -> int:
             raise SystemExit("bench-proxy: run sessions apart from the other parts")
         from .sessions import run_sessions
 
-        results = run_sessions(args)
+        sessions = run_sessions(args)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
-        return 1 if any(f["wrong_200"] for f in results["fronts"].values()) else 0
+                json.dump(sessions, f, indent=1)
+        return 1 if any(f["wrong_200"] for f in sessions["fronts"].values()) else 0
     reliability = [p for p in parts if p in RELIABILITY_PARTS]
     if reliability and len(reliability) == len(parts):  # at their own sizes (reliability.py)
         from .reliability import run_reliability

@@ -209,7 +209,7 @@ def run_sessions(args: argparse.Namespace, w: Workload | None = None) -> dict[st
                 stack.callback(front.stop)
                 expect = decode_only
             else:
-                spec = _server("proxy", prefills, [decode], **how)  # type: ignore[arg-type]
+                spec = _server("proxy", prefills, [decode], **how)
                 (front,) = stack.enter_context(children(spec))
                 expect = truth
             assert isinstance(front, Child)
