@@ -80,9 +80,13 @@ wheel: $(VENV)/.wheel-deps
 # The built wheels, installed into clean venvs with no Rust or C++ compiler on PATH, run the
 # test suite from outside the source tree: x86_64 on the oldest and newest CPython here;
 # aarch64 on Debian's arm64 CPython under qemu-user (root; tests/emulated_wheel_check.py).
+# The two run side by side (each keeps about one core busy); the emulated run's log follows.
 test-wheel: wheel
-	$(PY) tests/wheel_check.py $(DIST)
-	$(PY) tests/emulated_wheel_check.py $(DIST)
+	$(PY) tests/emulated_wheel_check.py $(DIST) > $(DIST)/emulated.log 2>&1 & emulated=$$!; \
+	$(PY) tests/wheel_check.py $(DIST); native=$$?; \
+	wait $$emulated; arm=$$?; cat $(DIST)/emulated.log; \
+	echo "make: x86_64 wheel check exit $$native, aarch64 (emulated) exit $$arm"; \
+	test $$native = 0 && test $$arm = 0
 
 lint: build-dev $(VENV)/.test-deps $(VENV)/.lint-deps
 	cargo fmt --check

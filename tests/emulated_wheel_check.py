@@ -6,12 +6,17 @@ Usage: python tests/emulated_wheel_check.py DIST_DIR  (make test-wheel, as root)
 what it needs (Debian's qemu-user-static and debootstrap), registers qemu as the aarch64 binary
 handler (binfmt_misc), builds the arm64 root once under target/emulated/ (debootstrap, about
 two minutes), downloads the aarch64 wheels of the test tools and extras on the host (the root
-has no network of its own to need), and installs them offline. Tests marked
-`slow_under_emulation` are skipped there (README, "Installing").
+needs no network of its own), and installs them offline. Ray is left out (its cluster of
+processes takes minutes under emulation; its tests skip without it), tests marked
+`slow_under_emulation` are skipped, and properties run fewer examples (tests/conftest.py).
+
+`--prepare` (stdlib only, so CI can start it before anything is built, beside `make test`)
+does only the tools, the handler and the root; a lock makes the check wait for it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -21,6 +26,8 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent / "target" / "emulated" / "bookworm-arm64"
+LOCK = ROOT.with_name("prepare.lock")
+LEFT_OUT = {"ray"}  # requirements not installed under emulation (see above)
 MIRROR = "http://deb.debian.org/debian"
 PYTHON = "3.11"  # bookworm's python3
 PLATFORMS = ("manylinux2014_aarch64", "manylinux_2_17_aarch64", "manylinux_2_28_aarch64")
@@ -75,37 +82,69 @@ def arm64_root() -> Path:
     return ROOT
 
 
+def prepare() -> Path:
+    """The tools, the handler and the root, under the lock (another run may be making them)."""
+    LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        install_tools()
+        register_binfmt()
+        return arm64_root()
+
+
 def in_root(root: Path, script: str) -> None:
-    """`script` run by sh inside the root, with a clean environment."""
+    """`script` run by sh inside the root, with a clean environment and the kernel's /proc and
+    /dev (tests read /proc/self/status; multiprocessing needs /dev/shm)."""
     env = ["/usr/bin/env", "-i", "PATH=/opt/venv/bin:/usr/bin:/bin", "HOME=/root",
            "LANG=C.UTF-8", "ROUTED_EXPERTS_EMULATED=1"]
-    run(["chroot", str(root), *env, "/bin/sh", "-ec", script])
+    mounted = []
+    try:
+        for kind, where in (("proc", "proc"), ("bind", "dev"), ("bind", "dev/pts")):
+            target = root / where
+            target.mkdir(exist_ok=True)
+            if os.path.ismount(target):
+                continue
+            if kind == "proc":
+                run(["mount", "-t", "proc", "proc", str(target)])
+            else:
+                run(["mount", "--bind", f"/{where}", str(target)])
+            mounted.append(target)
+        run(["chroot", str(root), *env, "/bin/sh", "-ec", script])
+    finally:
+        for target in reversed(mounted):
+            subprocess.run(["umount", "-l", str(target)], check=False)
 
 
 def main() -> None:
     if os.geteuid() != 0:
         sys.exit("emulated_wheel_check: needs root (apt-get, binfmt_misc, chroot)")
+    if sys.argv[1:] == ["--prepare"]:
+        prepare()
+        return
     dist = Path(sys.argv[1] if len(sys.argv) > 1 else "dist")
     wheels = sorted(dist.glob("routed_experts-*-abi3-*aarch64.whl"))
     if len(wheels) != 1:
         sys.exit(f"emulated_wheel_check: want one aarch64 wheel in {dist}, found {wheels}")
     began = time.monotonic()
-    install_tools()
-    register_binfmt()
-    root = arm64_root()
+    root = prepare()
     # What the run installs, all offline: the wheel, and the aarch64 wheels of the test tools.
     house = root / "wheelhouse"
     shutil.rmtree(house, ignore_errors=True)
     house.mkdir()
     shutil.copy(wheels[0], house)
     platforms = [f"--platform={p}" for p in PLATFORMS]
-    run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", *platforms,
-         f"--python-version={PYTHON}", "-d", str(house), "-r", str(TESTS / "requirements.txt")])
     suite = root / "suite"
     shutil.rmtree(suite, ignore_errors=True)
     suite.mkdir()
     shutil.copytree(TESTS, suite / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     (suite / "pytest.ini").write_text(PYTEST_INI)
+    wanted = [
+        line for line in (TESTS / "requirements.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#") and line.strip() not in LEFT_OUT
+    ]
+    (suite / "requirements.txt").write_text("\n".join(wanted) + "\n")
+    run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", *platforms,
+         f"--python-version={PYTHON}", "-d", str(house), "-r", str(suite / "requirements.txt")])
     compilers = " ".join(COMPILERS)
     in_root(root, f"""
         for c in {compilers}; do
@@ -113,8 +152,10 @@ def main() -> None:
         done
         rm -rf /opt/venv
         python3 -m venv /opt/venv
-        pip install -q --no-index --find-links /wheelhouse {wheels[0].name.split('-')[0]} \\
-            -r /suite/tests/requirements.txt
+        # --no-compile: byte-compiling every module under emulation costs minutes; Python
+        # compiles what the tests import as they import it.
+        pip install -q --no-compile --no-index --find-links /wheelhouse \\
+            {wheels[0].name.split('-')[0]} -r /suite/requirements.txt
         python -c 'import platform; assert platform.machine() == "aarch64", platform.machine()'
         routed-experts demo --tokens 1024
         cd /suite
