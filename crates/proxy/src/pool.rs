@@ -60,8 +60,10 @@ pub enum Policy {
 /// The bound on a server's share under [`Policy::Session`]: a session's request goes to a
 /// server only while its requests under way are below this factor times the side's average
 /// (counting the request), so one hot session cannot swamp a server (consistent hashing with
-/// bounded loads; 1.25 is the factor its authors recommend).
-pub const SESSION_LOAD_FACTOR: f64 = 1.25;
+/// bounded loads). 1.5, not the 1.25 often quoted: hashing itself leaves the busiest server
+/// near 1.4x the average at RL concurrencies (64 sessions on 4 servers), and a session moved
+/// in mid-rollout loses its cached prefix; measured in BENCHMARKS.md (sessions).
+pub const SESSION_LOAD_FACTOR: f64 = 1.5;
 
 impl Policy {
     /// Every policy, by name.
@@ -812,7 +814,7 @@ mod tests {
         assert!(held.iter().any(|l| l.choice == Choice::SessionMoved));
         // Below any real load a session stays put.
         assert_eq!(session_cap(0, 4), 2);
-        assert_eq!(session_cap(15, 4), 5);
+        assert_eq!(session_cap(15, 4), 6);
     }
 
     #[test]

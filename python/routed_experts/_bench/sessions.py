@@ -45,7 +45,7 @@ class Workload:
     growth: int = 256
     servers: int = 4
     cache_blocks: int = 3072
-    us_per_token: float = 50.0
+    us_per_token: float = 200.0  # 5k tokens/s a prefill server: a large MoE's prefill
     decode_ms: float = 10.0
 
     def prompts(self) -> list[list[str]]:
