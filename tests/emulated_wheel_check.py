@@ -24,6 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+# The same pytest settings and the same list of compilers a wheel must never need.
+from wheel_check import COMPILERS, PYTEST_INI
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent / "target" / "emulated" / "bookworm-arm64"
 LOCK = ROOT.with_name("prepare.lock")
@@ -32,14 +35,6 @@ MIRROR = "http://deb.debian.org/debian"
 PYTHON = "3.11"  # bookworm's python3
 PLATFORMS = ("manylinux2014_aarch64", "manylinux_2_17_aarch64", "manylinux_2_28_aarch64")
 BINFMT = Path("/proc/sys/fs/binfmt_misc")
-COMPILERS = ("cargo", "rustc", "cc", "c++", "gcc", "g++", "clang", "zig")
-PYTEST_INI = """[pytest]
-filterwarnings = error
-addopts = -ra --strict-markers -p no:cacheprovider
-markers =
-    source_tree: needs the source checkout
-    slow_under_emulation: minutes under qemu-user; skipped there
-"""
 
 
 def run(cmd: list[str], **kw: object) -> None:
