@@ -5,6 +5,7 @@ returns the full sequence with zeroed prompt rows [S, P+G-1), or a delta from P-
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import os
 import socket
@@ -63,9 +64,10 @@ class Engine:
     # "no_kv" (a prefill reply without kv_transfer_params), "dup_routing" (the routing event
     # twice), "cut_line" (a stream that ends inside a line), "dribble" (the routing event in
     # 256-byte pieces); "hang" (never answers; records
-    # the client's disconnect), "slow" (answers after `delay` seconds), "slow_stream" (a stream
-    # that never ends, one event per 20 ms; records when the client goes), "flood_stream" (the
-    # same, 64 KB comments as fast as they are read)
+    # the client's disconnect), "slow" (answers after `delay` seconds), "held" (answers once
+    # `released` is set: a request kept under way for as long as a test needs), "slow_stream"
+    # (a stream that never ends, one event per 20 ms; records when the client goes),
+    # "flood_stream" (the same, 64 KB comments as fast as they are read)
     fail: str | None = None
     delay: float = 1.0
     pad: int = 0  # decode: bytes of filler after the routing (a "pad" key; a stream comment)
@@ -73,6 +75,7 @@ class Engine:
     headers: list[dict[str, str]] = field(default_factory=list)
     disconnected: list[str] = field(default_factory=list)  # request ids whose client left
     health_checks: int = 0
+    released: threading.Event = field(default_factory=threading.Event)
 
     def routing(self, arr: np.ndarray, start: int) -> Any:
         if self.fail == "zero_routes":  # a broken kernel: right shape, every id 0
@@ -94,6 +97,8 @@ class Engine:
             return Response(status_code=499)
         if self.fail == "slow":
             await asyncio.sleep(self.delay)
+        while self.fail == "held" and not self.released.is_set():
+            await asyncio.sleep(0.01)
         if self.fail == "array":
             return JSONResponse([1, 2])
         if self.fail == "500":
@@ -298,6 +303,20 @@ class Engine:
 # How a proxy app handed to `Server` is served: "rust" (the server itself, as `routed-experts
 # proxy` runs it; the default) or "asgi" (the ASGI app under uvicorn, relaying to it).
 DATA_PLANE = os.environ.get("RX_PROXY_DATA_PLANE", "rust")
+
+# Ports closed_port_url() holds for the whole run, closed when it ends.
+_HELD: list[socket.socket] = []
+atexit.register(lambda: [s.close() for s in _HELD])
+
+
+def closed_port_url() -> str:
+    """A loopback address that refuses connections for the rest of the run: a port bound and
+    never listened on, and held, so no other test or server can take it meanwhile (a port
+    bound and released could be anyone's a moment later)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    _HELD.append(s)
+    return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 class Server:

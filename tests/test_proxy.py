@@ -10,7 +10,15 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from engines import KV_PARAMS, Engine, Server, max_tokens, prompt_tokens, truth
+from engines import (
+    KV_PARAMS,
+    Engine,
+    Server,
+    closed_port_url,
+    max_tokens,
+    prompt_tokens,
+    truth,
+)
 
 import routed_experts as rx
 from routed_experts.proxy import PREFILL_KV_TRANSFER_PARAMS, create_app
@@ -37,7 +45,7 @@ def stack(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     prefill_urls = [s.url for s in servers[:2]]
     decode_urls = [s.url for s in servers[2:]]
     if opts.get("prefill_down"):
-        prefill_urls = ["http://127.0.0.1:9"]  # discard port: nothing listens
+        prefill_urls = [closed_port_url()]  # nothing listens
     proxy = Server(create_app(prefill_urls, decode_urls, read_timeout=10, **opts.get("proxy", {})))
     proxy.__enter__()
     try:
@@ -459,7 +467,7 @@ def test_the_asgi_app_answers_its_own_failures_in_the_error_shape() -> None:
 
     from routed_experts.proxy import create_app
 
-    app = create_app(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])
+    app = create_app([closed_port_url()], [closed_port_url()])
     scope = {"type": "http", "method": "POST", "path": "/v1/completions",
              "raw_path": b"/v1/completions", "root_path": "", "query_string": b"",
              "headers": [(b"content-type", b"application/json")]}

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from engines import DATA_PLANE, Engine, Server
 from test_proxy import COMPLETION, expected
-from test_proxy_resilience import closed_port_url, post, stack, wait_for
+from test_proxy_resilience import post, proxy_command, stack, wait_for
 
 import routed_experts as rx
 from routed_experts.proxy import ProxyConfig, ProxyServer
@@ -69,7 +69,6 @@ def test_slow_and_silent_heads_get_408_and_are_closed_while_others_are_served() 
 
         dripper = threading.Thread(target=drip, daemon=True)
         dripper.start()
-        began = time.monotonic()
         try:
             healthy(url)  # served while they wait
             answers = [read_all(s, 5) for s in silent + slow]
@@ -78,7 +77,6 @@ def test_slow_and_silent_heads_get_408_and_are_closed_while_others_are_served() 
             dripper.join(timeout=5)
             for s in silent + slow:
                 s.close()
-        assert time.monotonic() - began < 5
         for a in answers:  # each one answered 408, then closed (read_all saw the end)
             assert a.startswith(b"HTTP/1.1 408"), a[:80]
             assert b"connection: close" in a.lower()
@@ -156,13 +154,11 @@ def _answers(url: str) -> bool:
 def test_an_endless_stream_ends_at_the_request_timeout_with_an_error_event() -> None:
     decode = Engine(fail="slow_stream")
     with stack([Engine()], [decode], request_timeout=1.0) as url:
-        began = time.monotonic()
         body = dict(COMPLETION, stream=True)
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10,
                           headers={"X-Request-Id": "endless"}) as r:
             assert r.status_code == 200
             events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-        assert time.monotonic() - began < 5
         last = json.loads(events[-1])["error"]
         assert last["code"] == 504 and "--request-timeout" in last["message"]
         assert len(events) > 5  # it was relayed until then
@@ -172,9 +168,7 @@ def test_an_endless_stream_ends_at_the_request_timeout_with_an_error_event() -> 
 def test_a_plain_request_past_the_request_timeout_is_504() -> None:
     decode = Engine(fail="hang")
     with stack([Engine()], [decode], request_timeout=1.0) as url:
-        began = time.monotonic()
-        r = post(url)
-        assert time.monotonic() - began < 5
+        r = post(url)  # its client gives up at 30 s: only the proxy's timeout answers sooner
         assert r.status_code == 504 and "--request-timeout" in r.json()["error"]["message"]
         wait_for(lambda: len(decode.disconnected) == 1)
 
@@ -236,11 +230,7 @@ def test_operator_endpoints_move_to_the_admin_port() -> None:
 def proxy_process(decode_url: str, *flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """`routed-experts proxy` in a child process, as an operator runs it."""
     with Server(Engine().app()) as p:
-        url = closed_port_url()
-        port = url.rsplit(":", 1)[1]
-        cmd = [sys.executable, "-m", "routed_experts.cli", "proxy", "--prefill", p.url,
-               "--decode", decode_url, "--port", port, *flags]
-        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        proc, url, _ = proxy_command(["--prefill", p.url, "--decode", decode_url, *flags])
         try:
             wait_for(lambda: _answers(url), seconds=20)
             yield proc, url
@@ -250,7 +240,9 @@ def proxy_process(decode_url: str, *flags: str) -> Iterator[tuple[subprocess.Pop
             proc.communicate(timeout=20)
 
 
-def _stream_in_background(url: str) -> list[str]:
+def _stream_in_background(url: str) -> tuple[threading.Thread, list[str]]:
+    """A stream request on a thread of its own, once its first events arrived: the thread
+    ends when the stream does."""
     events: list[str] = []
 
     def run() -> None:
@@ -260,26 +252,38 @@ def _stream_in_background(url: str) -> list[str]:
                 for line in r.iter_lines():
                     events.append(line)
 
-    threading.Thread(target=run, daemon=True).start()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
     wait_for(lambda: len(events) > 2)
-    return events
+    return thread, events
+
+
+def _read_log_until(proc: subprocess.Popen[str], text: str) -> str:
+    """The child's log lines up to and including the first with `text` (the state it names
+    has been reached)."""
+    assert proc.stderr is not None
+    said = ""
+    for line in proc.stderr:
+        said += line
+        if text in line:
+            return said
+    raise AssertionError(f"the proxy ended without logging {text!r}: {said}")
 
 
 def test_sigterm_drains_then_cancels_and_exits_0() -> None:
     decode = Engine(fail="slow_stream")
     with Server(decode.app()) as d:
         with proxy_process(d.url, "--shutdown-timeout", "1") as (proc, url):
-            events = _stream_in_background(url)
-            began = time.monotonic()
+            stream, _ = _stream_in_background(url)
             proc.send_signal(signal.SIGTERM)
-            _, err = proc.communicate(timeout=20)
+            _, err = proc.communicate(timeout=20)  # a guard against a hang, not a measure
             assert proc.returncode == 0, err
-            assert time.monotonic() - began < 5  # one second of drain, then cancelled
+            # One second of drain, then the stream under way was cancelled.
+            assert "shutting down: 1 requests under way get up to 1 s" in err
             assert "shutdown timeout: cancelling 1 requests under way" in err
             wait_for(lambda: len(decode.disconnected) == 1)  # the upstream call was cancelled
-            n = len(events)
-            time.sleep(0.2)
-            assert len(events) == n  # the stream ended
+            stream.join(timeout=20)
+            assert not stream.is_alive()  # and the client's stream ended
 
 
 def test_a_second_signal_stops_at_once() -> None:
@@ -288,13 +292,12 @@ def test_a_second_signal_stops_at_once() -> None:
         with proxy_process(d.url, "--shutdown-timeout", "600") as (proc, url):
             _stream_in_background(url)
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.5)
+            said = _read_log_until(proc, "shutting down: 1 requests under way get up to 600 s")
             assert proc.poll() is None  # draining: the stream may take its time
-            began = time.monotonic()
             proc.send_signal(signal.SIGTERM)
+            # Stopped long before the 600 s of drain (the timeout guards against a hang).
             _, err = proc.communicate(timeout=20)
-            assert time.monotonic() - began < 5
-            assert proc.returncode == 0 and "stopping at once" in err, err
+            assert proc.returncode == 0 and "stopping at once" in err, said + err
 
 
 def test_the_cli_refuses_https_upstreams() -> None:

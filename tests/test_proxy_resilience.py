@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from engines import Engine, Server, max_tokens
+from engines import Engine, Server, closed_port_url, max_tokens
 from test_proxy import COMPLETION, expected
 
 import routed_experts as rx
@@ -22,11 +25,21 @@ from routed_experts.cli import build_parser
 from routed_experts.proxy import ProxyConfig, create_app
 
 
-def closed_port_url() -> str:
-    """A loopback address nothing listens on (connections are refused at once)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+def proxy_command(args: list[str]) -> tuple[subprocess.Popen[str], str, list[str]]:
+    """`routed-experts proxy ARGS --port 0` in a child process, as an operator runs it: the
+    process, its URL (from its start line: the port the system gave it, held from bind to
+    serve) and the log lines read up to that one."""
+    cmd = [sys.executable, "-m", "routed_experts.cli", "proxy", *args, "--port", "0"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    said = []
+    for line in proc.stderr:
+        said.append(line)
+        found = re.search(r"routed-experts proxy on (http://127\.0\.0\.1:\d+)", line)
+        if found:
+            return proc, found.group(1), said
+    proc.wait(timeout=10)
+    raise AssertionError(f"the proxy ended before it said its port: {''.join(said)}")
 
 
 @contextlib.contextmanager
@@ -67,14 +80,15 @@ def wait_for(cond: Any, seconds: float = 10.0) -> None:
 
 
 def test_requests_beyond_the_in_flight_limit_get_503_with_retry_after() -> None:
-    slow = Engine(fail="slow", delay=1.0)
-    with stack([slow], [Engine()], max_in_flight=1) as url:
+    held = Engine(fail="held")
+    with stack([held], [Engine()], max_in_flight=1) as url:
         first, result = in_thread(lambda: post(url))
-        wait_for(lambda: slow.requests)  # the first request holds the only slot
+        wait_for(lambda: held.requests)  # the first request holds the only slot, until released
         r = post(url)
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["side"] == "proxy"
-        first.join(10)
+        held.released.set()
+        first.join(30)
         assert result[0].status_code == 200  # the one in flight was served
         assert post(url).status_code == 200  # and the slot is free again
         metrics = httpx.get(url + "/metrics", timeout=10).text
@@ -82,22 +96,29 @@ def test_requests_beyond_the_in_flight_limit_get_503_with_retry_after() -> None:
         assert 'side="proxy",status="503"} 1.0' in metrics
 
 
-def test_a_hung_decode_server_times_out_is_ejected_and_does_not_starve_the_other() -> None:
-    hung, healthy = Engine(fail="hang"), Engine()
-    with stack([Engine()], [hung, healthy], read_timeout=1.0, eject_after=2) as url:
-        # Round robin: the first request goes to the hung server, the second to the healthy
-        # one, which answers while the first is still waiting (the pool is per server).
+def test_a_decode_server_that_holds_a_request_does_not_starve_the_other() -> None:
+    held, healthy = Engine(fail="held"), Engine()
+    with stack([Engine()], [held, healthy]) as url:
+        # The first request goes to the held server; the second, to the other (least load),
+        # is answered while the first is still held (the pool is per server).
         stuck, stuck_result = in_thread(lambda: post(url))
-        wait_for(lambda: hung.requests)
+        wait_for(lambda: held.requests)
         r = post(url)
         assert r.status_code == 200 and rx.from_response(r.content) == expected(COMPLETION)
-        assert stuck.is_alive()
-        stuck.join(10)
-        err = stuck_result[0]
-        assert err.status_code == 504 and err.json()["error"]["side"] == "decode"
-        # The next turn of the hung server is its second timeout in a row: out of rotation,
-        # and from then on every request succeeds.
-        assert post(url).status_code == 504
+        assert stuck.is_alive() and not stuck_result
+        held.released.set()
+        stuck.join(30)
+        assert stuck_result[0].status_code == 200
+
+
+def test_a_hung_decode_server_times_out_and_is_ejected() -> None:
+    hung, healthy = Engine(fail="hang"), Engine()
+    with stack([Engine()], [hung, healthy], read_timeout=1.0, eject_after=2) as url:
+        # Least load takes turns between idle servers: the hung one's turns time out (504),
+        # the other's are served; its second timeout in a row takes it out of rotation, and
+        # from then on every request succeeds.
+        statuses = [post(url).status_code for _ in range(4)]
+        assert statuses == [504, 200, 504, 200]
         statuses = [post(url).status_code for _ in range(6)]
         assert statuses == [200] * 6
         assert len(hung.requests) == 2
@@ -110,9 +131,9 @@ def test_a_hung_decode_server_times_out_is_ejected_and_does_not_starve_the_other
 
 def test_an_ejected_server_gets_a_trial_after_eject_seconds_and_rejoins() -> None:
     flaky = Engine(fail="500")
-    with stack([Engine()], [flaky], eject_after=2, eject_seconds=0.3) as url:
+    with stack([Engine()], [flaky], eject_after=2, eject_seconds=2.0) as url:
         assert [post(url).status_code for _ in range(2)] == [502, 502]
-        r = post(url)
+        r = post(url)  # well within the two seconds of ejection
         assert r.status_code == 503 and r.json()["error"]["side"] == "proxy"
         assert int(r.headers["retry-after"]) >= 1
         assert "no decode server is in rotation" in r.json()["error"]["message"]
@@ -120,12 +141,26 @@ def test_an_ejected_server_gets_a_trial_after_eject_seconds_and_rejoins() -> Non
         assert health.status_code == 503 and health.json()["status"] == "unavailable"
         assert len(flaky.requests) == 2  # the ejected server was not called
         flaky.fail = None
-        time.sleep(0.35)
+        # /health says when its ejection is over; then the next request is its trial.
+        wait_for(lambda: _decode_health(url)["retry_in_s"] == 0)
         assert post(url).status_code == 200  # the trial request
         assert httpx.get(url + "/health", timeout=10).status_code == 200
         metrics = httpx.get(url + "/metrics", timeout=10).text
         assert 'routed_experts_proxy_upstream_healthy{side="decode"' in metrics
         assert 'routed_experts_proxy_rejected_total{reason="no_upstream"} 1.0' in metrics
+
+
+def _gauge(url: str, name: str) -> float:
+    """The value of an unlabelled metric in /metrics."""
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def _decode_health(url: str) -> dict[str, Any]:
+    """The first decode server's entry in /health."""
+    return dict(httpx.get(url + "/health", timeout=10).json()["decode"][0])
 
 
 def test_the_last_decode_server_is_probed_not_shut_out_and_no_prefill_runs_without_it() -> None:
@@ -144,9 +179,13 @@ def test_the_last_decode_server_is_probed_not_shut_out_and_no_prefill_runs_witho
         r = post(url)  # within a second of the last probe: refused without another
         assert r.status_code == 503 and decode.health_checks == 1
         decode.fail = None
-        time.sleep(1.05)
-        r = post(url)
-        assert r.status_code == 200 and rx.from_response(r.content) == expected(COMPLETION)
+        # Refused without a probe until a second has passed since the last; then one probe
+        # finds it answering and the request is served.
+        answers: list[httpx.Response] = []
+        wait_for(lambda: answers.append(post(url)) or answers[-1].status_code == 200)
+        assert {a.status_code for a in answers[:-1]} <= {503}
+        r = answers[-1]
+        assert rx.from_response(r.content) == expected(COMPLETION)
         assert decode.health_checks == 2
         assert httpx.get(url + "/health", timeout=10).status_code == 200  # back in rotation
 
@@ -185,7 +224,8 @@ def test_slow_bodies_hold_no_completion_slot_and_are_timed_out() -> None:
                  for _ in range(2)]
         for t in drips:
             t.start()
-        time.sleep(0.3)
+        # Both slow clients connected (with the scrape itself: three connections open).
+        wait_for(lambda: _gauge(url, "routed_experts_proxy_connections") >= 3)
         try:
             for _ in range(3):
                 r = post(url)
@@ -530,22 +570,20 @@ def test_bench_proxy_without_vllm_router_says_how_to_add_it(
 def test_the_proxy_command_serves_and_logs_one_line_per_request() -> None:
     """`routed-experts proxy` as an operator starts it: the Rust data plane, the flags, the log
     line on stderr (through Python's logging); stopped with SIGTERM."""
-    import subprocess
-    import sys
 
     with Server(Engine().app()) as p, Server(Engine().app()) as d:
-        port_url = closed_port_url()
+        args = ["--prefill", p.url, "--decode", d.url, "--read-timeout", "30",
+                "--max-in-flight", "8"]
+        proc, port_url, said = proxy_command(args)
         port = port_url.rsplit(":", 1)[1]
-        cmd = [sys.executable, "-m", "routed_experts.cli", "proxy", "--prefill", p.url]
-        cmd += ["--decode", d.url, "--port", port, "--read-timeout", "30", "--max-in-flight", "8"]
-        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
         try:
             wait_for(lambda: _answers(port_url + "/healthcheck"), seconds=20)
             r = post(port_url, headers={"X-Request-Id": "from-the-cli"})
             assert r.status_code == 200 and rx.from_response(r.content) == expected(COMPLETION)
         finally:
             proc.terminate()
-            _, err = proc.communicate(timeout=20)
+            _, rest = proc.communicate(timeout=20)
+    err = "".join(said) + rest
     # SIGTERM drains the requests under way (none here) and exits 0.
     assert proc.returncode == 0, err
     assert "shutdown complete: every request finished" in err
