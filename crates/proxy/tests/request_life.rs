@@ -339,11 +339,11 @@ async fn routing_missing_on_prefill_is_a_502_that_blames_prefill_never_a_200() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_prefill_is_a_502_that_blames_prefill() {
-    // A port that was bound and released: nothing listens there.
-    let closed = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}", l.local_addr().unwrap())
-    };
+    // A port bound and never listened on, held to the end of the test: connections to it
+    // are refused, and nothing else can take it meanwhile.
+    let held = tokio::net::TcpSocket::new_v4().unwrap();
+    held.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let closed = format!("http://{}", held.local_addr().unwrap());
     let (_, d) = counters();
     let proxy = Running::start(closed, engine(Engine::Working, Arc::clone(&d)).await);
     let (status, body) = post(proxy.addr, "/v1/completions", &completion(false)).await;
