@@ -404,19 +404,26 @@ small_or_huge = st.one_of(st.integers(1, 64), st.integers(2**31, 2**64 - 1))
 
 @settings(max_examples=100, deadline=None)
 @given(pad=small_or_huge, n=small_or_huge, missing=st.integers(0, 2**64 - 1))
-def test_huge_caller_arguments_are_payload_errors(pad: int, n: int, missing: int) -> None:
-    p = rx.RoutedExperts.from_json(SIDE)
-    try:
+def test_huge_caller_arguments_are_payload_errors_and_small_ones_are_honoured(
+    pad: int, n: int, missing: int
+) -> None:
+    p = rx.RoutedExperts.from_json(SIDE)  # 3 rows
+    if pad >= 2**31:  # billions of padding rows: refused before anything is allocated
+        with pytest.raises(rx.PayloadError, match="pad_to_multiple"):
+            rx.pack([p], pad_to_multiple=pad)
+    else:
         packed, _ = rx.pack([p], pad_to_multiple=pad)
-        assert len(packed) % pad == 0
-    except rx.PayloadError:
-        pass
+        assert len(packed) % pad == 0 and 3 <= len(packed) < 3 + pad
     t = rx.Trajectory()
     t.append(p)
-    try:
+    if n >= 2**31:
+        with pytest.raises(rx.RoutedExpertsError, match="num_tokens|missing"):
+            t.to_training(n, pad="zero", max_missing=missing)
+    elif n - 3 > missing:
+        with pytest.raises(rx.MergeError, match=f"more than max_missing={missing}"):
+            t.to_training(n, pad="zero", max_missing=missing)
+    else:
         assert len(t.to_training(n, pad="zero", max_missing=missing)) == n
-    except rx.RoutedExpertsError:
-        pass
 
 
 @settings(max_examples=200, deadline=None)

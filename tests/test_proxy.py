@@ -87,7 +87,9 @@ def test_plain_requests_merge_to_the_truth(
         assert r.status_code == 200, r.text
         got = rx.from_response(r.content)
         want = expected(body)
-        assert got == want and got is not None and got.start == start
+        # Equal values are not enough (uint8 == uint16): the dtype and start too.
+        assert got is not None and got == want and got.start == start
+        assert got.dtype == want.dtype
         assert json.loads(r.content)["choices"][0].get("logprobs", {}) is not None
     for engine in stack["prefills"]:
         assert len(engine.requests) == 1

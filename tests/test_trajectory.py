@@ -142,9 +142,9 @@ def test_to_training_requires_start_zero_and_bounds_padding() -> None:
         rx.Trajectory().to_training(1)
 
 
-def test_many_turns_do_not_recopy_everything() -> None:
-    # 100 one-row turns into a trajectory: the result is right and the work is amortised
-    # (checked by the benchmark; here we check the result of many appends).
+def test_a_hundred_one_row_turns_stitch_to_every_row_in_order() -> None:
+    # That appending is amortised (no recopy of all rows per turn) is the benchmark's to
+    # show; this checks what a hundred appends build.
     t = rx.Trajectory()
     rows = np.arange(100 * 2 * 2, dtype=np.int64).reshape(100, 2, 2) % 251
     for i in range(100):
