@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import pickle
+import re
 import threading
 from typing import Any
 
@@ -318,3 +319,22 @@ def test_threads_decode_at_once_correctly() -> None:
     for t in threads:
         t.join()
     assert failures == []
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (b'{"data":"AA\\q==","shape":[1,1,1],"start":0,"dtype":"uint8"}',
+         "sidecar: invalid JSON at byte 12: expected a valid escape, got 'q'"),
+        (b'{"data":"AQ==","shape":[1,1,1],"start":tru,"dtype":"uint8"}',
+         "sidecar: invalid JSON at byte 39: expected true, got 't'"),
+        (b'{"data":"AQ==","shape":[1,1,1],"start":0,"dtype":"uint8","x":[1,}',
+         "sidecar: invalid JSON at byte 64: expected a value, got '}'"),
+    ],
+)
+def test_invalid_json_in_a_sidecar_names_the_byte_and_what_was_expected(
+    text: bytes, message: str
+) -> None:
+    for read in (rx.decode, rx.RoutedExperts.from_json):
+        with pytest.raises(rx.PayloadError, match=re.escape(message)):
+            read(text)

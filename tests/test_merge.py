@@ -213,3 +213,35 @@ def test_trailing_garbage_and_deep_nesting_are_rejected() -> None:
     deep = b'{"a":' + b"[" * 500 + b"]" * 500 + b"}"
     with pytest.raises(rx.PayloadError, match="nested deeper than 128"):
         rx.from_response(deep)
+
+
+def _halves() -> tuple[str, str, str]:
+    """A prefill body (rows [0, 3)), a decode body (rows [0, 5), prompt rows zeroed) and a
+    decode body without routing."""
+    pre = rx.RoutedExperts.from_array(np.arange(6).reshape(3, 1, 2), num_experts=128)
+    rows = np.zeros((5, 1, 2), dtype=np.int64)
+    rows[3:] = [[[7, 8]], [[9, 10]]]
+    dec = rx.RoutedExperts.from_array(rows, num_experts=128)
+    pb = json.dumps({"choices": [{"index": 0, "routed_experts": pre.to_dict()}]})
+    db = json.dumps({"choices": [{"index": 0, "routed_experts": dec.to_dict()}]})
+    none = json.dumps({"choices": [{"index": 0, "text": "x"}]})
+    return pb, db, none
+
+
+def test_require_routing_refuses_a_decode_body_without_routing_that_prefill_had() -> None:
+    pb, _, none = _halves()
+    # By default there is nothing to merge into: the decode body comes back as it was...
+    assert rx.merge_response(pb, none) == none.encode()
+    # ...and a router that must never pass on a body without routing says so.
+    with pytest.raises(rx.MergeError, match="missing routing on the decode side: the prefill "
+                       r"body carries routing \(at \$\.choices\[0\]\.routed_experts\)"):
+        rx.merge_response(pb, none, require_routing=True)
+
+
+def test_max_bytes_bounds_each_half_of_one_call() -> None:
+    pb, db, _ = _halves()
+    with pytest.raises(rx.PayloadError, match="choice 0: prefill: .* exceeds the limit of 5 bytes"):
+        rx.merge_response(pb, db, max_bytes=5)
+    merged = rx.from_response(rx.merge_response(pb, db, max_bytes=10))  # decode's 10 bytes fit
+    assert merged is not None
+    assert merged.to_numpy().ravel().tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 9, 10]

@@ -395,3 +395,15 @@ def test_cli_plot_without_matplotlib_says_what_to_install(tmp_path: Path) -> Non
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "routed-experts plot needs the plot extra: pip install matplotlib" in r.stderr
+
+
+def test_zero_rows_false_accepts_all_zero_rows_that_the_default_refuses() -> None:
+    # An all-zero row is what a decode server sends for prompt rows it did not compute; a
+    # caller that knows its rows may be zero (a padded batch) turns the check off.
+    z = rx.RoutedExperts.from_array(np.zeros((3, 1, 2), dtype=np.int64), num_experts=128)
+    with pytest.raises(rx.PayloadError, match="got an all-zero row at position 0 \\(3 in all"):
+        z.validate()
+    z.validate(zero_rows=False)
+    report = z.validation_report(zero_rows=False)
+    assert report["ok"] is True and report["zero_rows"] == 0
+    assert z.validation_report()["zero_rows"] == 3

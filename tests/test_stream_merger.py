@@ -86,3 +86,38 @@ def test_a_stream_cut_short_or_without_routing_raises_after_relaying_what_came()
     assert b"".join(merger.feed(plain)) == plain
     with pytest.raises(rx.MergeError, match="missing routing on the decode side"):
         merger.finish()
+
+
+def _merger_halves() -> tuple[str, bytes]:
+    pre = rx.RoutedExperts.from_array(np.arange(6).reshape(3, 1, 2), num_experts=128)
+    rows = np.zeros((5, 1, 2), dtype=np.int64)
+    rows[3:] = [[[7, 8]], [[9, 10]]]
+    dec = rx.RoutedExperts.from_array(rows, num_experts=128)
+    pb = json.dumps({"choices": [{"index": 0, "routed_experts": pre.to_dict()}]})
+    event = json.dumps({"choices": [{"index": 0, "routed_experts": dec.to_dict()}]}).encode()
+    return pb, b"data: " + event + b"\n\n"
+
+
+def test_a_line_past_max_line_bytes_is_a_payload_error_naming_the_limit() -> None:
+    pb, event = _merger_halves()
+    with pytest.raises(rx.PayloadError, match="a line of more than 20 bytes"):
+        StreamMerger(pb, max_line_bytes=20).feed(event)
+    assert b"".join(StreamMerger(pb, max_line_bytes=len(event)).feed(event))  # one that fits
+
+
+def test_buffered_holds_the_unfinished_line_and_merged_bytes_the_merged_event() -> None:
+    pb, event = _merger_halves()
+    m = StreamMerger(pb)
+    out = m.feed(b'data: {"choices":[{"index":0,"text":"a"}]}\n\ndata: {"choi')
+    assert b"".join(out) == b'data: {"choices":[{"index":0,"text":"a"}]}\n\n'
+    assert (m.buffered, m.merged_bytes, m.merged, m.done) == (12, 0, False, False)
+    out = m.feed(b'ces":[{"index":0,"text":"b"}]}\n\n' + event + b"data: [DONE]\n\n")
+    assert m.buffered == 0 and m.merged and m.done
+    text = b"".join(out)
+    merged_event = text.split(b"\n\n")[1]
+    assert merged_event.startswith(b"data: ") and b"[DONE]" not in merged_event
+    # The merged event's data: after `data: `, through its line's end.
+    assert m.merged_bytes == len(merged_event) - len(b"data: ") + len(b"\n")
+    got = rx.from_response(merged_event[len(b"data: "):])
+    assert got is not None and got.to_numpy().ravel().tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 9, 10]
+    assert m.finish() == []

@@ -150,3 +150,14 @@ def test_a_hundred_one_row_turns_stitch_to_every_row_in_order() -> None:
     for i in range(100):
         t.append(rx.RoutedExperts.from_array(rows[i : i + 1], start=i, dtype="uint8"))
     np.testing.assert_array_equal(t.payload.array, rows)  # type: ignore[union-attr]
+
+
+def test_what_an_empty_trajectory_cannot_do_is_named() -> None:
+    with pytest.raises(rx.MergeError, match="cannot truncate an empty trajectory"):
+        rx.Trajectory().truncate(1)
+    no_rows = rx.Trajectory()
+    no_rows.append(rx.RoutedExperts.from_array(np.zeros((0, 1, 2), dtype=np.int64)))
+    with pytest.raises(rx.MergeError, match="cannot repeat the last row of a trajectory with "
+                       "no rows"):
+        no_rows.to_training(2, pad="repeat", max_missing=5)
+    assert no_rows.to_training(2, pad="zero", max_missing=5).tolist() == [[[0, 0]], [[0, 0]]]

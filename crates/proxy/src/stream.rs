@@ -36,7 +36,7 @@ pub struct StreamMerger<'a> {
     partial_len: usize,
     /// Some event carried routing (and was merged).
     pub merged: bool,
-    /// Bytes of merged events.
+    /// Bytes of merged events' data (after `data:`, through the end of each one's line).
     pub merged_bytes: usize,
     /// Rows sampled from the merged routing, prefill's and decode's (see
     /// [`merge_suspects`](routed_experts::response::merge_suspects)).

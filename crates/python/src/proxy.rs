@@ -311,7 +311,7 @@ impl StreamMerger {
         self.read(|m| m.done())
     }
 
-    /// Bytes of the merged events.
+    /// Bytes of the merged events' data (after `data:`, through the end of each one's line).
     #[getter]
     fn merged_bytes(&self) -> usize {
         self.read(|m| m.merged_bytes)
