@@ -62,14 +62,36 @@ def test_vllm_npy_is_byte_compatible_with_np_save(arr: np.ndarray, start: int) -
     assert rx.encode(p, "vllm_npy") == text
 
 
-@settings(max_examples=200, deadline=None)
-@given(arr=arrays(["uint8", "uint16", "int16", "int32"]), start=st.integers(0, 10**6))
+ALL_DTYPES = ["uint8", "int8", "uint16", "int16", "uint32", "int32", "int64"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(arr=arrays(ALL_DTYPES), start=st.integers(0, 10**6))
 def test_every_format_round_trips(arr: np.ndarray, start: int) -> None:
     p = rx.RoutedExperts.from_array(arr, start=start, dtype=arr.dtype)
     _, layers, top_k = arr.shape
-    for fmt in ("compact", "vllm_npy", "sglang", "nemo", "lists"):
-        encoded = rx.encode(p, fmt)
-        back = rx.decode(encoded, start=start, num_layers=layers, top_k=top_k)
+    # compact and vLLM's .npy carry the dtype: it comes back as it went.
+    for fmt in ("compact", "vllm_npy"):
+        back = rx.decode(rx.encode(p, fmt), start=start, num_layers=layers, top_k=top_k)
+        assert back == p and back.dtype == p.dtype, fmt
+        assert (back.start, back.shape) == (start, arr.shape), fmt
+    # SGLang's int32 and NeMo-RL's carry at most int32: a value beyond it is refused when
+    # written, never wrapped. Nested lists write any integer; read without a dtype they take
+    # at most int32, and a wider value asks for one.
+    fits = arr.size == 0 or (int(arr.min()) >= -(2**31) and int(arr.max()) < 2**31)
+    for fmt in ("sglang", "nemo", "lists"):
+        if not fits and fmt != "lists":
+            with pytest.raises(rx.PayloadError, match="expected values that fit int32"):
+                rx.encode(p, fmt)
+            continue
+        if not fits:
+            text = rx.encode(p, fmt)
+            with pytest.raises(rx.PayloadError, match="pass an explicit dtype for wider ids"):
+                rx.decode(text, start=start)
+            back = rx.decode(text, start=start, dtype=str(arr.dtype))
+            assert back == p and back.dtype == p.dtype
+            continue
+        back = rx.decode(rx.encode(p, fmt), start=start, num_layers=layers, top_k=top_k)
         assert back == p, fmt
         assert (back.start, back.shape) == (start, arr.shape), fmt
     # SGLang carries int32; hints pick another dtype.
