@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from pathlib import Path
@@ -54,3 +55,12 @@ def error_class(name: str) -> type[Exception]:
     cls = getattr(rx, name)
     assert issubclass(cls, rx.RoutedExpertsError)
     return cls  # type: ignore[no-any-return]
+
+
+def sidecar(rows: np.ndarray, start: int) -> str:
+    """format.md §3.1 written by hand, not by the library (a reference for what it writes): the
+    keys in order, no spaces, the rows' little-endian C-order bytes in standard base64."""
+    data = base64.b64encode(rows.astype(rows.dtype.newbyteorder("<")).tobytes()).decode()
+    n, layers, top_k = rows.shape
+    return (f'{{"data":"{data}","shape":[{n},{layers},{top_k}],"start":{start},'
+            f'"dtype":"{rows.dtype.name}"}}')

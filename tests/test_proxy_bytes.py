@@ -8,7 +8,6 @@ sent it."""
 
 from __future__ import annotations
 
-import base64
 import json
 import threading
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import sidecar
 from routed_experts.proxy import ProxyServer
 
 KV = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_block_ids": [1]}
@@ -85,14 +85,6 @@ def front() -> Iterator[tuple[Replay, str]]:
             yield replay, proxy.url
     finally:
         replay.close()
-
-
-def sidecar(rows: np.ndarray, start: int) -> str:
-    """§3.1, written by hand: the keys in order, no spaces, little-endian C-order bytes."""
-    data = base64.b64encode(rows.astype(rows.dtype.newbyteorder("<")).tobytes()).decode()
-    n, layers, top_k = rows.shape
-    return (f'{{"data":"{data}","shape":[{n},{layers},{top_k}],"start":{start},'
-            f'"dtype":"{rows.dtype.name}"}}')
 
 
 @st.composite

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import routed_experts as rx
+from conftest import sidecar
 from routed_experts.proxy import StreamMerger
 
 rng = np.random.default_rng(3)
@@ -121,3 +122,42 @@ def test_buffered_holds_the_unfinished_line_and_merged_bytes_the_merged_event() 
     got = rx.from_response(merged_event[len(b"data: "):])
     assert got is not None and got.to_numpy().ravel().tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 9, 10]
     assert m.finish() == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.integers(2, 60),
+    layers=st.integers(1, 4),
+    top_k=st.integers(1, 3),
+    dtypes=st.tuples(*[st.sampled_from(["uint8", "uint16", "int16", "int32"])] * 2),
+    prompt_share=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**32 - 1),
+    cuts=st.lists(st.integers(min_value=0, max_value=100_000), max_size=12),
+)
+def test_any_payload_and_chunking_gives_the_stream_with_its_routing_merged(
+    tokens: int, layers: int, top_k: int, dtypes: tuple[str, str], prompt_share: float,
+    seed: int, cuts: list[int],
+) -> None:
+    """Random shapes, prompt lengths and a dtype for each half (their merge takes the promoted
+    one), against a reference written by hand (conftest.sidecar), not the library."""
+    prompt = 1 + int(prompt_share * (tokens - 2))  # 1 .. tokens - 1
+    top = {"uint8": 255, "uint16": 65535, "int16": 32767, "int32": 2**31 - 1}
+    bound = min(top[d] for d in dtypes)  # values either half can hold
+    truth = np.random.default_rng(seed).integers(0, bound + 1, size=(tokens, layers, top_k))
+    prefill_rows = truth[:prompt].astype(dtypes[0])
+    decode_rows = truth.astype(dtypes[1])
+    decode_rows[:prompt] = 0
+    prefill = f'{{"choices": [{{"index": 0, "routed_experts": {sidecar(prefill_rows, 0)}}}]}}'
+    merged = truth.astype(np.promote_types(*dtypes))
+
+    def events(value: str) -> bytes:
+        text = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n' * 3
+        last = b'data: {"choices": [{"index": 0, "routed_experts": %s}]}\n\n' % value.encode()
+        return text + last + b"data: [DONE]\n\n"
+
+    whole, want = events(sidecar(decode_rows, 0)), events(sidecar(merged, 0))
+    points = sorted({c % (len(whole) + 1) for c in cuts})
+    chunks = [whole[a:b] for a, b in zip([0, *points], [*points, len(whole)]) if b > a]
+    merger = StreamMerger(prefill)
+    assert relay(merger, chunks) == want
+    assert merger.merged and merger.done and merger.buffered == 0
