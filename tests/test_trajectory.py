@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import numpy as np
 import pytest
@@ -161,3 +162,73 @@ def test_what_an_empty_trajectory_cannot_do_is_named() -> None:
                        "no rows"):
         no_rows.to_training(2, pad="repeat", max_missing=5)
     assert no_rows.to_training(2, pad="zero", max_missing=5).tolist() == [[[0, 0]], [[0, 0]]]
+
+
+class TrajectoryModel:
+    """format.md §5 in plain Python: rows by absolute position, the append rules and policies,
+    the dtype promoted. A reference for the property below."""
+
+    def __init__(self) -> None:
+        self.start: int | None = None
+        self.rows: list[np.ndarray] = []
+        self.dtype: np.dtype[Any] | None = None
+
+    @property
+    def stop(self) -> int | None:
+        return None if self.start is None else self.start + len(self.rows)
+
+    def append(self, rows: np.ndarray, start: int, overlap: str) -> str | None:
+        """Apply an append; the error it must raise (a word of its message), else None."""
+        if self.start is None:
+            self.start, self.rows, self.dtype = start, list(rows), rows.dtype
+            return None
+        assert self.stop is not None
+        if start < self.start or start > self.stop:
+            return "gap" if start > self.stop else "before"
+        overlap_rows = min(self.stop - start, len(rows))
+        at = start - self.start
+        if overlap == "check":
+            for i in range(overlap_rows):
+                if not np.array_equal(self.rows[at + i], rows[i]):
+                    return "differ"
+        if overlap == "replace":
+            for i in range(overlap_rows):
+                self.rows[at + i] = rows[i]
+        self.rows.extend(rows[overlap_rows:])
+        self.dtype = np.promote_types(self.dtype, rows.dtype)
+        return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_appends_match_the_reference_model_under_every_overlap_policy(data: st.DataObject) -> None:
+    t, model = rx.Trajectory(), TrajectoryModel()
+    pool = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1))).integers(
+        0, 300, size=(40, 2, 2)
+    )
+    for _ in range(data.draw(st.integers(1, 8))):
+        if model.start is None:
+            start = data.draw(st.integers(0, 5))
+        else:
+            assert model.stop is not None
+            start = data.draw(st.integers(max(model.start - 2, 0), model.stop + 2))
+        n = data.draw(st.integers(1, 6))
+        # Rows a server would send: mostly the truth at those positions, sometimes not.
+        rows = pool[start : start + n].copy() if start + n <= len(pool) else pool[:n].copy()
+        if data.draw(st.booleans()):
+            rows[0, 0, 0] = (rows[0, 0, 0] + 1) % 300
+        dtype = "uint16" if rows.max(initial=0) > 255 or data.draw(st.booleans()) else "uint8"
+        rows = rows.astype(dtype)
+        overlap = data.draw(st.sampled_from(["keep", "replace", "check"]))
+        expect_error = model.append(rows, start, overlap)
+        payload = rx.RoutedExperts.from_array(rows, start=start, dtype=dtype)
+        if expect_error is None:
+            t.append(payload, overlap=overlap)
+        else:
+            with pytest.raises(rx.MergeError):
+                t.append(payload, overlap=overlap)
+        # A failed append changes nothing: the model did not change either.
+        assert (t.start, t.stop) == (model.start, model.stop)
+        assert t.payload is not None
+        np.testing.assert_array_equal(t.payload.to_numpy(), np.array(model.rows))
+        assert t.dtype == model.dtype
