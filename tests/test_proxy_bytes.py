@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import routed_experts as rx
 from conftest import sidecar
 from routed_experts.proxy import ProxyServer
 
@@ -199,3 +200,16 @@ def test_a_stream_is_decodes_events_with_each_routing_event_the_merge(
         assert r.status_code == 200
         got = r.read()
     assert got == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(x=exchanges())
+def test_merge_response_gives_the_same_bytes_as_the_reference(x: dict[str, Any]) -> None:
+    """The library's own merge_response (what a router in Python calls), on the same halves:
+    mixed dtypes, ids past 255 and 65535, several choices."""
+    sent = [_choice(i, sidecar(own, s)) for i, (own, s) in enumerate(x["decodes"])]
+    decode = f'{{"id": "d", "choices": [{", ".join(sent)}], "usage": null}}'.encode()
+    want = [_choice(i, sidecar(m, x["start"])) for i, m in enumerate(x["merged"])]
+    expected = f'{{"id": "d", "choices": [{", ".join(want)}], "usage": null}}'.encode()
+    assert rx.merge_response(_prefill_body(x), decode) == expected
+    assert rx.merge_response(_prefill_body(x), decode, splice=False) == expected
