@@ -64,3 +64,12 @@ def sidecar(rows: np.ndarray, start: int) -> str:
     n, layers, top_k = rows.shape
     return (f'{{"data":"{data}","shape":[{n},{layers},{top_k}],"start":{start},'
             f'"dtype":"{rows.dtype.name}"}}')
+
+
+def sidecar_reference(text: bytes | str) -> tuple[np.ndarray, int]:
+    """format.md §3.1 read by hand (Python's json, base64 and numpy): the rows and the start a
+    compact sidecar holds. What the library accepts must read the same way here."""
+    doc = json.loads(text)
+    raw = base64.b64decode(doc["data"], validate=True)
+    dtype = np.dtype(doc.get("dtype", "uint8")).newbyteorder("<")
+    return np.frombuffer(raw, dtype=dtype).reshape(doc["shape"]), int(doc.get("start", 0))

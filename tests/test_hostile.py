@@ -432,9 +432,11 @@ def test_arbitrary_pickle_arguments_never_crash(data: bytes) -> None:
     # What a tampered pickle could hand the constructor: any bytes for any shape.
     shape = tuple(data[:3]) if len(data) >= 3 else (0, 0, 0)
     try:
-        rx._core._from_raw(data[3:], shape, 0, "uint8")  # type: ignore[attr-defined]
+        p = rx._core._from_raw(data[3:], shape, 0, "uint8")  # type: ignore[attr-defined]
     except rx.PayloadError:
-        pass
+        return
+    # Accepted only when the bytes are exactly the shape's: then they are its rows.
+    assert p.shape == shape and p.to_numpy().tobytes() == data[3:]
 
 
 def test_only_immutable_buffers_are_viewed_without_a_copy() -> None:
