@@ -171,7 +171,9 @@ def test_generate_endpoint_merges_plain_and_streamed(
     assert decode["kv_transfer_params"] == KV_PARAMS
 
 
-def test_merged_body_keeps_every_other_byte(stack: dict[str, Any]) -> None:
+def test_a_merged_body_keeps_decodes_logprobs_and_usage(stack: dict[str, Any]) -> None:
+    # Fields only decode sends reach the client (the byte-for-byte property of every other
+    # byte is tests/test_proxy_bytes.py's).
     r = httpx.post(stack["url"] + "/v1/completions", json=COMPLETION, timeout=30)
     doc = json.loads(r.content)
     assert doc["choices"][0]["logprobs"]["content"][0]["logprob"] == -0.12345678901234568
