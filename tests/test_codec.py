@@ -347,3 +347,34 @@ def test_invalid_json_in_a_sidecar_names_the_byte_and_what_was_expected(
     for read in (rx.decode, rx.RoutedExperts.from_json):
         with pytest.raises(rx.PayloadError, match=re.escape(message)):
             read(text)
+
+
+DTYPE_NAMES = ["uint8", "int8", "uint16", "int16", "uint32", "int32", "int64"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_slice_and_astype_are_numpys_slice_and_checked_cast(data: st.DataObject) -> None:
+    dtype = np.dtype(data.draw(st.sampled_from(DTYPE_NAMES)))
+    shape = data.draw(st.tuples(st.integers(0, 8), st.integers(1, 3), st.integers(1, 3)))
+    arr = data.draw(hnp.arrays(dtype, shape))
+    start = data.draw(st.integers(0, 1000))
+    p = rx.RoutedExperts.from_array(arr, start=start, dtype=dtype)
+    a = data.draw(st.integers(max(start - 2, 0), start + shape[0] + 2))
+    b = data.draw(st.integers(max(start - 2, 0), start + shape[0] + 2))
+    if start <= a <= b <= start + shape[0]:
+        s = p.slice(a, b)
+        assert (s.start, s.stop, s.dtype) == (a, b, dtype.name)
+        np.testing.assert_array_equal(s.to_numpy(), arr[a - start : b - start])
+    else:
+        with pytest.raises(rx.PayloadError, match=f"slice \\[{a}, {b}\\) is not inside"):
+            p.slice(a, b)
+    target = np.dtype(data.draw(st.sampled_from(DTYPE_NAMES)))
+    info = np.iinfo(target)
+    if arr.size == 0 or (int(arr.min()) >= info.min and int(arr.max()) <= info.max):
+        cast = p.astype(target.name)
+        assert cast.dtype == target.name and cast.start == start
+        np.testing.assert_array_equal(cast.to_numpy(), arr.astype(target))
+    else:  # a value the target cannot hold: refused, never wrapped
+        with pytest.raises(rx.PayloadError, match=f"expected values that fit {target.name}"):
+            p.astype(target.name)

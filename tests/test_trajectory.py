@@ -232,3 +232,31 @@ def test_appends_match_the_reference_model_under_every_overlap_policy(data: st.D
         assert t.payload is not None
         np.testing.assert_array_equal(t.payload.to_numpy(), np.array(model.rows))
         assert t.dtype == model.dtype
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_to_training_is_the_rows_cut_or_padded_as_numpy_would(data: st.DataObject) -> None:
+    have = data.draw(st.integers(0, 8))
+    rows = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1))).integers(
+        0, 300, size=(have, 2, 3)
+    )
+    t = rx.Trajectory()
+    t.append(rx.RoutedExperts.from_array(rows))
+    n = data.draw(st.integers(1, 12))
+    pad = data.draw(st.sampled_from(["repeat", "zero"]))
+    max_missing = data.draw(st.integers(0, 4))
+    missing = max(n - have, 0)
+    if missing > max_missing:
+        with pytest.raises(rx.MergeError, match=f"{missing} missing, more than max_missing"):
+            t.to_training(n, pad=pad, max_missing=max_missing)
+        return
+    if missing and pad == "repeat" and have == 0:
+        with pytest.raises(rx.MergeError, match="cannot repeat the last row"):
+            t.to_training(n, pad=pad, max_missing=max_missing)
+        return
+    filler = rows[-1:] if pad == "repeat" else np.zeros((1, 2, 3), dtype=rows.dtype)
+    want = np.concatenate([rows[:n], np.repeat(filler, missing, axis=0)])
+    got, mask = t.to_training(n, pad=pad, max_missing=max_missing, mask=True)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(mask, np.arange(n) < have)  # padded rows are masked out
