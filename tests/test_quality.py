@@ -407,3 +407,75 @@ def test_zero_rows_false_accepts_all_zero_rows_that_the_default_refuses() -> Non
     report = z.validation_report(zero_rows=False)
     assert report["ok"] is True and report["zero_rows"] == 0
     assert z.validation_report()["zero_rows"] == 3
+
+
+def _report_reference(
+    arr: np.ndarray, start: int, num_experts: int | None, duplicates: bool, zero_rows: bool,
+    missing_rows: bool,
+) -> dict[str, Any]:
+    """format.md §7's checks by hand: ids counted out of range one by one (negative, or past
+    num_experts), a router (token x layer) with an expert twice unless its layer is all zero,
+    rows all zero, rows all -1 (missing: left out of the other checks, always counted)."""
+    out: list[tuple[int, int, int]] = []
+    dup: list[tuple[int, int, int]] = []
+    zero: list[int] = []
+    missing: list[int] = []
+    signed = np.issubdtype(arr.dtype, np.signedinteger)
+    for i, row in enumerate(arr.astype(np.int64)):
+        pos = start + i
+        if signed and row.size and (row == -1).all():
+            missing.append(pos)
+            continue
+        if row.size and (row == 0).all():
+            if zero_rows:
+                zero.append(pos)
+        for layer, ids in enumerate(row):
+            for v in ids:
+                if v < 0 or (num_experts is not None and v >= num_experts):
+                    out.append((pos, layer, int(v)))
+            if duplicates and (ids != 0).any():
+                seen: set[int] = set()
+                for v in ids:
+                    if int(v) in seen:
+                        dup.append((pos, layer, int(v)))
+                        break
+                    seen.add(int(v))
+    ok = not out and not dup and not zero and not (missing_rows and missing)
+    return {
+        "ok": ok, "out_of_range": len(out), "first_out_of_range": out[0] if out else None,
+        "duplicates": len(dup), "first_duplicate": dup[0] if dup else None,
+        "zero_rows": len(zero), "first_zero_row": zero[0] if zero else None,
+        "missing_rows": len(missing), "first_missing_row": missing[0] if missing else None,
+    }
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data())
+def test_the_validation_report_counts_what_format_md_says(data: st.DataObject) -> None:
+    dtype = data.draw(st.sampled_from(["uint8", "int16", "int32"]))
+    tokens, layers, top_k = (data.draw(st.integers(0, 6)), data.draw(st.integers(1, 3)),
+                             data.draw(st.integers(1, 3)))
+    low = -1 if dtype != "uint8" else 0
+    arr = np.array(
+        data.draw(st.lists(st.integers(low, 9), min_size=tokens * layers * top_k,
+                           max_size=tokens * layers * top_k)),
+        dtype=dtype,
+    ).reshape(tokens, layers, top_k)
+    for i in data.draw(st.lists(st.integers(0, max(tokens - 1, 0)), max_size=2)):
+        if tokens:  # whole rows of zeros, or of -1, as engines write them
+            arr[i] = data.draw(st.sampled_from([0, low]))
+    start = data.draw(st.integers(0, 100))
+    p = rx.RoutedExperts.from_array(arr, start=start, dtype=dtype)
+    flags = {
+        "num_experts": data.draw(st.sampled_from([None, 4, 8, 128])),
+        "duplicates": data.draw(st.booleans()),
+        "zero_rows": data.draw(st.booleans()),
+        "missing_rows": data.draw(st.booleans()),
+    }
+    want = _report_reference(arr, start, **flags)
+    assert p.validation_report(**flags) == want
+    if want["ok"]:
+        p.validate(**flags)
+    else:
+        with pytest.raises(rx.PayloadError):
+            p.validate(**flags)
