@@ -193,3 +193,18 @@ def test_the_command_takes_servers_from_the_flags_or_the_file_never_both(
     assert "not both" in capsys.readouterr().err
     assert main(["proxy", "--port", "0", "--upstreams-file", str(tmp_path / "none")]) == 2
     assert "upstreams_file" in capsys.readouterr().err
+
+
+def test_a_bad_policy_or_header_on_the_command_line_is_named_not_a_traceback(
+    capsys: Any,
+) -> None:
+    from routed_experts.cli import main
+
+    servers = ["proxy", "--port", "0", "--prefill", "http://127.0.0.1:1", "--decode",
+               "http://127.0.0.1:2"]
+    assert main([*servers, "--prefill-policy", "cache_aware"]) == 2
+    err = capsys.readouterr().err
+    assert "prefill_policy: expected one of round_robin, least_load, session" in err
+    assert "Traceback" not in err
+    assert main([*servers, "--session-header", "X Session"]) == 2
+    assert "session_header: expected a header name" in capsys.readouterr().err

@@ -260,8 +260,9 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         )
         return 2
     key = args.upstream_api_key or os.environ.get(UPSTREAM_KEY_ENV)
-    config = ProxyConfig(**settings, upstream_api_key=key)
     try:
+        # Rust's declaration checks the settings (a policy's name, a header's): ConfigError.
+        config = ProxyConfig(**settings, upstream_api_key=key)
         serve(
             args.prefill, args.decode, args.host, args.port, config, args.log_level,
             admin_port=args.admin_port,
@@ -637,16 +638,14 @@ def _add_proxy_limits(p: argparse.ArgumentParser) -> None:
 
 def _add_proxy_choices(p: argparse.ArgumentParser) -> None:
     """The proxy's text settings but the API key (its own flag, with the environment): one
-    flag each, default and help from Rust's declaration; the policies take their names."""
+    flag each, default and help from Rust's declaration, which also checks the values (a
+    policy's name, a header's) when the config is made."""
     from routed_experts.proxy.config import text_settings_declared
 
     for name, default, help_text in text_settings_declared():
         if name == "upstream_api_key":
             continue
-        choices = ["round_robin", "least_load", "session"] if name.endswith("_policy") else None
-        p.add_argument(
-            "--" + name.replace("_", "-"), default=default, choices=choices, help=help_text
-        )
+        p.add_argument("--" + name.replace("_", "-"), default=default, help=help_text)
 
 
 def size_text(n: int) -> str:
