@@ -134,6 +134,16 @@ mod tests {
     }
 
     #[test]
+    fn concat_of_nothing_is_an_error_and_of_pieces_their_rows_in_order() {
+        // Reachable only from Rust (every caller in the crate passes pieces): named, not a panic.
+        let none = concat(0, &[]).unwrap_err();
+        assert_eq!(none.to_string(), "nothing to concatenate");
+        let (a, b) = (rows(0, &[1, 2, 3]), rows(7, &[300, 4]));
+        let joined = concat(5, &[(&a, 1, 3), (&b, 0, 1)]).unwrap();
+        assert_eq!(joined, rows(5, &[2, 3, 300]));
+    }
+
+    #[test]
     fn errors_give_positions() {
         let prefill = rows(0, &[1, 2, 3]);
         let gap = merge(&prefill, &rows(4, &[5])).unwrap_err();

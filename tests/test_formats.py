@@ -382,3 +382,10 @@ def test_sglang_is_chosen_only_for_text_that_reads_as_base64(text: str) -> None:
     if fmt == "sglang":
         assert len(text) % 4 == 0
         assert all(c.isascii() and (c.isalnum() or c in "+/=") for c in text), text
+
+
+def test_a_routing_string_with_a_broken_escape_names_the_string() -> None:
+    # A lone surrogate escape: legal to scan past, not a JSON string (RFC 8259 §8.2).
+    body = b'{"choices":[{"index":0,"routed_experts":"AQID\\ud800"}]}'
+    with pytest.raises(rx.PayloadError, match="choice 0: routing string: invalid JSON string"):
+        rx.from_response(body, num_layers=1, top_k=1)
