@@ -153,3 +153,22 @@ def test_validate_names_the_first_offending_position_and_layer() -> None:
     dense = sample([[[0, 0], [3, 5]], [[0, 0], [6, 1]]])
     dense.validate()
     assert dense.validation_report()["ok"] is True
+
+
+def test_to_torch_with_real_torch_indexes_embeddings_and_owns_its_memory() -> None:
+    """Against PyTorch itself (skipped without it: PyPI's torch brings several GB of CUDA
+    packages, so CI does not install it; `pip install torch` and `make test` run it)."""
+    torch = pytest.importorskip("torch")
+    p = sample([[[383, 7]], [[0, 300]]], dtype="uint16")  # Kimi K2's ids need uint16
+    t = p.to_torch()
+    assert t.dtype == torch.int32 and t.is_contiguous() and tuple(t.shape) == (2, 1, 2)
+    assert t.tolist() == [[[383, 7]], [[0, 300]]]
+    # What a trainer does with it: index an expert table (torch reads int tensors as indices).
+    table = torch.arange(384 * 3).reshape(384, 3)
+    assert table[t].shape == (2, 1, 2, 3) and int(table[t][0, 0, 0, 0]) == 383 * 3
+    t[0, 0, 0] = 1  # its own memory: the payload is unchanged
+    assert p.to_numpy().tolist() == [[[383, 7]], [[0, 300]]]
+    assert p.to_torch(torch.int64).dtype == torch.int64
+    with pytest.raises(rx.PayloadError, match="`dtype`: expected torch.int32 or torch.int64 .*, "
+                       "got uint8$"):
+        p.to_torch(torch.uint8)
