@@ -153,12 +153,19 @@ macro_rules! settings {
             /// `Err(message)` naming the first setting that cannot serve (a zero limit or
             /// timeout, a value below its bound, a bad upstream URL); `Ok(())` otherwise.
             pub fn check(&self) -> Result<(), String> {
+                self.check_settings()?;
+                self.check_upstreams()
+            }
+
+            /// The timeouts and limits alone (what [`Config::check`] checks before the
+            /// servers).
+            pub(crate) fn check_settings(&self) -> Result<(), String> {
                 $(
                     if !settings!(@ok $unit, self.$name, $min) {
                         return Err(below(setting(stringify!($name))?, &format!("{:?}", self.$name)));
                     }
                 )*
-                self.check_upstreams()
+                Ok(())
             }
         }
     };

@@ -9,7 +9,6 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::Request;
 
-use super::config::read_upstreams;
 use super::fault::{Blame, Fault};
 use super::pool::{Changed, Side};
 use super::responses::{fault_response, json_response, Body};
@@ -111,8 +110,7 @@ impl Proxy {
             return Ok(None);
         };
         let at = |e: String| format!("upstreams_file {}: {e}", path.display());
-        let text = std::fs::read_to_string(path).map_err(|e| at(e.to_string()))?;
-        let (prefill, decode) = read_upstreams(&text).map_err(at)?;
+        let (prefill, decode) = self.config.upstream_lists()?;
         for (side, urls) in [(Side::Prefill, &prefill), (Side::Decode, &decode)] {
             if urls.is_empty() {
                 return Err(at(format!(

@@ -366,7 +366,7 @@ impl Pool {
                 });
                 let rank_of = |i: usize| rank(key, &s.members[i].upstream.url);
                 let mut ranked = candidates.clone();
-                ranked.sort_by_key(|&i| std::cmp::Reverse(rank_of(i)));
+                ranked.sort_by_cached_key(|&i| std::cmp::Reverse(rank_of(i)));
                 let home = last.or(ranked.first().copied());
                 let total: usize = candidates.iter().map(|&i| load(i)).sum();
                 let cap = session_cap(total, candidates.len());

@@ -52,9 +52,10 @@ pub struct Proxy {
 }
 
 impl Proxy {
-    /// A proxy serving `config`; `Err` says what cannot serve (as [`Config::check`] does).
+    /// A proxy serving `config`; `Err` says what cannot serve, as [`Config::check`] does (the
+    /// servers are read once, from the lists or the file, and checked as the pools take them).
     pub fn new(config: Config) -> Result<Self, String> {
-        config.check()?;
+        config.check_settings()?;
         let (prefill, decode) = config.upstream_lists()?;
         let eject_after = u32::try_from(config.eject_after).unwrap_or(u32::MAX);
         let pool = |side, urls: &[String], policy| {
