@@ -57,13 +57,28 @@ def error_class(name: str) -> type[Exception]:
     return cls  # type: ignore[no-any-return]
 
 
+def sidecar_doc(rows: np.ndarray, start: int = 0, **extra: Any) -> dict[str, Any]:
+    """format.md §3.1 built by hand, not by the library (a reference for what it reads and
+    writes): the rows' little-endian C-order bytes in standard base64, the keys in order, and
+    any `extra` fields after them."""
+    le = np.ascontiguousarray(rows).astype(rows.dtype.newbyteorder("<"))
+    doc: dict[str, Any] = {
+        "data": base64.b64encode(le.tobytes()).decode(),
+        "shape": list(rows.shape),
+        "start": start,
+        "dtype": rows.dtype.name,
+    }
+    doc.update(extra)
+    return doc
+
+
 def sidecar(rows: np.ndarray, start: int) -> str:
-    """format.md §3.1 written by hand, not by the library (a reference for what it writes): the
-    keys in order, no spaces, the rows' little-endian C-order bytes in standard base64."""
-    data = base64.b64encode(rows.astype(rows.dtype.newbyteorder("<")).tobytes()).decode()
-    n, layers, top_k = rows.shape
-    return (f'{{"data":"{data}","shape":[{n},{layers},{top_k}],"start":{start},'
-            f'"dtype":"{rows.dtype.name}"}}')
+    """The same as the compact text the library writes: no spaces."""
+    return json.dumps(sidecar_doc(rows, start), separators=(",", ":"))
+
+
+# Every dtype the format carries (format.md §3.1).
+DTYPES = ["uint8", "int8", "uint16", "int16", "uint32", "int32", "int64"]
 
 
 def sidecar_reference(text: bytes | str) -> tuple[np.ndarray, int]:

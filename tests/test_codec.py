@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import pickle
 import re
@@ -16,20 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import routed_experts as rx
-from conftest import sidecar_reference
-
-DTYPES = ["uint8", "int8", "uint16", "int16", "uint32", "int32", "int64"]
-
-
-def sidecar(arr: np.ndarray, start: int = 0, **extra: Any) -> dict[str, Any]:
-    d = {
-        "data": base64.b64encode(np.ascontiguousarray(arr).tobytes()).decode(),
-        "shape": list(arr.shape),
-        "start": start,
-        "dtype": str(arr.dtype),
-    }
-    d.update(extra)
-    return d
+from conftest import DTYPES, sidecar_doc, sidecar_reference
 
 
 def test_spec_worked_example() -> None:
@@ -67,7 +53,7 @@ def test_round_trip_every_dtype_and_shape(arr: np.ndarray, start: int) -> None:
         assert back == p and back.dtype == p.dtype
         np.testing.assert_array_equal(back.array, arr)
     # The wire bytes are what Python's own base64 of the raw little-endian array gives.
-    assert json.loads(p.to_json()) == sidecar(arr.astype(arr.dtype.newbyteorder("<")), start)
+    assert json.loads(p.to_json()) == sidecar_doc(arr, start)
     assert pickle.loads(pickle.dumps(p, protocol=5)) == p
 
 
@@ -184,7 +170,7 @@ def test_astype_and_equality_across_dtypes() -> None:
 # -- malformed input --------------------------------------------------------------------
 
 
-GOOD = sidecar(np.arange(2 * 3 * 4, dtype=np.uint16).reshape(2, 3, 4), start=5)
+GOOD = sidecar_doc(np.arange(2 * 3 * 4, dtype=np.uint16).reshape(2, 3, 4), start=5)
 
 
 @pytest.mark.parametrize(
@@ -349,13 +335,10 @@ def test_invalid_json_in_a_sidecar_names_the_byte_and_what_was_expected(
             read(text)
 
 
-DTYPE_NAMES = ["uint8", "int8", "uint16", "int16", "uint32", "int32", "int64"]
-
-
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_slice_and_astype_are_numpys_slice_and_checked_cast(data: st.DataObject) -> None:
-    dtype = np.dtype(data.draw(st.sampled_from(DTYPE_NAMES)))
+    dtype = np.dtype(data.draw(st.sampled_from(DTYPES)))
     shape = data.draw(st.tuples(st.integers(0, 8), st.integers(1, 3), st.integers(1, 3)))
     arr = data.draw(hnp.arrays(dtype, shape))
     start = data.draw(st.integers(0, 1000))
@@ -369,7 +352,7 @@ def test_slice_and_astype_are_numpys_slice_and_checked_cast(data: st.DataObject)
     else:
         with pytest.raises(rx.PayloadError, match=f"slice \\[{a}, {b}\\) is not inside"):
             p.slice(a, b)
-    target = np.dtype(data.draw(st.sampled_from(DTYPE_NAMES)))
+    target = np.dtype(data.draw(st.sampled_from(DTYPES)))
     info = np.iinfo(target)
     if arr.size == 0 or (int(arr.min()) >= info.min and int(arr.max()) <= info.max):
         cast = p.astype(target.name)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import routed_experts as rx
-from conftest import assert_payload, vector_params
+from conftest import DTYPES, assert_payload, vector_params
 
 HINT_KEYS = ("start", "num_layers", "top_k")
 
@@ -51,7 +51,7 @@ def arrays(draw: st.DrawFn, dtypes: list[str]) -> np.ndarray:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    arr=arrays(["uint8", "int8", "uint16", "int16", "uint32", "int32", "int64"]),
+    arr=arrays(DTYPES),
     start=st.integers(0, 10**6),
 )
 def test_vllm_npy_is_byte_compatible_with_np_save(arr: np.ndarray, start: int) -> None:
@@ -62,11 +62,8 @@ def test_vllm_npy_is_byte_compatible_with_np_save(arr: np.ndarray, start: int) -
     assert rx.encode(p, "vllm_npy") == text
 
 
-ALL_DTYPES = ["uint8", "int8", "uint16", "int16", "uint32", "int32", "int64"]
-
-
 @settings(max_examples=300, deadline=None)
-@given(arr=arrays(ALL_DTYPES), start=st.integers(0, 10**6))
+@given(arr=arrays(DTYPES), start=st.integers(0, 10**6))
 def test_every_format_round_trips(arr: np.ndarray, start: int) -> None:
     p = rx.RoutedExperts.from_array(arr, start=start, dtype=arr.dtype)
     _, layers, top_k = arr.shape
