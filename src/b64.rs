@@ -6,6 +6,7 @@
 
 use crate::error::{Error, Result};
 use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use base64_simd::STANDARD;
 
@@ -67,6 +68,159 @@ pub fn decode_into(text: &[u8], out: &mut [u8], field: &str) -> Result<()> {
     }
 }
 
+/// How far [`decode_string_content`] got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Streamed {
+    /// The content ended (the closing quote is at `end`) and all of it was strict base64: it
+    /// decoded to the first `written` bytes of the output, exactly what [`decode_into`] writes.
+    Decoded {
+        /// Offset of the closing quote in the text given.
+        end: usize,
+        /// Bytes written at the start of the output.
+        written: usize,
+    },
+    /// Decoding stopped (the content is not strict base64 throughout, has an escape or a byte
+    /// that is not ASCII, or the output is full): the first `plain` bytes are base64 characters
+    /// (so printable ASCII, with no quote or backslash), and the caller's own string scan
+    /// resumes there. Nothing written may be used.
+    Stopped {
+        /// Bytes known to be base64 characters, from the start of the text given.
+        plain: usize,
+    },
+}
+
+/// Characters decoded per step of [`decode_string_content`] (a multiple of 4), and the bytes
+/// each full step writes.
+/// The tests and the fuzzer take tiny steps, so that small inputs go through every branch.
+#[cfg(not(any(test, fuzzing)))]
+const STREAM_CHUNK: usize = 64 * 1024;
+#[cfg(any(test, fuzzing))]
+const STREAM_CHUNK: usize = 8;
+const STREAM_OUT: usize = STREAM_CHUNK / 4 * 3;
+/// Steps taken on the calling thread before others join in: most strings end within them, and
+/// a thread costs more than it saves on those.
+#[cfg(not(any(test, fuzzing)))]
+const STREAM_ALONE: usize = 32;
+#[cfg(any(test, fuzzing))]
+const STREAM_ALONE: usize = 2;
+
+/// Decode the base64 at the start of a JSON string's content (`text` starts just after the
+/// opening quote and runs to the end of the document) into `out`, finding the closing quote in
+/// the same pass: each step decodes a whole chunk, and only the chunk the decoder refuses (the
+/// one holding the quote) is searched for it. So every byte of a large value is read once,
+/// where a scan for the quote and then a decode would read it twice. Past the first few steps,
+/// a long string's chunks are dealt out to the machine's cores (`parallel::threads_for`), each
+/// written to its own place in `out` (a full chunk always decodes to 3/4 of its length); a
+/// refusal stops every thread at that chunk, so at most a chunk per thread is decoded past the
+/// string's end.
+///
+/// As strict as [`decode_into`]: a full chunk must decode to exactly 3/4 of its length (white
+/// space, which the decoder would skip, and padding both make it shorter), and the last piece
+/// must be base64 characters and padding only, decoding to [`decoded_len`] bytes.
+pub fn decode_string_content(text: &[u8], out: &mut [MaybeUninit<u8>]) -> Streamed {
+    let mut chunks = text
+        .chunks_exact(STREAM_CHUNK)
+        .zip(out.chunks_exact_mut(STREAM_OUT));
+    // The first refused (or missing) full chunk: the string's last piece starts there.
+    let mut stop = 0;
+    for (t, o) in chunks.by_ref().take(STREAM_ALONE) {
+        if decode_piece(t, o) != Some(STREAM_OUT) {
+            return last_piece(text, out, stop);
+        }
+        stop += 1;
+    }
+    let rest: Vec<_> = chunks.collect();
+    if !rest.is_empty() {
+        stop = decode_spread(rest, stop);
+    }
+    last_piece(text, out, stop)
+}
+
+/// A full chunk of text, its number and its place in the output.
+type Numbered<'t, 'o> = (usize, &'t [u8], &'o mut [MaybeUninit<u8>]);
+
+/// Decode the full chunks `chunks` (numbered from `first`) on as many threads as they are worth;
+/// return the number of the first one refused, or the one after the last.
+fn decode_spread(chunks: Vec<(&[u8], &mut [MaybeUninit<u8>])>, first: usize) -> usize {
+    let end = first + chunks.len();
+    let threads = crate::parallel::threads_for(chunks.len() * STREAM_CHUNK);
+    let mut dealt: Vec<Vec<Numbered>> = (0..threads).map(|_| Vec::new()).collect();
+    for (i, (t, o)) in chunks.into_iter().enumerate() {
+        dealt[i % threads].push((first + i, t, o));
+    }
+    let refused = AtomicUsize::new(end);
+    crate::parallel::each(dealt, |mine| {
+        for (n, t, o) in mine {
+            if n >= refused.load(Ordering::Relaxed) {
+                break;
+            }
+            if decode_piece(t, o) != Some(STREAM_OUT) {
+                refused.fetch_min(n, Ordering::Relaxed);
+                break;
+            }
+        }
+    });
+    // Every chunk before the first refused one was decoded: each thread takes its chunks in
+    // order and stops only at or past a refused one. (The threads have been joined.)
+    refused.into_inner()
+}
+
+/// The end of the string, in the chunk numbered `n` (every one before it decoded in full).
+fn last_piece(text: &[u8], out: &mut [MaybeUninit<u8>], n: usize) -> Streamed {
+    let plain = n * STREAM_CHUNK;
+    // One byte past the chunk too: a chunk that ends in padding is refused (it decodes short)
+    // though its string ends just after it.
+    let chunk = &text[plain..text.len().min(plain + STREAM_CHUNK + 1)];
+    let from = (n * STREAM_OUT).min(out.len());
+    let room = &mut out[from..];
+    let Some(i) = crate::strscan::find_special(chunk) else {
+        return Streamed::Stopped { plain };
+    };
+    let last = &chunk[..i];
+    let in_alphabet = last.iter().all(|&c| is_alphabet(c) || c == b'=');
+    if chunk[i] != b'"' || !in_alphabet {
+        return Streamed::Stopped { plain };
+    }
+    let want = match decoded_len(last, "data") {
+        Ok(n) if n <= room.len() => n,
+        _ => return Streamed::Stopped { plain },
+    };
+    match decode_piece(last, room) {
+        Some(written) if written == want => Streamed::Decoded {
+            end: plain + i,
+            written: n * STREAM_OUT + written,
+        },
+        _ => Streamed::Stopped { plain },
+    }
+}
+
+/// Decode `text` into the start of `out` (strict, as [`decode_into`]): the count written, or
+/// `None` when the decoder refuses the text or `out` could be overrun. Padding or white space
+/// inside `text` only shows in the count, which the caller checks.
+fn decode_piece(text: &[u8], out: &mut [MaybeUninit<u8>]) -> Option<usize> {
+    if text.is_empty() {
+        return Some(0);
+    }
+    // SAFETY: `text` is valid for reads of its length.
+    let room = unsafe { simdutf::maximal_binary_length_from_base64(text.as_ptr(), text.len()) };
+    if room > out.len() {
+        return None;
+    }
+    // SAFETY: `text` is valid for reads of its length; `out` is valid for writes of at least
+    // the maximal length the decoder may write (checked just above); they do not overlap (one
+    // is borrowed shared, the other exclusively). Writing initialises the bytes written.
+    let r = unsafe {
+        simdutf::base64_to_binary(
+            text.as_ptr(),
+            text.len(),
+            out.as_mut_ptr().cast::<u8>(),
+            simdutf::Base64Options::Default,
+            simdutf::LastChunkHandlingOptions::Strict,
+        )
+    };
+    (r.error == simdutf::ErrorCode::Success).then_some(r.count)
+}
+
 /// Check that `text` would decode, without decoding it (for splicing base64 text as is).
 pub fn check(text: &[u8], field: &str) -> Result<()> {
     decoded_len(text, field)?;
@@ -78,6 +232,41 @@ pub fn check(text: &[u8], field: &str) -> Result<()> {
 /// must not end in `=`, which would otherwise pass as that chunk's padding.
 pub fn groups_valid(text: &[u8], last: bool) -> bool {
     text.len() % 4 == 0 && (last || text.last() != Some(&b'=')) && STANDARD.check(text).is_ok()
+}
+
+/// Base64 is checked this many characters at a time as it is copied (a multiple of 4, small
+/// enough to stay in L1 between the check and the copy).
+const CHECK_CHUNK: usize = 16 * 1024;
+
+/// Copy base64 `text` (whole groups) into `out`, of the same length, checking it as it is
+/// copied (chunk by chunk, so the text is read once); padding is allowed only at its end, when
+/// it ends its value (`last`, as [`groups_valid`]). Large texts are split among the machine's
+/// cores. `false`: the text is not valid base64 there, and `out` is partly written.
+pub fn copy_checked(text: &[u8], out: &mut [MaybeUninit<u8>], last: bool) -> bool {
+    assert_eq!(text.len(), out.len(), "copy_checked: unequal lengths");
+    let threads = crate::parallel::threads_for(text.len());
+    let per = text.len().div_ceil(threads).div_ceil(CHECK_CHUNK) * CHECK_CHUNK;
+    let parts: Vec<_> = text
+        .chunks(per.max(4))
+        .zip(out.chunks_mut(per.max(4)))
+        .collect();
+    let n = parts.len();
+    let numbered: Vec<_> = parts.into_iter().enumerate().collect();
+    crate::parallel::each(numbered, |(i, (t, o))| {
+        let chunks = t.len().div_ceil(CHECK_CHUNK);
+        t.chunks(CHECK_CHUNK)
+            .zip(o.chunks_mut(CHECK_CHUNK))
+            .enumerate()
+            .all(|(j, (chunk, o))| {
+                let valid = groups_valid(chunk, last && i + 1 == n && j + 1 == chunks);
+                if valid {
+                    write_uninit(o, chunk);
+                }
+                valid
+            })
+    })
+    .into_iter()
+    .all(|ok| ok)
 }
 
 /// The error the decoding path reports for `text`, for a part of it found invalid on its own:
@@ -182,8 +371,25 @@ pub fn encoded_len(n: usize) -> usize {
 }
 
 /// Encode `bytes` into `out` (which may be uninitialised), whose length must be
-/// `encoded_len(bytes.len())`.
+/// `encoded_len(bytes.len())`. Large inputs are split among the machine's cores at multiples
+/// of 3 bytes, where the text splits at multiples of 4 characters with no padding between.
 pub fn encode_into(bytes: &[u8], out: &mut [MaybeUninit<u8>]) {
+    assert_eq!(
+        out.len(),
+        encoded_len(bytes.len()),
+        "base64 output of the wrong length"
+    );
+    let threads = crate::parallel::threads_for(bytes.len());
+    if threads == 1 {
+        return encode_part(bytes, out);
+    }
+    let per = bytes.len().div_ceil(threads).div_ceil(3) * 3;
+    let parts: Vec<_> = bytes.chunks(per).zip(out.chunks_mut(per / 3 * 4)).collect();
+    crate::parallel::each(parts, |(b, o)| encode_part(b, o));
+}
+
+/// [`encode_into`] on this thread.
+fn encode_part(bytes: &[u8], out: &mut [MaybeUninit<u8>]) {
     assert_eq!(
         out.len(),
         encoded_len(bytes.len()),
@@ -209,9 +415,19 @@ mod tests {
 
     #[test]
     fn round_trip_and_errors() {
-        for n in 0..20 {
+        // Up to 200 bytes: split among threads under test (`parallel::MIN_BYTES_PER_THREAD`).
+        for n in (0..20).chain([47, 48, 49, 100, 200]) {
             let bytes: Vec<u8> = (0..n as u8).map(|b| b.wrapping_mul(37)).collect();
             let text = encode(&bytes);
+            let mut one = vec![MaybeUninit::new(0); text.len()];
+            encode_part(&bytes, &mut one);
+            // SAFETY: `encode_part` wrote every byte.
+            assert_eq!(
+                text,
+                one.iter()
+                    .map(|b| unsafe { b.assume_init() })
+                    .collect::<Vec<_>>()
+            );
             let mut back = vec![0; decoded_len(&text, "data").unwrap()];
             decode_into(&text, &mut back, "data").unwrap();
             assert_eq!(back, bytes);
@@ -236,5 +452,74 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("'*' at offset 2"), "{e}");
+    }
+
+    /// What `decode_string_content` must agree with: find the string's end, then decode it.
+    fn scan_then_decode(text: &[u8], room: usize) -> Option<(usize, Vec<u8>)> {
+        let end = crate::strscan::find_special(text).filter(|&i| text[i] == b'"')?;
+        let content = &text[..end];
+        if !content.iter().all(|&c| is_alphabet(c) || c == b'=') {
+            return None;
+        }
+        let n = decoded_len(content, "data").ok().filter(|&n| n <= room)?;
+        let mut out = vec![0; n];
+        decode_into(content, &mut out, "data").ok()?;
+        Some((end, out))
+    }
+
+    #[test]
+    fn streamed_decoding_agrees_with_a_scan_then_a_decode() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        // Across the sequential steps, the threads' steps and the last piece (8-character steps
+        // under test), with every kind of flaw at every place, and outputs too small.
+        for len in 0..200usize {
+            let bytes: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+            let mut doc = encode(&bytes);
+            doc.extend_from_slice(b"\",\"shape\":[1,1,1]}");
+            let end = doc.len() - 18;
+            // Each replaces a character; the last two are inserted, keeping the length a
+            // multiple of 4 (white space the decoder skips, padding in the middle).
+            let flaws: [&[u8]; 10] = [
+                b"\"", b"\\", b"=", b" ", b"\n", b"\xc3", b"*", b"A", b"    ", b"A===",
+            ];
+            for trial in 0..8 {
+                let mut text = doc.clone();
+                if trial > 0 && end > 0 {
+                    let at = next() as usize % end;
+                    let pick = next() as usize % flaws.len();
+                    let replaced = if pick >= 8 { at..at } else { at..at + 1 };
+                    text.splice(replaced, flaws[pick].iter().copied());
+                }
+                let exact = scan_then_decode(&text, usize::MAX).map_or(0, |(_, d)| d.len());
+                for room in [exact, exact.saturating_sub(1), exact + 5, 0] {
+                    let mut out = vec![MaybeUninit::new(0xAA); room];
+                    let got = decode_string_content(&text, &mut out);
+                    match (got, scan_then_decode(&text, room)) {
+                        (Streamed::Decoded { end, written }, Some((want_end, want))) => {
+                            assert_eq!(end, want_end);
+                            // SAFETY: `decode_string_content` initialised what it reports.
+                            let out: Vec<u8> = out[..written]
+                                .iter()
+                                .map(|b| unsafe { b.assume_init() })
+                                .collect();
+                            assert_eq!(out, want, "{:?}", String::from_utf8_lossy(&text));
+                        }
+                        (Streamed::Stopped { plain }, None) => {
+                            assert!(text[..plain].iter().all(|&c| is_alphabet(c)));
+                        }
+                        (got, want) => panic!(
+                            "{got:?} where a scan then a decode gives {want:?}: {:?} room {room}",
+                            String::from_utf8_lossy(&text)
+                        ),
+                    }
+                }
+            }
+        }
     }
 }

@@ -185,6 +185,15 @@ pub struct BodyRouting<'a> {
     pub weights: Option<String>,
     /// Where top-level `kv_transfer_params` sits (vLLM's disaggregated-serving handshake).
     pub(crate) kv_transfer_params: Option<Range<usize>>,
+    /// The one routing value still to be decoded as it is read, if any ([`read_body_decoding`]).
+    decode: Option<Wanted>,
+}
+
+/// Which routing value a walk decodes as it reads it, and its size limit.
+#[derive(Debug, Clone, Copy)]
+struct Wanted {
+    index: u64,
+    max_bytes: usize,
 }
 
 impl<'a> BodyRouting<'a> {
@@ -225,13 +234,23 @@ pub fn find_routing(body: &[u8]) -> Result<Vec<Found<'_>>> {
 /// Everything [`find_routing`] finds, and vLLM 0.21's prompt rows, each choice's token counts
 /// and any routing weights, in the same one walk.
 pub fn read_body(body: &[u8]) -> Result<BodyRouting<'_>> {
-    walk(body, false)
+    walk(body, false, None)
+}
+
+/// [`read_body`], and the first routing value of choice `index`, when it is a compact sidecar,
+/// decoded in the same pass (its `fields.decoded`, up to `max_bytes`): for a reader of that one
+/// choice, whose (large) data text is then read once.
+pub fn read_body_decoding(body: &[u8], index: u64, max_bytes: usize) -> Result<BodyRouting<'_>> {
+    walk(body, false, Some(Wanted { index, max_bytes }))
 }
 
 /// Walk a body; `want_kv` also reads (and polices) top-level `kv_transfer_params`.
-fn walk(body: &[u8], want_kv: bool) -> Result<BodyRouting<'_>> {
+fn walk(body: &[u8], want_kv: bool, decode: Option<Wanted>) -> Result<BodyRouting<'_>> {
     let mut s = Scanner::new(body, "response body").watch(ROUTING_WATCH);
-    let mut w = BodyRouting::default();
+    let mut w = BodyRouting {
+        decode,
+        ..BodyRouting::default()
+    };
     if s.peek() == Some(b'[') {
         s.array(|s, i| top_object(s, i as u64, &mut w, false, true))?;
     } else {
@@ -323,7 +342,7 @@ pub struct PrefillBody<'a> {
 /// [`read_body`] is (a `kv_transfer_params` key given twice is a `PayloadError` too: the two
 /// halves of a request must never be joined by a guess).
 pub fn read_prefill(body: &[u8]) -> Result<PrefillBody<'_>> {
-    let w = walk(body, true)?;
+    let w = walk(body, true, None)?;
     let kv_transfer_params = w
         .kv_transfer_params
         .clone()
@@ -410,13 +429,25 @@ fn top_object<'a>(
             },
             b"meta_info" => holder(
                 s,
-                position,
+                (position, &mut w.decode),
                 &mut w.values,
                 Holder::Sglang,
                 Some(&mut stated.counts),
             ),
-            b"nvext" => holder(s, position, &mut w.values, Holder::Nvext, None),
-            b"sglext" => holder(s, position, &mut w.values, Holder::Sglang, None),
+            b"nvext" => holder(
+                s,
+                (position, &mut w.decode),
+                &mut w.values,
+                Holder::Nvext,
+                None,
+            ),
+            b"sglext" => holder(
+                s,
+                (position, &mut w.decode),
+                &mut w.values,
+                Holder::Sglang,
+                None,
+            ),
             b"usage" => usage(s, &mut stated),
             b"prompt_token_ids" => {
                 if let Some(n) = list_len(s)? {
@@ -427,7 +458,7 @@ fn top_object<'a>(
             // vLLM 0.21 puts it at the top of a body (never in an SGLang batch list).
             PROMPT_ROUTING_KEY if !in_list => {
                 let mut one = Vec::new();
-                routing_value(s, 0, Place::Prompt, &mut one)?;
+                routing_value(s, (0, &mut None), Place::Prompt, &mut one)?;
                 w.prompt_key = true;
                 w.prompt = one.pop();
                 Ok(())
@@ -559,12 +590,25 @@ fn choice<'a>(s: &mut Scanner<'a>, position: u64, w: &mut BodyRouting<'a>) -> Re
                 index = Some(n);
                 Ok(())
             }
-            ROUTING_KEY => routing_value(s, position, Place::Choice, &mut w.values),
-            b"message" => holder(s, position, &mut w.values, Holder::Message, None),
+            // The index so far: a choice's `index` key usually comes before its routing (its
+            // values are given the final index below, whatever it is).
+            ROUTING_KEY => routing_value(
+                s,
+                (index.unwrap_or(position), &mut w.decode),
+                Place::Choice,
+                &mut w.values,
+            ),
+            b"message" => holder(
+                s,
+                (index.unwrap_or(position), &mut w.decode),
+                &mut w.values,
+                Holder::Message,
+                None,
+            ),
             // SGLang's chat with `return_meta_info` (0.5.13+): the result's meta info per choice.
             b"meta_info" => holder(
                 s,
-                position,
+                (index.unwrap_or(position), &mut w.decode),
                 &mut w.values,
                 Holder::Sglang,
                 Some(&mut counts),
@@ -625,7 +669,7 @@ impl Holder {
 /// `meta_info` also states token counts (`counts` given).
 fn holder<'a>(
     s: &mut Scanner<'a>,
-    index: u64,
+    (index, decode): (u64, &mut Option<Wanted>),
     found: &mut Vec<Found<'a>>,
     kind: Holder,
     mut counts: Option<&mut Counts>,
@@ -647,10 +691,10 @@ fn holder<'a>(
         match key {
             // SGLang 0.5.7 and 0.5.8 write `[]` in meta_info for a result without routing.
             ROUTING_KEY if counts.is_some() && empty_list(s) => s.value().map(drop),
-            ROUTING_KEY => routing_value(s, index, kind.place(), found),
+            ROUTING_KEY => routing_value(s, (index, &mut *decode), kind.place(), found),
             // Dynamo hands the backend's engine data through whole when asked for it.
             b"engine_data" if kind == Holder::Nvext => {
-                holder(s, index, found, Holder::EngineData, None)
+                holder(s, (index, &mut *decode), found, Holder::EngineData, None)
             }
             DTYPE_KEY if s.peek() == Some(b'"') => {
                 let st = s.string()?;
@@ -695,16 +739,20 @@ fn empty_list(s: &mut Scanner) -> bool {
     rest.iter().find(|c| !c.is_ascii_whitespace()) == Some(&b']')
 }
 
+/// `decode`: the value to decode as it is read, taken by the first value of its index.
 fn routing_value<'a>(
     s: &mut Scanner<'a>,
-    index: u64,
+    (index, decode): (u64, &mut Option<Wanted>),
     place: Place,
     found: &mut Vec<Found<'a>>,
 ) -> Result<()> {
     // A compact sidecar is read here, in the walk's one pass over its (large) data string.
     let (span, fields) = if s.peek() == Some(b'{') {
         let start = s.pos();
-        let fields = sidecar::read_fields(s)?;
+        let fields = match decode.take_if(|w| w.index == index) {
+            Some(w) => sidecar::read_fields_decoding(s, w.max_bytes)?,
+            None => sidecar::read_fields(s)?,
+        };
         (start..s.pos(), Some(fields))
     } else {
         (s.value()?, None)

@@ -2,6 +2,7 @@
 //! (numpy wants aligned data; a `Vec<u8>` only promises alignment 1). Either owned, or a
 //! read-only view of memory someone else keeps alive and unchanged (copied on first write).
 
+use std::mem::MaybeUninit;
 use std::sync::Arc;
 
 #[cfg(target_endian = "big")]
@@ -104,6 +105,56 @@ impl AlignedBytes {
     pub fn zeroed(len: usize) -> Self {
         let mut words = vec![0u64; len.div_ceil(8)];
         prefault(words.as_mut_ptr().cast(), len);
+        AlignedBytes {
+            words,
+            len,
+            shared: None,
+        }
+    }
+
+    /// The bytes `fill` writes at the start of up to `capacity` bytes of fresh memory, nothing
+    /// zeroed first (for tens of MB, zeroing is a second pass over every page): `fill` returns
+    /// how many it wrote. The memory past them is given back. When `capacity` bytes cannot be
+    /// reserved, `fill` gets no room at all (it is called either way, once).
+    ///
+    /// # Safety
+    /// `fill` must have initialised the first `n` bytes of the slice it is given when it
+    /// returns `n`, and `n` must not exceed the slice's length.
+    pub(crate) unsafe fn written_up_to(
+        capacity: usize,
+        fill: impl FnOnce(&mut [MaybeUninit<u8>]) -> usize,
+    ) -> Self {
+        let mut words: Vec<u64> = Vec::new();
+        let capacity = match words.try_reserve_exact(capacity.div_ceil(8)) {
+            Ok(()) => capacity,
+            Err(_) => 0,
+        };
+        prefault(words.as_mut_ptr().cast(), capacity);
+        let spare = words.spare_capacity_mut();
+        // SAFETY: the spare capacity is at least `capacity.div_ceil(8)` words, so at least
+        // `capacity` bytes, and `MaybeUninit<u8>` has no alignment or validity requirement.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(spare.as_mut_ptr().cast::<MaybeUninit<u8>>(), capacity)
+        };
+        let len = fill(bytes);
+        assert!(len <= capacity, "written_up_to: wrote past its room");
+        // The last word's bytes past `len` are not written: zero them, so every word is.
+        let used = len.div_ceil(8);
+        if len % 8 != 0 {
+            let tail = &mut words.spare_capacity_mut()[used - 1];
+            // SAFETY: the word's first `len % 8` bytes were written by `fill` (its contract);
+            // the rest are zeroed here, byte by byte, before the word is read as a whole.
+            unsafe {
+                let p = tail.as_mut_ptr().cast::<u8>();
+                std::ptr::write_bytes(p.add(len % 8), 0, 8 - len % 8);
+            }
+        }
+        // SAFETY: the first `used` words are initialised: the first `len` bytes by `fill`,
+        // the rest of the last word just above.
+        unsafe { words.set_len(used) };
+        if words.capacity() - used >= 512 {
+            words.shrink_to_fit(); // realloc shrinking in place: no copy
+        }
         AlignedBytes {
             words,
             len,

@@ -183,7 +183,11 @@ pub fn check_hints(format: Format, h: &Header, hints: &Hints) -> Result<()> {
 }
 
 fn decode_compact(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Payload> {
-    decode_compact_fields(sidecar::parse_fields(text)?, hints, max_bytes)
+    decode_compact_fields(
+        sidecar::parse_fields_decoding(text, max_bytes)?,
+        hints,
+        max_bytes,
+    )
 }
 
 /// A compact sidecar's fields (from JSON or a dict) with the caller's hints applied.
@@ -198,7 +202,7 @@ pub fn decode_compact_fields(
     }
     let sidecar = sidecar::validate(fields, max_bytes)?;
     check_hints(Format::Compact, &sidecar.header, hints)?;
-    sidecar.decode()
+    sidecar.into_payload()
 }
 
 fn decode_lists(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Payload> {

@@ -7,8 +7,10 @@
 //! grammar, so ASCII, by construction).
 
 use std::borrow::Cow;
+use std::mem::MaybeUninit;
 use std::ops::Range;
 
+use crate::b64::Streamed;
 use crate::error::{Error, Result};
 
 /// Deeper nesting is refused rather than risking the stack.
@@ -174,7 +176,41 @@ impl<'a> Scanner<'a> {
     /// byte that is not printable ASCII too (`strscan`), so the check costs no second pass.
     pub fn string(&mut self) -> Result<Str> {
         self.eat(b'"', "a string")?;
+        self.string_from(self.pos)
+    }
+
+    /// A string (the opening quote is next) whose content is decoded as base64 into `out` in
+    /// the same pass that finds its end (`b64::decode_string_content`): the string as `string`
+    /// reads it, with the count of bytes written when all of its content was strict base64 and
+    /// fit. Otherwise (`None`), nothing in `out` may be used, and the string is still read and
+    /// checked exactly as `string` does, from where decoding stopped.
+    pub fn base64_string(&mut self, out: &mut [MaybeUninit<u8>]) -> Result<(Str, Option<usize>)> {
+        self.eat(b'"', "a string")?;
         let start = self.pos;
+        match crate::b64::decode_string_content(&self.buf[start..], out) {
+            Streamed::Decoded { end, written } => {
+                self.pos = start + end + 1;
+                let content = start..start + end;
+                Ok((
+                    Str {
+                        content,
+                        escaped: false,
+                    },
+                    Some(written),
+                ))
+            }
+            Streamed::Stopped { plain } => {
+                // The first `plain` bytes are base64 characters: no quote, escape or byte that
+                // needs the full check among them.
+                self.pos = start + plain;
+                Ok((self.string_from(start)?, None))
+            }
+        }
+    }
+
+    /// The rest of a string whose content starts at `start`, read up to `self.pos` already
+    /// (printable ASCII without quotes or escapes up to there).
+    fn string_from(&mut self, start: usize) -> Result<Str> {
         let mut escaped = false;
         let mut plain = true; // every byte so far printable ASCII
         loop {

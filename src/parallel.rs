@@ -2,9 +2,14 @@
 //! the statistics are sums, so each part counts its rows and the parts are added up.
 
 use std::ops::Range;
+use std::sync::Mutex;
 
 /// Below this many input bytes per thread, a thread costs more than it saves.
+#[cfg(not(any(test, fuzzing)))]
 const MIN_BYTES_PER_THREAD: usize = 4 << 20;
+/// The tests and the fuzzer split small inputs, so that they go through the threads' code too.
+#[cfg(any(test, fuzzing))]
+const MIN_BYTES_PER_THREAD: usize = 16;
 /// More threads than this only contend for memory bandwidth.
 const MAX_THREADS: usize = 8;
 
@@ -16,38 +21,50 @@ pub(crate) fn over_rows<R: Send>(
     bytes: usize,
     f: impl Fn(Range<usize>) -> R + Sync,
 ) -> Vec<R> {
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    let parts = cores
-        .min(MAX_THREADS)
-        .min(bytes / MIN_BYTES_PER_THREAD)
-        .min(rows)
-        .max(1);
-    if parts == 1 {
-        return vec![f(0..rows)];
-    }
+    let parts = threads_for(bytes).min(rows).max(1);
     let per = rows.div_ceil(parts);
     let ranges: Vec<Range<usize>> = (0..parts)
         .map(|i| (i * per).min(rows)..((i + 1) * per).min(rows))
         .collect();
+    each(ranges, f)
+}
+
+/// How many threads `bytes` of input are worth, at least 1.
+pub(crate) fn threads_for(bytes: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    cores
+        .min(MAX_THREADS)
+        .min(bytes / MIN_BYTES_PER_THREAD)
+        .max(1)
+}
+
+/// `f` of each item, each on its own thread (the first on this one), results in order.
+pub(crate) fn each<I: Send, R: Send>(items: Vec<I>, f: impl Fn(I) -> R + Sync) -> Vec<R> {
+    if items.len() <= 1 {
+        return items.into_iter().map(f).collect();
+    }
+    // Each item waits in a slot its thread takes it from: a thread that cannot be started (a
+    // process at its thread limit) leaves its item there for this thread (slower, never an
+    // error), since a failed spawn drops the closure and anything moved into it.
+    let slots: Vec<Mutex<Option<I>>> = items.into_iter().map(|i| Mutex::new(Some(i))).collect();
+    let take = |slot: &Mutex<Option<I>>| slot.lock().unwrap_or_else(|p| p.into_inner()).take();
     std::thread::scope(|s| {
-        let f = &f;
-        let (first, rest) = ranges.split_first().expect("parts >= 2");
-        // A thread that cannot be started (a process at its thread limit) leaves its part to
-        // this thread: slower, never an error.
-        let handles: Vec<_> = rest
+        let (f, take) = (&f, &take);
+        let handles: Vec<_> = slots[1..]
             .iter()
-            .map(|r| {
-                let spawned = std::thread::Builder::new().spawn_scoped(s, move || f(r.clone()));
-                spawned.map_err(|_| r.clone())
+            .map(|slot| {
+                std::thread::Builder::new()
+                    .spawn_scoped(s, move || take(slot).map(f))
+                    .ok()
             })
             .collect();
-        let mut out = vec![f(first.clone())];
-        for handle in handles {
-            out.push(match handle {
-                // A panic in a part is re-raised here, as it would be without threads.
-                Ok(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
-                Err(range) => f(range),
-            });
+        let mut out = Vec::with_capacity(slots.len());
+        out.extend(take(&slots[0]).map(f));
+        for (handle, slot) in handles.into_iter().zip(&slots[1..]) {
+            // A panic in a part is re-raised here, as it would be without threads.
+            let done =
+                handle.and_then(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+            out.extend(done.or_else(|| take(slot).map(f)));
         }
         out
     })

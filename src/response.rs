@@ -12,24 +12,41 @@ use crate::formats::{self, Format, Hints};
 use crate::merge;
 use crate::npy;
 use crate::payload::{Header, Payload, Shape};
-use crate::sidecar::{self, SidecarText};
+use crate::sidecar::{self, SidecarFields, SidecarText};
 use crate::validate::{self, Suspect};
 
-use crate::body::{read_body, BodyRouting, Found};
+use crate::body::{read_body, read_body_decoding, BodyRouting, Found};
 use crate::coverage::{self, Rule};
 use crate::split;
 
 /// Decode one routing value, whatever its format, and check its rows against the token counts
 /// its body states (format.md §3.3).
 pub fn decode_found(f: &Found, hints: &Hints, max_bytes: usize) -> Result<(Format, Payload)> {
+    decode_fields(f, f.fields.clone(), hints, max_bytes)
+}
+
+/// [`decode_found`] of a value the caller gives up: a compact sidecar it decoded as it read the
+/// body (`read_body_decoding`) becomes the payload without a copy.
+fn decode_owned(mut f: Found, hints: &Hints, max_bytes: usize) -> Result<(Format, Payload)> {
+    let fields = f.fields.take();
+    decode_fields(&f, fields, hints, max_bytes)
+}
+
+/// Decode `f`, whose sidecar fields (if it is one) are `fields`.
+fn decode_fields(
+    f: &Found,
+    fields: Option<SidecarFields>,
+    hints: &Hints,
+    max_bytes: usize,
+) -> Result<(Format, Payload)> {
     let hints = Hints {
         dtype: hints.dtype.or(f.dtype),
         ..*hints
     };
-    let (format, p) = match &f.fields {
+    let (format, p) = match fields {
         Some(fields) => (
             Format::Compact,
-            formats::decode_compact_fields(fields.clone(), &hints, max_bytes)?,
+            formats::decode_compact_fields(fields, &hints, max_bytes)?,
         ),
         None => {
             let text = formats::json_string_content(f.text)?;
@@ -206,19 +223,18 @@ pub fn from_response(
     hints: &Hints,
     max_bytes: usize,
 ) -> Result<Option<Payload>> {
-    let found = read_body(body)?;
+    let mut found = read_body_decoding(body, choice, max_bytes)?;
     let in_choice = |e: Error| e.context(format!("choice {choice}"));
     if let Some(prompt) = &found.prompt {
         return split::sequence(&found, prompt, choice, hints, max_bytes).map_err(in_choice);
     }
-    found
-        .value(choice)
-        .map(|f| {
-            decode_found(f, hints, max_bytes)
-                .map(|(_, p)| p)
-                .map_err(in_choice)
-        })
-        .transpose()
+    // The first value of the choice, as `BodyRouting::value` finds it.
+    let Some(at) = found.values.iter().position(|f| f.index == choice) else {
+        return Ok(None);
+    };
+    decode_owned(found.values.swap_remove(at), hints, max_bytes)
+        .map(|(_, p)| Some(p))
+        .map_err(in_choice)
 }
 
 /// How [`merge_response`] works.
@@ -312,21 +328,13 @@ impl Piece<'_> {
                 context,
             } => (*text, *last, *whole, context),
         };
-        let mut rest = out;
-        let chunks = text.len().div_ceil(CHECK_CHUNK);
-        for (i, chunk) in text.chunks(CHECK_CHUNK).enumerate() {
-            if !b64::groups_valid(chunk, last && i + 1 == chunks) {
-                return Err(b64::error_in(whole, "data").context(context));
-            }
-            rest = b64::write_uninit(rest, chunk);
+        let (head, rest) = out.split_at_mut(text.len());
+        if !b64::copy_checked(text, head, last) {
+            return Err(b64::error_in(whole, "data").context(context));
         }
         Ok(rest)
     }
 }
-
-/// Base64 is checked this many characters at a time as it is copied (a multiple of 4, small
-/// enough to stay in L1 between the check and the copy).
-const CHECK_CHUNK: usize = 16 * 1024;
 
 impl<'a> Spliced<'a> {
     /// Length in bytes.
@@ -380,11 +388,8 @@ impl<'a> Spliced<'a> {
                     whole,
                     context,
                 } => {
-                    let chunks = text.len().div_ceil(CHECK_CHUNK);
-                    for (i, chunk) in text.chunks(CHECK_CHUNK).enumerate() {
-                        if !b64::groups_valid(chunk, *last && i + 1 == chunks) {
-                            return Err(b64::error_in(whole, "data").context(context));
-                        }
+                    if !b64::groups_valid(text, *last) {
+                        return Err(b64::error_in(whole, "data").context(context));
                     }
                     out.push(text);
                 }

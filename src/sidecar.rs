@@ -9,7 +9,7 @@ use crate::b64;
 use crate::buffer::AlignedBytes;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::jsonscan::Scanner;
+use crate::jsonscan::{Scanner, Str};
 use crate::limits;
 use crate::payload::{Header, Payload, Shape};
 
@@ -37,23 +37,38 @@ pub struct SidecarFields<'a> {
     pub body_key: Option<&'static str>,
     /// A key of another routing object the object has (`FOREIGN_KEYS`): it is not a sidecar.
     pub foreign_key: Option<&'static str>,
+    /// What `data` decodes to, when the reader decoded it in the same pass that found the end
+    /// of its text ([`read_fields_decoding`]): exactly the bytes decoding `data` gives, used
+    /// once the fields are validated. `None`: `data` is decoded after validation.
+    pub decoded: Option<AlignedBytes>,
 }
 
-/// Decode a sidecar from JSON text: every check format.md §3.1 lists happens before the allocation.
+/// Decode a sidecar from JSON text: every check format.md §3.1 lists happens before the payload
+/// is made, with the same errors as checking first and decoding after (the data is decoded as
+/// it is read, see [`read_fields_decoding`]).
 pub fn decode(json: &[u8], max_bytes: usize) -> Result<Payload> {
-    validate(parse_fields(json)?, max_bytes)?.decode()
+    validate(parse_fields_decoding(json, max_bytes)?, max_bytes)?.into_payload()
 }
 
 /// Split JSON text into the sidecar's fields in one pass, borrowing the (large) data string.
 /// A key given as `null` is kept (and reported as null); only an absent key takes the default.
 pub fn parse_fields(json: &[u8]) -> Result<SidecarFields<'_>> {
+    parse_with(json, None)
+}
+
+/// [`parse_fields`], decoding the data string in the same pass (up to `max_bytes`).
+pub fn parse_fields_decoding(json: &[u8], max_bytes: usize) -> Result<SidecarFields<'_>> {
+    parse_with(json, Some(max_bytes))
+}
+
+fn parse_with(json: &[u8], decode_up_to: Option<usize>) -> Result<SidecarFields<'_>> {
     let mut s = Scanner::new(json, "sidecar");
     match s.peek() {
         Some(b'{') => {}
         Some(c) => return Err(Error::field("sidecar", "a JSON object", json_type_name(c))),
         None => return Err(Error::field("sidecar", "a JSON object", "empty input")),
     }
-    let fields = read_fields(&mut s)?;
+    let fields = read_with(&mut s, decode_up_to)?;
     s.end()?;
     Ok(fields)
 }
@@ -62,6 +77,21 @@ pub fn parse_fields(json: &[u8]) -> Result<SidecarFields<'_>> {
 /// pass that walks the document around it: a response body's walker reads routing values with
 /// this instead of skipping them and parsing them again.
 pub(crate) fn read_fields<'a>(s: &mut Scanner<'a>) -> Result<SidecarFields<'a>> {
+    read_with(s, None)
+}
+
+/// [`read_fields`], decoding the data string as base64 in the same pass that finds its end, so
+/// its (large) text is read once: `decoded` holds the bytes when the text is strict base64 of
+/// at most `max_bytes` bytes. Text that is not (or is larger) is read as [`read_fields`] reads
+/// it, and decoding it later gives the errors it always did.
+pub(crate) fn read_fields_decoding<'a>(
+    s: &mut Scanner<'a>,
+    max_bytes: usize,
+) -> Result<SidecarFields<'a>> {
+    read_with(s, Some(max_bytes))
+}
+
+fn read_with<'a>(s: &mut Scanner<'a>, decode_up_to: Option<usize>) -> Result<SidecarFields<'a>> {
     let json = s.buf();
     let mut fields = SidecarFields::default();
     s.object(|s, key| {
@@ -76,7 +106,14 @@ pub(crate) fn read_fields<'a>(s: &mut Scanner<'a>) -> Result<SidecarFields<'a>> 
                 return Err(duplicate());
             }
             fields.data = Some(if s.peek() == Some(b'"') {
-                let st = s.string()?;
+                let st = match decode_up_to {
+                    Some(max_bytes) => {
+                        let (st, decoded) = read_decoding(s, max_bytes)?;
+                        fields.decoded = decoded;
+                        st
+                    }
+                    None => s.string()?,
+                };
                 DataField::Base64(s.string_value(&st)?)
             } else {
                 let r = s.value()?;
@@ -108,6 +145,29 @@ pub(crate) fn read_fields<'a>(s: &mut Scanner<'a>) -> Result<SidecarFields<'a>> 
         Ok(())
     })?;
     Ok(fields)
+}
+
+/// The string next in `s`, decoded as base64 while it is read (see [`read_fields_decoding`]).
+fn read_decoding(s: &mut Scanner<'_>, max_bytes: usize) -> Result<(Str, Option<AlignedBytes>)> {
+    // The text can be no longer than the rest of the document: 3/4 of that bounds the output
+    // before anything is known of the shape (memory never touched costs nothing).
+    let room = (s.buf().len() - s.pos()).div_ceil(4) * 3;
+    let mut read = None;
+    // SAFETY: the closure returns the count `base64_string` reports written into the slice it
+    // was given (which `decode_string_content` guarantees initialised and within it), or 0.
+    let bytes = unsafe {
+        AlignedBytes::written_up_to(room.min(max_bytes), |out| {
+            let r = s.base64_string(out);
+            let n = match &r {
+                Ok((_, Some(n))) => *n,
+                _ => 0,
+            };
+            read = Some(r);
+            n
+        })
+    };
+    let (st, written) = read.expect("written_up_to calls its fill once")?;
+    Ok((st, written.map(|_| bytes)))
 }
 
 /// What a JSON value starting with `first` is, for messages ("got an array"). Text that no JSON
@@ -164,9 +224,26 @@ pub struct SidecarText<'a> {
     pub header: Header,
     /// The base64 text, its length checked against the shape.
     pub data: Cow<'a, [u8]>,
+    /// What `data` decodes to, when it was decoded as it was read (`SidecarFields::decoded`).
+    decoded: Option<AlignedBytes>,
 }
 
 impl SidecarText<'_> {
+    /// The payload: the bytes decoded as the text was read, or else decoding the text now.
+    pub fn into_payload(mut self) -> Result<Payload> {
+        match self.decoded.take() {
+            Some(data) if Some(data.len()) == self.header.shape.nbytes(self.header.dtype).ok() => {
+                Payload::new(
+                    self.header.start,
+                    self.header.shape,
+                    self.header.dtype,
+                    data,
+                )
+            }
+            _ => self.decode(),
+        }
+    }
+
     /// Decode the base64 into a payload.
     pub fn decode(&self) -> Result<Payload> {
         let mut data = AlignedBytes::zeroed(self.header.shape.nbytes(self.header.dtype)?);
@@ -181,7 +258,8 @@ impl SidecarText<'_> {
 }
 
 /// Check every field, the data length against the shape and the size limit; decode nothing.
-pub fn validate(fields: SidecarFields<'_>, max_bytes: usize) -> Result<SidecarText<'_>> {
+pub fn validate(mut fields: SidecarFields<'_>, max_bytes: usize) -> Result<SidecarText<'_>> {
+    let decoded = fields.decoded.take();
     if let (Some(key), None, _) | (Some(key), _, None) =
         (fields.body_key, fields.data.as_ref(), fields.shape.as_ref())
     {
@@ -237,6 +315,7 @@ pub fn validate(fields: SidecarFields<'_>, max_bytes: usize) -> Result<SidecarTe
     Ok(SidecarText {
         header: Header::new(start, shape, dtype)?,
         data,
+        decoded,
     })
 }
 
@@ -415,6 +494,74 @@ mod tests {
             let e = decode(text, LIMIT).unwrap_err();
             assert!(matches!(e, Error::Payload(_)));
             assert!(e.to_string().contains(needle), "{e} lacks {needle}");
+        }
+    }
+
+    /// Decoding as the text is read gives what checking first and decoding after gives: the
+    /// same payload, or the same error, for sound and flawed documents alike.
+    #[test]
+    fn decoding_while_reading_changes_no_result_and_no_error() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let flaws: [&[u8]; 9] = [
+            b"\"",
+            b"\\",
+            b"\\/",
+            b"=",
+            b" ",
+            b"\n",
+            b"\xc3\xa9",
+            b"*",
+            b"Q",
+        ];
+        for tokens in 0..60usize {
+            let dtype = DType::ALL[tokens % DType::ALL.len()];
+            let shape = Shape::new(tokens, 2, 3);
+            let bytes: Vec<u8> = (0..shape.nbytes(dtype).unwrap())
+                .map(|_| next() as u8)
+                .collect();
+            let text = b64::encode(&bytes);
+            let docs = [
+                format!(
+                    r#"{{"data":"{}","shape":[{tokens},2,3],"dtype":"{dtype}"}}"#,
+                    String::from_utf8_lossy(&text)
+                ),
+                format!(
+                    r#"{{"dtype":"{dtype}","shape":[{tokens},2,3],"data":"{}"}}"#,
+                    String::from_utf8_lossy(&text)
+                ),
+            ];
+            for doc in docs {
+                let doc = doc.into_bytes();
+                let at_data = doc.windows(8).position(|w| w == b"\"data\":\"").unwrap() + 8;
+                for trial in 0..5 {
+                    let mut flawed = doc.clone();
+                    if trial > 0 {
+                        let at = at_data + next() as usize % (text.len() + 2);
+                        let flaw = flaws[next() as usize % flaws.len()];
+                        flawed.splice(at..at + 1, flaw.iter().copied());
+                    }
+                    for limit in [LIMIT, bytes.len(), bytes.len().saturating_sub(1)] {
+                        let fused = decode(&flawed, limit);
+                        let apart = parse_fields(&flawed)
+                            .and_then(|f| validate(f, limit))
+                            .and_then(|t| t.decode());
+                        match (&fused, &apart) {
+                            (Ok(a), Ok(b)) => assert_eq!(a, b),
+                            (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string()),
+                            _ => panic!(
+                                "{fused:?} vs {apart:?} for {:?}",
+                                String::from_utf8_lossy(&flawed)
+                            ),
+                        }
+                    }
+                }
+            }
         }
     }
 

@@ -151,6 +151,7 @@ fn dict_fields<'a>(
         dtype: small("dtype")?,
         body_key,
         foreign_key,
+        decoded: None,
     })
 }
 
