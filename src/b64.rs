@@ -421,13 +421,7 @@ mod tests {
             let text = encode(&bytes);
             let mut one = vec![MaybeUninit::new(0); text.len()];
             encode_part(&bytes, &mut one);
-            // SAFETY: `encode_part` wrote every byte.
-            assert_eq!(
-                text,
-                one.iter()
-                    .map(|b| unsafe { b.assume_init() })
-                    .collect::<Vec<_>>()
-            );
+            assert_eq!(text, bytes_of(&one));
             let mut back = vec![0; decoded_len(&text, "data").unwrap()];
             decode_into(&text, &mut back, "data").unwrap();
             assert_eq!(back, bytes);
@@ -452,6 +446,13 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("'*' at offset 2"), "{e}");
+    }
+
+    /// The bytes of `v`, every one of which the test initialised (`MaybeUninit::new`) before
+    /// the code under test may have overwritten it.
+    fn bytes_of(v: &[MaybeUninit<u8>]) -> Vec<u8> {
+        // SAFETY: every element was made initialised, and writes only ever store bytes.
+        v.iter().map(|b| unsafe { b.assume_init() }).collect()
     }
 
     /// What `decode_string_content` must agree with: find the string's end, then decode it.
@@ -503,11 +504,7 @@ mod tests {
                     match (got, scan_then_decode(&text, room)) {
                         (Streamed::Decoded { end, written }, Some((want_end, want))) => {
                             assert_eq!(end, want_end);
-                            // SAFETY: `decode_string_content` initialised what it reports.
-                            let out: Vec<u8> = out[..written]
-                                .iter()
-                                .map(|b| unsafe { b.assume_init() })
-                                .collect();
+                            let out = bytes_of(&out[..written]);
                             assert_eq!(out, want, "{:?}", String::from_utf8_lossy(&text));
                         }
                         (Streamed::Stopped { plain }, None) => {
