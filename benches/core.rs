@@ -1,5 +1,6 @@
 //! Criterion benches of the pure-Rust core on real payload sizes (Qwen3-235B-A22B, 32k tokens:
-//! 94 MoE layers, top_k 8, uint8), beside a memcpy of the same bytes (the floor any decode pays).
+//! 94 MoE layers, top_k 8, uint8), beside a copy of the same bytes (the floor any decode pays),
+//! and the phases of the two-pass read that the one-pass read replaced (BENCHMARKS.md).
 
 use std::hint::black_box;
 
@@ -53,11 +54,45 @@ fn codec(c: &mut Criterion) {
     g.throughput(Throughput::Bytes(wire.len() as u64));
     g.sample_size(20);
     g.bench_function("memcpy_sidecar", |b| b.iter(|| black_box(&wire).to_vec()));
+    // The floor the issue sets decoding against: a copy of the same text into mapped memory.
+    let mut mapped = wire.clone();
+    g.bench_function("copy_sidecar_into_mapped", |b| {
+        b.iter(|| mapped.copy_from_slice(black_box(&wire)))
+    });
     g.bench_function("decode_sidecar", |b| {
         b.iter(|| sidecar::decode(black_box(&wire), LIMIT).unwrap())
     });
+    // The phases of reading in two passes, as it was done before the one-pass read: the walk
+    // that finds the data string's end, then the decode of the text found.
+    g.bench_function("phase_walk_only", |b| {
+        b.iter(|| sidecar::parse_fields(black_box(&wire)).unwrap())
+    });
+    let text = sidecar::validate(sidecar::parse_fields(&wire).unwrap(), LIMIT).unwrap();
+    g.bench_function("phase_decode_only", |b| {
+        b.iter(|| black_box(&text).decode().unwrap())
+    });
+    g.bench_function("two_pass_walk_then_decode", |b| {
+        b.iter(|| {
+            let fields = sidecar::parse_fields(black_box(&wire)).unwrap();
+            sidecar::validate(fields, LIMIT).unwrap().decode().unwrap()
+        })
+    });
     g.bench_function("encode_sidecar", |b| {
         b.iter(|| sidecar::encode(black_box(&p)))
+    });
+    g.bench_function("encode_sidecar_into_mapped", |b| {
+        b.iter(|| {
+            let out: &mut [u8] = &mut mapped;
+            // SAFETY: initialised bytes viewed as MaybeUninit (the same layout); the encoder
+            // only stores bytes into them.
+            let out = unsafe {
+                std::slice::from_raw_parts_mut(
+                    out.as_mut_ptr().cast::<std::mem::MaybeUninit<u8>>(),
+                    out.len(),
+                )
+            };
+            sidecar::encode_into(black_box(&p), out)
+        })
     });
     g.bench_function("from_response", |b| {
         b.iter(|| {
@@ -89,6 +124,15 @@ fn merge(c: &mut Criterion) {
     let mut g = c.benchmark_group("merge-qwen3-235b-32k-prompt-3/4");
     g.throughput(Throughput::Bytes(decode_body.len() as u64));
     g.sample_size(10);
+    // The floor for the splice: a copy of both bodies into mapped memory.
+    let mut mapped = vec![0u8; prefill_body.len() + decode_body.len()];
+    g.bench_function("copy_both_bodies_into_mapped", |b| {
+        b.iter(|| {
+            let (first, second) = mapped.split_at_mut(prefill_body.len());
+            first.copy_from_slice(black_box(&prefill_body));
+            second.copy_from_slice(black_box(&decode_body));
+        })
+    });
     for splice in [true, false] {
         let opts = MergeOptions {
             splice,

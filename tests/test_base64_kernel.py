@@ -8,9 +8,11 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import random
 
+import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import routed_experts as rx
@@ -187,3 +189,73 @@ def test_padding_at_a_check_chunk_boundary_is_refused(at: int) -> None:
         for splice in (True, False):
             with pytest.raises(rx.PayloadError, match="'=' at offset"):
                 rx.merge_response(prefill, decode, splice=splice)
+
+
+# A text long enough for every step of the reading decoder (format.md §3.1, read in one pass):
+# 64 KiB chunks, the first 32 on the calling thread, the rest dealt out to threads once over
+# 4 MiB each. Flaws land anywhere, often at the edges of chunks and of the threads' shares.
+BIG_IDS = (11 << 20) // 4 * 3
+CHUNK = 64 * 1024
+_big_text: list[str] = []
+
+
+def big_text() -> str:
+    if not _big_text:
+        rng = random.Random(29)
+        _big_text.append(base64.b64encode(rng.randbytes(BIG_IDS)).decode())
+    return _big_text[0]
+
+
+EDGES = sorted(
+    {k * CHUNK + d for k in (1, 2, 31, 32, 33, 34, 80, 96, 128, 175) for d in (-2, -1, 0, 1)}
+)
+FLAWS = ['"', "\\\\", "\\/", "=", " ", "    ", "\n", "é", "*", "A", "A==="]
+
+
+@given(
+    at=st.one_of(st.sampled_from(EDGES), st.integers(0, (11 << 20) - 1)),
+    flaw=st.sampled_from(FLAWS + [""]),
+    replace=st.sampled_from(["none", "one", "as many"]),
+    in_body=st.booleans(),
+)
+@example(at=1000, flaw="    ", replace="as many", in_body=False)
+@example(at=40 * CHUNK + 100, flaw="    ", replace="as many", in_body=False)
+@example(at=150 * CHUNK + 8, flaw="    ", replace="as many", in_body=True)
+@example(at=(11 << 20) - 40, flaw="    ", replace="as many", in_body=False)
+@example(at=100 * CHUNK - 4, flaw="A===", replace="as many", in_body=False)
+@settings(max_examples=60, deadline=None)
+def test_a_long_text_reads_as_python_reads_it_with_flaws_anywhere(
+    at: int, flaw: str, replace: str, in_body: bool
+) -> None:
+    """The flaw is inserted, replaces one character, or replaces as many as it has (which keeps
+    the length the shape's: white space the decoder would skip must still be refused)."""
+    text = big_text()
+    at = min(at, len(text))
+    replaced = {"none": 0, "one": 1, "as many": len(flaw)}[replace]
+    text = text[:at] + flaw + text[at + replaced:]
+    doc = ('{"data":"' + text + f'","shape":[{BIG_IDS},1,1],"dtype":"uint8"}}').encode()
+    wire = b'{"choices":[{"index":0,"routed_experts":' + doc + b"}]}" if in_body else doc
+
+    def read() -> np.ndarray:
+        if in_body:
+            p = rx.from_response(wire)
+            assert p is not None
+            return p.array
+        return rx.RoutedExperts.from_json(wire).array
+
+    try:
+        parsed = json.loads(doc)
+    except ValueError:
+        with pytest.raises(rx.PayloadError):
+            read()
+        return
+    raw = python_accepts(parsed["data"])
+    if raw is not None and len(raw) == BIG_IDS:
+        assert np.array_equal(read().reshape(-1), np.frombuffer(raw, np.uint8))
+        return
+    # Refused, with the message of the path that checks everything before decoding (a dict).
+    with pytest.raises(rx.PayloadError) as fused:
+        read()
+    with pytest.raises(rx.PayloadError) as apart:
+        rx.RoutedExperts.from_json(parsed)
+    assert str(apart.value) in str(fused.value)
