@@ -25,7 +25,11 @@ pub fn sidecar(data: &[u8]) {
         let apart = sidecar::parse_fields(data)
             .and_then(|f| sidecar::validate(f, limit))
             .and_then(|t| t.decode());
-        same_outcome(sidecar::decode(data, limit), apart, "decoding while reading");
+        same_outcome(
+            sidecar::decode(data, limit),
+            apart,
+            "decoding while reading",
+        );
     }
     let Ok(p) = sidecar::decode(data, LIMIT) else {
         return;
@@ -49,7 +53,11 @@ fn same_outcome<T: PartialEq + std::fmt::Debug>(
 ) {
     match (&a, &b) {
         (Ok(x), Ok(y)) => assert_eq!(x, y, "{what}: different results"),
-        (Err(x), Err(y)) => assert_eq!(format!("{x:?}"), format!("{y:?}"), "{what}: different errors"),
+        (Err(x), Err(y)) => assert_eq!(
+            format!("{x:?}"),
+            format!("{y:?}"),
+            "{what}: different errors"
+        ),
         _ => panic!("{what}: {a:?} against {b:?}"),
     }
 }

@@ -37,10 +37,14 @@ unsafe impl Sync for Shared {}
 /// each costing a page fault on first touch; below it, malloc's heap pages are mostly mapped.
 pub const PREFAULT_MIN: usize = 32 << 20;
 
-/// Map the pages of `len` bytes at `ptr` in one call (`MADV_POPULATE_WRITE`, Linux 5.14+)
-/// before they are written: one kernel call instead of a fault per 4 KiB page, measured 15%
-/// faster for a 126 MB output on a VM, and the memory is still returned when freed. Only an
-/// optimisation: small ranges, other systems and older kernels are left to fault as usual.
+/// Make the first touch of `len` fresh bytes at `ptr`, about to be written, cheap: ask for
+/// transparent huge pages (`MADV_HUGEPAGE`: one fault and one zeroing per 2 MiB instead of a
+/// fault per 4 KiB page; measured 1.8 ms instead of 16.7 ms to write 42 MB of fresh pages on an
+/// AMD EPYC VM, where writing mapped memory takes 1.6 ms). Where the kernel gives no huge pages
+/// (transparent huge pages `never`), map the pages in one call instead (`MADV_POPULATE_WRITE`,
+/// Linux 5.14+; 13.7 ms there). The memory is returned when freed either way. Only an
+/// optimisation: ranges below `PREFAULT_MIN` (malloc's reused heap, which advice would mark for
+/// good), other systems and older kernels are left to fault as usual.
 pub fn prefault(ptr: *mut u8, len: usize) {
     #[cfg(target_os = "linux")]
     if len >= PREFAULT_MIN {
@@ -49,16 +53,33 @@ pub fn prefault(ptr: *mut u8, len: usize) {
         let start = (ptr as usize).div_ceil(PAGE) * PAGE;
         let end = (ptr as usize + len) / PAGE * PAGE;
         if end > start {
+            let advice = if huge_pages_possible() {
+                libc::MADV_HUGEPAGE
+            } else {
+                MADV_POPULATE_WRITE
+            };
             // SAFETY: [start, end) lies inside the caller's allocation of `len` bytes at `ptr`
-            // (rounded inwards to whole pages); populating pages changes no contents, so the
-            // call cannot break any Rust invariant. Failure is ignored (see above).
+            // (rounded inwards to whole pages), a private anonymous mapping of its own (glibc
+            // maps every allocation this large separately); neither advice changes contents,
+            // so the call cannot break any Rust invariant. Failure is ignored (see above).
             unsafe {
-                libc::madvise(start as *mut libc::c_void, end - start, MADV_POPULATE_WRITE);
+                libc::madvise(start as *mut libc::c_void, end - start, advice);
             }
         }
     }
     #[cfg(not(target_os = "linux"))]
     let _ = (ptr, len);
+}
+
+/// Whether the kernel may back advised memory with transparent huge pages (its setting is
+/// `always` or `madvise`, not `never` or absent), read once.
+#[cfg(target_os = "linux")]
+fn huge_pages_possible() -> bool {
+    static POSSIBLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *POSSIBLE.get_or_init(|| {
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .is_ok_and(|s| !s.contains("[never]"))
+    })
 }
 
 impl AlignedBytes {
