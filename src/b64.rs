@@ -35,37 +35,45 @@ pub fn decoded_len(text: &[u8], field: &str) -> Result<usize> {
 /// mis-padded last chunk is refused in strict mode), so "exactly `out.len()` bytes written"
 /// is the whole check. Strict mode also refuses non-zero padding bits.
 pub fn decode_into(text: &[u8], out: &mut [u8], field: &str) -> Result<()> {
-    let want = out.len();
-    if want == 0 {
-        return if text.is_empty() {
-            Ok(())
-        } else {
-            Err(invalid(text, field))
-        };
-    }
-    // SAFETY: `text` is valid for reads of its length.
-    let room = unsafe { simdutf::maximal_binary_length_from_base64(text.as_ptr(), text.len()) };
-    if room > want {
-        // Writing would overrun `out`: the text is not `want` bytes of base64.
-        return Err(invalid(text, field));
-    }
-    // SAFETY: `text` is valid for reads of its length; `out` is valid for writes of `want` bytes,
-    // at least the maximal length the decoder may write (checked just above); the two do not
-    // overlap (one is borrowed shared, the other exclusively).
-    let r = unsafe {
-        simdutf::base64_to_binary(
-            text.as_ptr(),
-            text.len(),
-            out.as_mut_ptr(),
-            simdutf::Base64Options::Default,
-            simdutf::LastChunkHandlingOptions::Strict,
-        )
+    // SAFETY: the same memory viewed as `MaybeUninit<u8>` (same layout); `decode_uninit` only
+    // ever stores initialised bytes into it, so `out` stays initialised.
+    let out = unsafe {
+        std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<MaybeUninit<u8>>(), out.len())
     };
-    if r.error == simdutf::ErrorCode::Success && r.count == want {
+    if decode_uninit(text, out) {
         Ok(())
     } else {
         Err(invalid(text, field))
     }
+}
+
+/// [`decode_into`] into memory that may be uninitialised, all of which is written when it
+/// succeeds (`true`); `false` when `text` is not exactly `out.len()` bytes of strict base64.
+/// Large texts are split among the machine's cores at multiples of 4 characters: each part but
+/// the last must decode to exactly 3/4 of its length, which refuses padding and white space
+/// inside it, as the whole-text decode does.
+pub fn decode_uninit(text: &[u8], out: &mut [MaybeUninit<u8>]) -> bool {
+    if out.is_empty() || text.is_empty() {
+        return out.is_empty() && text.is_empty();
+    }
+    let threads = crate::parallel::threads_for(text.len());
+    let per = text.len().div_ceil(threads).div_ceil(4) * 4;
+    let per_out = per / 4 * 3;
+    let parts = text.len().div_ceil(per);
+    if out.len().div_ceil(per_out) != parts {
+        return false;
+    }
+    let numbered: Vec<_> = text
+        .chunks(per)
+        .zip(out.chunks_mut(per_out))
+        .enumerate()
+        .collect();
+    crate::parallel::each(numbered, |(i, (t, o))| {
+        let want = o.len();
+        (i + 1 == parts || t.len() == per) && decode_piece(t, o) == Some(want)
+    })
+    .into_iter()
+    .all(|ok| ok)
 }
 
 /// How far [`decode_string_content`] got.

@@ -25,6 +25,9 @@ pub struct Found<'a> {
     pub path: String,
     /// A compact sidecar's fields, read while the body was walked (`None` for other formats).
     pub fields: Option<SidecarFields<'a>>,
+    /// The value is a JSON string without escapes: its content is `text` without the quotes,
+    /// as read (no second scan to unescape it).
+    pub plain_string: bool,
     /// The token counts the body gives for this value's sequence (format.md §3.3).
     pub counts: Counts,
     /// The kind of place it was found at.
@@ -747,6 +750,7 @@ fn routing_value<'a>(
     found: &mut Vec<Found<'a>>,
 ) -> Result<()> {
     // A compact sidecar is read here, in the walk's one pass over its (large) data string.
+    let mut plain_string = false;
     let (span, fields) = if s.peek() == Some(b'{') {
         let start = s.pos();
         let fields = match decode.take_if(|w| w.index == index) {
@@ -754,6 +758,10 @@ fn routing_value<'a>(
             None => sidecar::read_fields(s)?,
         };
         (start..s.pos(), Some(fields))
+    } else if s.peek() == Some(b'"') {
+        let start = s.pos();
+        plain_string = !s.string()?.escaped;
+        (start..s.pos(), None)
     } else {
         (s.value()?, None)
     };
@@ -766,6 +774,7 @@ fn routing_value<'a>(
             dtype: None,
             path: s.path(),
             fields,
+            plain_string,
             counts: Counts::default(),
             place,
         });

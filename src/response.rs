@@ -49,7 +49,10 @@ fn decode_fields(
             formats::decode_compact_fields(fields, &hints, max_bytes)?,
         ),
         None => {
-            let text = formats::json_string_content(f.text)?;
+            let text = match f.text {
+                [b'"', content @ .., b'"'] if f.plain_string => Cow::Borrowed(content),
+                _ => formats::json_string_content(f.text)?,
+            };
             let format = formats::detect(&text).map_err(|e| e.context(&f.path))?;
             if !f.place.allows(format) {
                 return Err(Error::payload(format!(
