@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
 import json
 import random
 
@@ -259,3 +260,46 @@ def test_a_long_text_reads_as_python_reads_it_with_flaws_anywhere(
     with pytest.raises(rx.PayloadError) as apart:
         rx.RoutedExperts.from_json(parsed)
     assert str(apart.value) in str(fused.value)
+
+
+_big_npy: list[str] = []
+
+
+def big_npy() -> str:
+    """vLLM 0.22+'s routing as it writes it (`np.save`, base64), long enough for every step of
+    the direct read: the header from the first groups, the rest decoded by two threads."""
+    if not _big_npy:
+        rng = np.random.default_rng(29)
+        buf = io.BytesIO()
+        np.save(buf, rng.integers(0, 128, (11_000, 94, 8), dtype=np.uint8))
+        _big_npy.append(base64.b64encode(buf.getvalue()).decode())
+    return _big_npy[0]
+
+
+@example(at=10, flaw="*", replace="one")
+@example(at=170, flaw="    ", replace="as many")  # just past the header's groups
+@example(at=6_000_000, flaw="    ", replace="as many")
+@example(at=6_000_000, flaw="A===", replace="as many")
+@given(
+    at=st.integers(8, 11_100_000),  # past the magic that marks the text as vLLM's
+    flaw=st.sampled_from(FLAWS + [""]),
+    replace=st.sampled_from(["none", "one", "as many"]),
+)
+@settings(max_examples=40, deadline=None)
+def test_a_long_npy_text_reads_as_numpy_reads_it_with_flaws_anywhere(
+    at: int, flaw: str, replace: str
+) -> None:
+    text = big_npy()
+    at = min(at, len(text))
+    replaced = {"none": 0, "one": 1, "as many": len(flaw)}[replace]
+    text = text[:at] + flaw + text[at + replaced:]
+    raw = python_accepts(text)
+    try:
+        want = None if raw is None else np.load(io.BytesIO(raw))
+    except ValueError:
+        want = None
+    if want is not None and want.dtype == np.uint8 and want.ndim == 3:
+        np.testing.assert_array_equal(rx.decode(text).array, want)
+    else:
+        with pytest.raises(rx.PayloadError):
+            rx.decode(text)
