@@ -478,13 +478,7 @@ mod tests {
 
     #[test]
     fn streamed_decoding_agrees_with_a_scan_then_a_decode() {
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = crate::test_rng::xorshift(0x9e37_79b9_7f4a_7c15u64);
         // Across the sequential steps, the threads' steps and the last piece (8-character steps
         // under test), with every kind of flaw at every place, and outputs too small.
         for len in 0..200usize {

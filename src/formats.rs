@@ -559,13 +559,7 @@ mod tests {
     /// files it passes on keep their old errors: sound and flawed files, header and data.
     #[test]
     fn npy_in_place_agrees_with_the_whole_file() {
-        let mut seed = 0x1234_5678_9abc_def1u64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = crate::test_rng::xorshift(0x1234_5678_9abc_def1u64);
         let flaws: [&[u8]; 7] = [b"*", b"=", b" ", b"A", b"/", b"    ", b"A==="];
         let (mut direct, mut sound) = (0, 0);
         for tokens in [0usize, 1, 2, 3, 5, 17, 40, 100] {

@@ -126,6 +126,8 @@ pub mod sidecar;
 /// vLLM 0.21's split routing: prompt rows at the top of the body, generated rows per choice.
 pub mod split;
 mod strscan;
+#[cfg(test)]
+mod test_rng;
 /// Multi-turn stitching and the trainer handoff (format.md §5).
 pub mod trajectory;
 /// Opt-in checks a trainer wants before a step (format.md §7).

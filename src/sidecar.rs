@@ -38,14 +38,15 @@ pub struct SidecarFields<'a> {
     /// A key of another routing object the object has (`FOREIGN_KEYS`): it is not a sidecar.
     pub foreign_key: Option<&'static str>,
     /// What `data` decodes to, when the reader decoded it in the same pass that found the end
-    /// of its text ([`read_fields_decoding`]): exactly the bytes decoding `data` gives, used
-    /// once the fields are validated. `None`: `data` is decoded after validation.
+    /// of its text ([`parse_fields_decoding`], `body::read_body_decoding`): exactly the bytes
+    /// decoding `data` gives, used once the fields are validated. `None`: `data` is decoded
+    /// after validation.
     pub decoded: Option<AlignedBytes>,
 }
 
 /// Decode a sidecar from JSON text: every check format.md §3.1 lists happens before the payload
 /// is made, with the same errors as checking first and decoding after (the data is decoded as
-/// it is read, see [`read_fields_decoding`]).
+/// it is read, see [`parse_fields_decoding`]).
 pub fn decode(json: &[u8], max_bytes: usize) -> Result<Payload> {
     validate(parse_fields_decoding(json, max_bytes)?, max_bytes)?.into_payload()
 }
@@ -501,13 +502,7 @@ mod tests {
     /// same payload, or the same error, for sound and flawed documents alike.
     #[test]
     fn decoding_while_reading_changes_no_result_and_no_error() {
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = crate::test_rng::xorshift(0x2545_f491_4f6c_dd1du64);
         let flaws: [&[u8]; 9] = [
             b"\"",
             b"\\",
