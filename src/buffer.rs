@@ -46,6 +46,11 @@ pub const PREFAULT_MIN: usize = 32 << 20;
 /// optimisation: ranges below `PREFAULT_MIN` (malloc's reused heap, which advice would mark for
 /// good), other systems and older kernels are left to fault as usual.
 pub fn prefault(ptr: *mut u8, len: usize) {
+    prepare(ptr, len, true);
+}
+
+/// [`prefault`], which pre-faults without huge pages only when `populate`.
+fn prepare(ptr: *mut u8, len: usize, populate: bool) {
     #[cfg(target_os = "linux")]
     if len >= PREFAULT_MIN {
         const MADV_POPULATE_WRITE: libc::c_int = 23;
@@ -55,8 +60,10 @@ pub fn prefault(ptr: *mut u8, len: usize) {
         if end > start {
             let advice = if huge_pages_possible() {
                 libc::MADV_HUGEPAGE
-            } else {
+            } else if populate {
                 MADV_POPULATE_WRITE
+            } else {
+                return;
             };
             // SAFETY: [start, end) lies inside the caller's allocation of `len` bytes at `ptr`
             // (rounded inwards to whole pages), a private anonymous mapping of its own (glibc
@@ -68,7 +75,7 @@ pub fn prefault(ptr: *mut u8, len: usize) {
         }
     }
     #[cfg(not(target_os = "linux"))]
-    let _ = (ptr, len);
+    let _ = (ptr, len, populate);
 }
 
 /// Whether the kernel may back advised memory with transparent huge pages (its setting is
@@ -150,7 +157,9 @@ impl AlignedBytes {
             Ok(()) => capacity,
             Err(_) => 0,
         };
-        prefault(words.as_mut_ptr().cast(), capacity);
+        // Huge pages at most: `capacity` is a bound, often far above what `fill` writes, and
+        // pre-faulting it would map memory never used.
+        prepare(words.as_mut_ptr().cast(), capacity, false);
         let spare = words.spare_capacity_mut();
         // SAFETY: the spare capacity is at least `capacity.div_ceil(8)` words, so at least
         // `capacity` bytes, and `MaybeUninit<u8>` has no alignment or validity requirement.
