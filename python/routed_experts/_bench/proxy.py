@@ -338,7 +338,7 @@ class RouterChild(Child):
                  prefill_policy: str | None = None) -> None:
         exe = vllm_router()
         assert exe is not None
-        port, metrics_port = _free_port(), _free_port()
+        port, metrics_port = _free_ports(2)
         cmd = [exe, "--vllm-pd-disaggregation", "--policy", policy, "--host", "127.0.0.1",
                "--port", str(port), "--prometheus-port", str(metrics_port), "--log-level", "error"]
         if prefill_policy:
@@ -370,10 +370,15 @@ def vllm_router() -> str | None:
     return str(beside) if beside.exists() else shutil.which("vllm-router")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct free ports: each socket stays bound until all are chosen (one closed first
+    can be handed out again by the next bind, and vllm-router then fails to start when its
+    metrics port is its serving port)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
 
 
 @contextlib.contextmanager
