@@ -183,7 +183,7 @@ impl AlignedBytes {
         // the rest of the last word just above.
         unsafe { words.set_len(used) };
         if words.capacity() - used >= 512 {
-            words.shrink_to_fit(); // realloc shrinking in place: no copy
+            words.shrink_to_fit(); // glibc shrinks in place (mremap for large blocks): no copy
         }
         AlignedBytes {
             words,
