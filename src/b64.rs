@@ -56,24 +56,9 @@ pub fn decode_uninit(text: &[u8], out: &mut [MaybeUninit<u8>]) -> bool {
     if out.is_empty() || text.is_empty() {
         return out.is_empty() && text.is_empty();
     }
-    let threads = crate::parallel::threads_for(text.len());
-    let per = text.len().div_ceil(threads).div_ceil(4) * 4;
-    let per_out = per / 4 * 3;
-    let parts = text.len().div_ceil(per);
-    if out.len().div_ceil(per_out) != parts {
-        return false;
-    }
-    let numbered: Vec<_> = text
-        .chunks(per)
-        .zip(out.chunks_mut(per_out))
-        .enumerate()
-        .collect();
-    crate::parallel::each(numbered, |(i, (t, o))| {
-        let want = o.len();
-        (i + 1 == parts || t.len() == per) && decode_piece(t, o) == Some(want)
+    crate::parallel::over_pairs(text, out, (4, 3), |_, t, o| {
+        decode_piece(t, o) == Some(o.len())
     })
-    .into_iter()
-    .all(|ok| ok)
 }
 
 /// How far [`decode_string_content`] got.
@@ -252,29 +237,20 @@ const CHECK_CHUNK: usize = 16 * 1024;
 /// cores. `false`: the text is not valid base64 there, and `out` is partly written.
 pub fn copy_checked(text: &[u8], out: &mut [MaybeUninit<u8>], last: bool) -> bool {
     assert_eq!(text.len(), out.len(), "copy_checked: unequal lengths");
-    let threads = crate::parallel::threads_for(text.len());
-    let per = text.len().div_ceil(threads).div_ceil(CHECK_CHUNK) * CHECK_CHUNK;
-    let parts: Vec<_> = text
-        .chunks(per.max(4))
-        .zip(out.chunks_mut(per.max(4)))
-        .collect();
-    let n = parts.len();
-    let numbered: Vec<_> = parts.into_iter().enumerate().collect();
-    crate::parallel::each(numbered, |(i, (t, o))| {
+    let unit = (CHECK_CHUNK, CHECK_CHUNK);
+    crate::parallel::over_pairs(text, out, unit, |last_part, t, o| {
         let chunks = t.len().div_ceil(CHECK_CHUNK);
         t.chunks(CHECK_CHUNK)
             .zip(o.chunks_mut(CHECK_CHUNK))
             .enumerate()
             .all(|(j, (chunk, o))| {
-                let valid = groups_valid(chunk, last && i + 1 == n && j + 1 == chunks);
+                let valid = groups_valid(chunk, last && last_part && j + 1 == chunks);
                 if valid {
                     write_uninit(o, chunk);
                 }
                 valid
             })
     })
-    .into_iter()
-    .all(|ok| ok)
 }
 
 /// The error the decoding path reports for `text`, for a part of it found invalid on its own:
@@ -387,13 +363,11 @@ pub fn encode_into(bytes: &[u8], out: &mut [MaybeUninit<u8>]) {
         encoded_len(bytes.len()),
         "base64 output of the wrong length"
     );
-    let threads = crate::parallel::threads_for(bytes.len());
-    if threads == 1 {
-        return encode_part(bytes, out);
-    }
-    let per = bytes.len().div_ceil(threads).div_ceil(3) * 3;
-    let parts: Vec<_> = bytes.chunks(per).zip(out.chunks_mut(per / 3 * 4)).collect();
-    crate::parallel::each(parts, |(b, o)| encode_part(b, o));
+    let split = crate::parallel::over_pairs(bytes, out, (3, 4), |_, b, o| {
+        encode_part(b, o);
+        true
+    });
+    debug_assert!(split, "encoded_len splits as the bytes do");
 }
 
 /// [`encode_into`] on this thread.

@@ -1,5 +1,6 @@
-//! Splitting one pass over token rows across the machine's cores (scoped threads, no pool):
-//! the statistics are sums, so each part counts its rows and the parts are added up.
+//! Splitting one pass across the machine's cores (scoped threads, no pool): over token rows,
+//! where the statistics are sums (each part counts its rows and the parts are added up), and
+//! over an input and the output it maps to part for part (base64 text and bytes).
 
 use std::ops::Range;
 use std::sync::Mutex;
@@ -36,6 +37,36 @@ pub(crate) fn threads_for(bytes: usize) -> usize {
         .min(MAX_THREADS)
         .min(bytes / MIN_BYTES_PER_THREAD)
         .max(1)
+}
+
+/// `f` over matching parts of `input` and `out`, on as many threads as `input` is worth: parts
+/// hold whole units, `unit.0` elements of input to `unit.1` of output, and `f` is told which
+/// part is the last (the only one that may be short). `true` when `f` is for every part;
+/// `false`, calling nothing, when the two lengths do not split into the same number of parts.
+pub(crate) fn over_pairs<T: Sync, U: Send>(
+    input: &[T],
+    out: &mut [U],
+    unit: (usize, usize),
+    f: impl Fn(bool, &[T], &mut [U]) -> bool + Sync,
+) -> bool {
+    let units = input
+        .len()
+        .div_ceil(threads_for(std::mem::size_of_val(input)))
+        .div_ceil(unit.0)
+        .max(1);
+    let (per_in, per_out) = (units * unit.0, units * unit.1);
+    let parts = input.len().div_ceil(per_in);
+    if out.len().div_ceil(per_out) != parts {
+        return false;
+    }
+    let numbered: Vec<_> = input
+        .chunks(per_in)
+        .zip(out.chunks_mut(per_out))
+        .enumerate()
+        .collect();
+    each(numbered, |(i, (a, b))| f(i + 1 == parts, a, b))
+        .into_iter()
+        .all(|ok| ok)
 }
 
 /// `f` of each item, each on its own thread (the first on this one), results in order.
