@@ -562,7 +562,7 @@ pub fn proxy(data: &[u8]) {
         };
         assert_eq!(field(&limits, "max_tokens"), 1);
         assert!(field(&p, "kv_transfer_params")["do_remote_decode"] == true);
-        let d = raw_fields(&body.decode_request(Some(b"{\"k\":1}")));
+        let d = raw_fields(&body.decode_request(Some(b"{\"k\":1}"), Some(7)));
         assert_eq!(field(&d, "kv_transfer_params")["k"], 1);
     }
     const PREFILL: &[u8] = br#"{"choices":[{"index":0,"routed_experts":{"data":"CgsUFR4f","shape":[3,1,2],"start":0,"dtype":"uint8"}}]}"#;

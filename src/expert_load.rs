@@ -8,6 +8,10 @@ use crate::validate::is_missing;
 
 /// A `(num_layers, num_experts)` table of how many times each layer picked each expert, and
 /// the token rows it was counted over. Rows marked missing (all `-1`) are skipped and counted.
+/// A layer's top_k that is zero throughout (with `top_k > 1`: a router never picks one expert
+/// twice) is a layer with no router, as [`validate`](crate::validate) reads it: vLLM 0.22+ and
+/// SGLang write dense layers so. It is not counted as picks of expert 0, so a dense layer's
+/// figures are NaN (it counted nothing), never a false imbalance.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExpertLoad {
     num_layers: usize,
@@ -212,6 +216,9 @@ fn count<T: Element>(
             }
             rows += 1;
             for (group, counts) in token.chunks_exact(k).zip(local.chunks_exact_mut(experts)) {
+                if k > 1 && group.iter().all(|&v| v.into() == 0) {
+                    continue; // no router in this layer (a dense layer's zeros)
+                }
                 for &v in group {
                     let id: i64 = v.into();
                     counts[id as usize] += 1; // in 0..experts: checked by the caller
@@ -269,6 +276,23 @@ mod tests {
         assert_eq!(load.never_chosen(), Vec::<u64>::new());
         load.add(&p).unwrap();
         assert_eq!(load.counts()[0], 4);
+    }
+
+    #[test]
+    fn a_layer_zero_throughout_has_no_router_and_is_not_counted() {
+        // As vLLM writes a dense layer (layer 1): every id 0. Expert 0 picked by a real router
+        // beside another expert still counts.
+        let p = payload(&[0, 1, 0, 0, 2, 0, 0, 0], (2, 2, 2));
+        let mut load = ExpertLoad::new(2, 4, 1 << 20).unwrap();
+        load.add(&p).unwrap();
+        assert_eq!(load.counts(), &[2, 1, 1, 0, 0, 0, 0, 0]);
+        assert_eq!(load.rows(), 2);
+        let imbalance = load.imbalance();
+        assert!(imbalance[1].is_nan(), "{imbalance:?}");
+        // With top_k 1, expert 0 is a pick like any other.
+        let mut load = ExpertLoad::new(1, 2, 1 << 20).unwrap();
+        load.add(&payload(&[0, 0, 1], (3, 1, 1))).unwrap();
+        assert_eq!(load.counts(), &[2, 1]);
     }
 
     #[test]

@@ -94,7 +94,9 @@ def test_the_protocol_is_vllms_and_what_it_cannot_serve_is_refused() -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    "path", ["/v1/completions", "/v1/chat/completions", "/inference/v1/generate"]
+)
 def test_the_proxy_merges_its_halves_to_the_truth(stream: bool, path: str) -> None:
     with StandInEngine("prefill", model="kimi-k2") as prefill, StandInEngine(
         "decode", model="kimi-k2"
@@ -103,19 +105,47 @@ def test_the_proxy_merges_its_halves_to_the_truth(stream: bool, path: str) -> No
         body: dict[str, Any] = {"model": "m", "max_tokens": 6, "stream": stream}
         if path.endswith("chat/completions"):
             body["messages"] = [{"role": "user", "content": text}]
+        elif path.endswith("generate"):
+            body = {"model": "m", "token_ids": list(text.encode()), "stream": stream,
+                    "sampling_params": {"max_tokens": 6}}
         else:
             body["prompt"] = text
         status, reply = _post(proxy.url, body, path)
         assert status == 200, reply
         if stream:
-            events = [line[6:] for line in reply.split(b"\n") if line.startswith(b"data: {")]
-            reply = next(e for e in events if b"routed_experts" in e)
+            events = [line[6:] for line in reply.split(b"\n") if line.startswith(b"data: ")]
+            if not path.endswith("generate"):
+                # As vLLM 0.32: no routing on completions and chat streams. The client's stream
+                # ends in the proxy's error, never in a [DONE] it would stop reading at.
+                assert b"[DONE]" not in events
+                assert b"missing routing" in events[-1], events[-1]
+                return
+            # The finishing event's routing (merged: a compact sidecar); the others' are null.
+            reply = next(e for e in events if b'"shape"' in e)
         p = rx.from_response(reply)
         assert p is not None
         assert p.to_numpy().dtype == np.uint16  # 384 experts
         np.testing.assert_array_equal(
             p.to_numpy(), routing_of(list(text.encode()), 6, "kimi-k2")
         )
+
+
+def test_a_decode_asked_for_rows_it_did_not_compute_answers_500() -> None:
+    # As a real vLLM 0.32 decode engine, which dies instead: the prompt's whole 16-token blocks
+    # came over the KV connector; its last position and what follows decode computed.
+    with StandInEngine("prefill") as prefill, StandInEngine("decode") as decode:
+        tokens = list(range(1, 41))  # 40 tokens: blocks [0, 32) received
+        kv = json.loads(_post(prefill.url, {"prompt": tokens, "kv_transfer_params":
+                                            {"do_remote_decode": True}})[1])["kv_transfer_params"]
+        for start, status in ((None, 500), (31, 500), (32, 200), (39, 200)):
+            body: dict[str, Any] = {"prompt": tokens, "max_tokens": 3, "kv_transfer_params": kv}
+            if start is not None:
+                body["routed_experts_prompt_start"] = start
+            got, reply = _post(decode.url, body)
+            assert got == status, reply
+            if status == 200:
+                p = rx.from_response(reply, start=start)
+                assert p is not None and (p.start, p.stop) == (start, 42)
 
 
 def test_sighup_rereads_the_upstreams_file_all_or_nothing(tmp_path: Any) -> None:

@@ -84,7 +84,8 @@ def test_a_stream_cut_short_or_without_routing_raises_after_relaying_what_came()
         merger.finish()
     plain = b'data: {"choices":[{"index":0,"text":"x"}]}\n\ndata: [DONE]\n\n'
     merger = StreamMerger(PREFILL)
-    assert b"".join(merger.feed(plain)) == plain
+    # All but the [DONE], which waits for finish: the caller's error event must come first.
+    assert b"".join(merger.feed(plain)) == plain[: plain.index(b"data: [DONE]")]
     with pytest.raises(rx.MergeError, match="missing routing on the decode side"):
         merger.finish()
 
@@ -121,7 +122,19 @@ def test_buffered_holds_the_unfinished_line_and_merged_bytes_the_merged_event() 
     assert m.merged_bytes == len(merged_event) - len(b"data: ") + len(b"\n")
     got = rx.from_response(merged_event[len(b"data: "):])
     assert got is not None and got.to_numpy().ravel().tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 9, 10]
-    assert m.finish() == []
+    assert not text.endswith(b"data: [DONE]\n\n")  # held until finish has checked the stream
+    assert b"".join(m.finish()) == b"data: [DONE]\n\n"
+
+
+def test_a_stream_without_routing_never_sends_done_before_the_error() -> None:
+    # vLLM 0.32 sends no routing on a /v1/completions stream: the [DONE] is held back, and
+    # finish refuses, so the caller's error event is the stream's last (clients stop at [DONE]).
+    pb, _ = _merger_halves()
+    m = StreamMerger(pb)
+    out = m.feed(b'data: {"choices":[{"index":0,"text":"a"}]}\n\ndata: [DONE]\n\n')
+    assert b"".join(out) == b'data: {"choices":[{"index":0,"text":"a"}]}\n\n' and m.done
+    with pytest.raises(rx.MergeError, match="missing routing on the decode side"):
+        m.finish()
 
 
 @settings(max_examples=200, deadline=None)

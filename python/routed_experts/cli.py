@@ -280,7 +280,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
         engine = StandInEngine(
             args.role, args.model, args.host, args.port,
             prefill_us_per_token=args.prefill_us_per_token, cache_blocks=args.cache_blocks,
-            decode_ms=args.decode_ms,
+            decode_ms=args.decode_ms, uncomputed_rows=args.uncomputed_rows,
         )
     except OSError as e:
         print(f"routed-experts engine: cannot listen on {args.host}:{args.port}: {e}",
@@ -568,6 +568,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--decode-ms", type=_seconds_or_zero, default=0.0,
         help="decode: milliseconds each request takes",
+    )
+    engine.add_argument(
+        "--uncomputed-rows", choices=("error", "zeros"), default="error",
+        help="decode asked for routing of prompt positions whose KV it received: answer 500 "
+        "(error, where vLLM 0.32 dies) or send those rows zeroed (zeros, as vLLM before 0.32)",
     )
     engine.set_defaults(func=cmd_engine)
     bench_proxy = sub.add_parser(

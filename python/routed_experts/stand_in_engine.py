@@ -3,11 +3,19 @@ GPU: `routed-experts engine --role prefill|decode`. It speaks vLLM's disaggregat
 protocol as the proxy drives it, returns synthetic routing of a real model's size, and can model
 a prefix cache. Standard library and numpy only, so it needs no extra.
 
+It answers as vLLM 0.32 does (held to the bodies a real vLLM 0.32 sent, tests/real/vllm/, by
+tests/test_stand_in_engine.py): routing as base64 `.npy` at `choices[i].routed_experts`, rows
+`[S, P + G - 1)` for the `routed_experts_prompt_start` S a request asks for (top level on
+`/v1/completions` and `/v1/chat/completions`, in `sampling_params` on
+`/inference/v1/generate`); no routing on completions and chat streams, and on generate streams
+the whole routing with each choice's finishing event.
+
 - Prefill answers a request with `kv_transfer_params.do_remote_decode` with its prompt's
-  routing (rows [0, P)) and the `kv_transfer_params` decode needs.
-- Decode refuses a request without prefill's `kv_transfer_params` (400), and returns the whole
-  sequence's routing with the prompt rows zeroed (rows [0, P + G - 1)), as a vLLM decode server
-  that did not compute the prompt does; streamed, the routing comes with the last event.
+  routing (rows [S, P)) and the `kv_transfer_params` decode needs.
+- Decode refuses a request without prefill's `kv_transfer_params` (400). It received the
+  prompt's whole blocks over the KV connector and computed the rest (at least the prompt's last
+  position): asked for routing of a position it did not compute, it answers 500, where a real
+  vLLM 0.32 decode engine dies (`BlockObjectStoreError`, then `EngineDeadError`).
 - A position's routing depends only on the tokens up to it (a rolling hash), so every server
   agrees on a prompt's rows and a merge can be checked against `routing_of(tokens, G)`.
 - A token is a byte of the prompt's UTF-8 text (or an id of a prompt given as ids).
@@ -29,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from routed_experts._bench.synthetic import MODELS
-from routed_experts._core import RoutedExperts
+from routed_experts._core import RoutedExperts, encode
 
 BLOCK = 16  # tokens per prefix-cache block (vLLM's default block size)
 MAX_BODY = 64 << 20  # a request body larger than this is refused (413)
@@ -37,8 +45,11 @@ _MASK = (1 << 61) - 1  # rolling hashes are kept below a Mersenne prime
 
 
 def prompt_tokens(body: dict[str, Any]) -> list[int]:
-    """The request's prompt as tokens: ids as given, or the bytes of its text (chat: every
-    message's content, in order)."""
+    """The request's prompt as tokens: ids as given (`token_ids` of a generate request, or a
+    prompt of ids), or the bytes of its text (chat: every message's content, in order)."""
+    ids = body.get("token_ids")
+    if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
+        return list(ids)
     if "messages" in body:
         text = "".join(str(m.get("content", "")) for m in body["messages"])
         return list(text.encode())
@@ -108,9 +119,16 @@ class StandInEngine:
         prefill_us_per_token: float = 0.0,
         cache_blocks: int = 0,
         decode_ms: float = 0.0,
+        uncomputed_rows: str = "error",
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f'role: expected "prefill" or "decode", got {role!r}')
+        if uncomputed_rows not in ("error", "zeros"):
+            got = repr(uncomputed_rows)
+            raise ValueError(f'uncomputed_rows: expected "error" or "zeros", got {got}')
+        # "zeros": decode answers a start before the positions it computed with those rows
+        # zeroed, as vLLM before 0.32 did (for fronts that ask from 0, such as vllm-router).
+        self.uncomputed_rows = uncomputed_rows
         if model not in MODELS:
             raise ValueError(f"model: expected one of {', '.join(sorted(MODELS))}, got {model!r}")
         self.role, self.model = role, model
@@ -145,17 +163,23 @@ class StandInEngine:
 
     def answer(self, path: str, body: dict[str, Any]) -> tuple[int, str, bytes]:
         """(status, content type, body) for a completion request's JSON `body`."""
-        chat = path == "/v1/chat/completions"
+        generate = path == "/inference/v1/generate"
         tokens = prompt_tokens(body)
         if not tokens:
             return _error(400, "the prompt is empty")
-        generated = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+        limits = body.get("sampling_params") or {} if generate else body
+        if not isinstance(limits, dict):
+            return _error(400, "sampling_params must be an object")
+        generated = int(limits.get("max_completion_tokens") or limits.get("max_tokens") or 16)
+        start = limits.get("routed_experts_prompt_start") or 0
+        if not isinstance(start, int) or not 0 <= start < len(tokens):
+            return _error(400, f"routed_experts_prompt_start must be in 0..{len(tokens) - 1}")
         kv = body.get("kv_transfer_params") or {}
         if self.role == "prefill":
             if not kv.get("do_remote_decode"):
                 return _error(400, "a prefill server takes kv_transfer_params.do_remote_decode")
             self._prefill_compute(tokens)
-            rows = routing_of(tokens, 1, self.model)
+            rows = routing_of(tokens, 1, self.model)[start:]
             params = {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
@@ -164,18 +188,30 @@ class StandInEngine:
                 "remote_host": "127.0.0.1",
                 "remote_port": 14579,
             }
-            doc = self._reply(chat, "x", rows, len(tokens), 1)
+            doc = self._reply(path, "x", rows, start, len(tokens), 1)
             doc["kv_transfer_params"] = params
             return 200, "application/json", json.dumps(doc).encode()
         if not kv.get("do_remote_prefill") or not kv.get("remote_engine_id"):
             return _error(400, "a decode server needs the kv_transfer_params prefill returned")
+        # The prompt's whole blocks came over the KV connector, all but its last position at
+        # least: decode computed positions from `received` on and has no routing before.
+        received = (len(tokens) - 1) // BLOCK * BLOCK
+        if start < received and self.uncomputed_rows == "error":
+            return _error(
+                500,
+                f"routing asked from position {start}, but positions before {received} came over "
+                "the KV connector and were never computed here (a real vLLM 0.32 decode engine "
+                "dies: BlockObjectStoreError, EngineDeadError)",
+            )
         if self.decode_ms:
             time.sleep(self.decode_ms / 1000)
-        rows = routing_of(tokens, generated, self.model)
-        rows[: len(tokens)] = 0  # decode did not compute the prompt
+        rows = routing_of(tokens, generated, self.model)[start:]
+        if start < len(tokens) and self.uncomputed_rows == "zeros":
+            rows[: len(tokens) - start] = 0  # the prompt's rows, never computed here
         if body.get("stream"):
-            return 200, "text/event-stream", self._stream(chat, rows, len(tokens), generated)
-        doc = self._reply(chat, " tok" * generated, rows, len(tokens), generated)
+            events = self._stream(path, rows, start, len(tokens), generated)
+            return 200, "text/event-stream", events
+        doc = self._reply(path, " tok" * generated, rows, start, len(tokens), generated)
         return 200, "application/json", json.dumps(doc).encode()
 
     def _prefill_compute(self, tokens: list[int]) -> None:
@@ -188,43 +224,71 @@ class StandInEngine:
             self.stats["prompt_tokens"] += len(tokens)
             self.stats["cached_tokens"] += cached
 
-    def _routing(self, rows: np.ndarray) -> dict[str, Any]:
-        return RoutedExperts.from_array(rows, num_experts=self.num_experts).to_dict()
+    def _routing(self, rows: np.ndarray, start: int) -> str:
+        """vLLM's routing value: base64 of the rows' `np.save` file (no start in it)."""
+        p = RoutedExperts.from_array(rows, start=start, num_experts=self.num_experts)
+        value = encode(p, "vllm_npy")
+        assert isinstance(value, str)
+        return value
+
+    def _choice(self, path: str, text: str, generated: int) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if path == "/v1/chat/completions":
+            choice["message"] = {"role": "assistant", "content": text}
+        elif path == "/v1/completions":
+            choice["text"] = text
+        else:
+            choice["token_ids"] = [7] * generated
+        choice["finish_reason"] = "length"
+        return choice
 
     def _reply(
-        self, chat: bool, text: str, rows: np.ndarray, prompt: int, generated: int
+        self, path: str, text: str, rows: np.ndarray, start: int, prompt: int, generated: int
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice["routed_experts"] = self._routing(rows)
+        choice = self._choice(path, text, generated)
+        choice["routed_experts"] = self._routing(rows, start)
+        usage = {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + generated,
+            "completion_tokens": generated,
+        }
+        if path == "/inference/v1/generate":
+            return {"request_id": f"generate-tokens-{self.role}", "model": self.model,
+                    "usage": usage, "prompt_token_ids": None, "kv_transfer_params": None,
+                    "choices": [choice]}  # fmt: skip
         return {
             "id": f"cmpl-{self.role}",
-            "object": "chat.completion" if chat else "text_completion",
+            "object": "chat.completion" if path == "/v1/chat/completions" else "text_completion",
             "model": self.model,
             "choices": [choice],
-            "usage": {
-                "prompt_tokens": prompt,
-                "completion_tokens": generated,
-                "total_tokens": prompt + generated,
-            },
+            "usage": usage,
+            "kv_transfer_params": None,
         }
 
-    def _stream(self, chat: bool, rows: np.ndarray, prompt: int, generated: int) -> bytes:
+    def _stream(
+        self, path: str, rows: np.ndarray, start: int, prompt: int, generated: int
+    ) -> bytes:
+        """As vLLM 0.32 streams: routing only on `/inference/v1/generate`, the whole value on
+        the finishing event (`null` before it); none on completions and chat streams."""
+        chat, generate = path == "/v1/chat/completions", path == "/inference/v1/generate"
         kind = "chat.completion.chunk" if chat else "text_completion"
         events = []
         for i in range(generated):
             choice: dict[str, Any] = {"index": 0}
             if chat:
                 choice["delta"] = {"content": " tok"}
+            elif generate:
+                choice["token_ids"] = [7]
             else:
                 choice["text"] = " tok"
-            if i == generated - 1:  # vLLM sends the routing with the last chunk
-                choice["finish_reason"] = "length"
-                choice["routed_experts"] = self._routing(rows)
-            doc = {"id": "cmpl-decode", "object": kind, "model": self.model, "choices": [choice]}
+            last = i == generated - 1
+            choice["finish_reason"] = "length" if last else None
+            if generate:
+                choice["routed_experts"] = self._routing(rows, start) if last else None
+                doc = {"request_id": "generate-tokens-decode", "usage": None, "choices": [choice]}
+            else:
+                doc = {"id": "cmpl-decode", "object": kind, "model": self.model,
+                       "choices": [choice]}  # fmt: skip
             events.append(b"data: " + json.dumps(doc).encode() + b"\n\n")
         events.append(b"data: [DONE]\n\n")
         return b"".join(events)
@@ -268,7 +332,8 @@ class StandInEngine:
                     self._send(*_error(413, f"a body of {length} bytes is over {MAX_BODY}"))
                     return
                 raw = self.rfile.read(length)
-                if self.path not in ("/v1/completions", "/v1/chat/completions"):
+                if self.path not in ("/v1/completions", "/v1/chat/completions",
+                                     "/inference/v1/generate"):
                     self._send(*_error(404, f"no POST {self.path[:100]}"))
                     return
                 try:

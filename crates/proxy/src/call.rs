@@ -15,11 +15,11 @@ use super::fault::Fault;
 use super::metrics::Phase;
 use super::parts::{shared_slices, Held, PartsBody};
 use super::pool::{Lease, Outcome, Side};
-use super::request::ClientBody;
+use super::request::{decode_start, ClientBody};
 use super::stream::SAMPLE_ROWS;
 use super::upstream::CallError;
 use routed_experts::body::{read_prefill, PrefillBody};
-use routed_experts::response::{merge_response_found, merge_suspects, routing_rows, MergeOptions};
+use routed_experts::response::{merge_response_found, merge_suspects, suspect_rows, MergeOptions};
 use routed_experts::Hints;
 
 use super::fault::{encoded_fault, merge_fault, status_fault, Blame};
@@ -65,8 +65,8 @@ impl Call {
             let prefill = (prefill_body, prefill_share);
             return self.stream(ex, body, lease, prefill, slot).await;
         }
-        let read = self.read_prefill(&prefill_body, body.start)?;
-        let decode_json = body.decode_request(read.kv_transfer_params);
+        let (read, decode_start) = self.read_prefill(&prefill_body, body.start)?;
+        let decode_json = body.decode_request(read.kv_transfer_params, decode_start);
         let lease = lease.take();
         ex.decode = lease.upstream.url.clone();
         let (decode_body, decode_share) = self
@@ -84,7 +84,7 @@ impl Call {
         let parts = blocking_if(decode_body.len() >= BLOCKING_BYTES, || {
             let opts = MergeOptions {
                 require_routing: true,
-                ..self.merge_options(body.start)
+                ..self.merge_options(body.start, decode_start)
             };
             let spliced = merge_response_found(&prefill_body, &read.routing, &decode_body, opts)?;
             let seen = merge_suspects(
@@ -121,38 +121,50 @@ impl Call {
         Ok(r)
     }
 
-    pub(crate) fn merge_options(&self, start: Option<u64>) -> MergeOptions {
+    /// `start`: the client's prompt start, for prefill's values; `decode_start`: where decode
+    /// was asked to start (for formats that carry no start).
+    pub(crate) fn merge_options(
+        &self,
+        start: Option<u64>,
+        decode_start: Option<u64>,
+    ) -> MergeOptions {
         MergeOptions {
             hints: Hints {
                 start,
                 ..Hints::default()
             },
+            decode_start,
             ..MergeOptions::new(self.proxy.merge_max_bytes)
         }
     }
 
     /// The prefill body read once (`kv_transfer_params` and its routing, which the merge
-    /// reuses), and the client's prompt start checked against the rows prefill returned.
+    /// reuses), the client's prompt start checked against the prompt's length, and where
+    /// decode is to be asked to start its routing ([`decode_start`]; `None` when prefill
+    /// returned no routing, so decode is asked as the client asked).
     pub(crate) fn read_prefill<'b>(
         &self,
         body: &'b [u8],
         start: Option<u64>,
-    ) -> Result<PrefillBody<'b>, Fault> {
+    ) -> Result<(PrefillBody<'b>, Option<u64>), Fault> {
         let max_bytes = self.proxy.merge_max_bytes;
-        let (read, rows) = blocking_if(body.len() >= BLOCKING_BYTES, || {
-            prefill_rows(body, start, max_bytes)
+        let (read, prompt) = blocking_if(body.len() >= BLOCKING_BYTES, || {
+            prefill_prompt(body, start, max_bytes)
         })
         .map_err(|e| Fault::new(Blame::Prefill, 502, format!("malformed prefill body: {e}")))?;
-        if let Some(s) = start.filter(|_| rows.contains(&0)) {
+        let Some(prompt) = prompt else {
+            return Ok((read, None));
+        };
+        if let Some(s) = start.filter(|s| *s >= prompt) {
             return Err(Fault::bad_field(
                 "routed_experts_prompt_start",
                 format!(
                     "routed_experts_prompt_start={s} is not below the prompt's length \
-                     (prefill returned no rows)"
+                     ({prompt} tokens)"
                 ),
             ));
         }
-        Ok(read)
+        Ok((read, Some(decode_start(prompt, start))))
     }
 
     /// The prefill call; a server that could not be connected to is replaced by the next.
@@ -318,31 +330,29 @@ impl Drop for ReleaseGuard<'_> {
     }
 }
 
-/// The prefill body read as the proxy needs it, and, when the client gave a prompt start,
-/// each routing value's rows.
-pub(crate) fn prefill_rows(
+/// The prefill body read as the proxy needs it, and the prompt's length when it returned
+/// routing: the count the body states (`usage.prompt_tokens`, prompt ids), else where its first
+/// routing value ends (a prefill half generates one token, so its rows end at the prompt's
+/// length: vLLM 0.24's generate bodies state no counts).
+pub(crate) fn prefill_prompt(
     body: &[u8],
     start: Option<u64>,
     max_bytes: usize,
-) -> routed_experts::Result<(PrefillBody<'_>, Vec<usize>)> {
+) -> routed_experts::Result<(PrefillBody<'_>, Option<u64>)> {
     let read = read_prefill(body)?;
+    let Some(first) = read.routing.values.first() else {
+        return Ok((read, None));
+    };
+    if let Some((prompt, _)) = first.counts.prompt {
+        return Ok((read, Some(prompt)));
+    }
     let hints = Hints {
         start,
         ..Hints::default()
     };
-    let rows = match start {
-        None => Vec::new(),
-        Some(_) => read
-            .routing
-            .values
-            .iter()
-            .map(|f| {
-                routing_rows(f, &hints, max_bytes)
-                    .map_err(|e| e.context(format!("choice {}", f.index)))
-            })
-            .collect::<routed_experts::Result<_>>()?,
-    };
-    Ok((read, rows))
+    let (_, end) = suspect_rows(first, &hints, max_bytes, 0, 0)
+        .map_err(|e| e.context(format!("choice {}", first.index)))?;
+    Ok((read, Some(end)))
 }
 
 /// Run `f` telling the runtime this thread blocks, when the work is large.

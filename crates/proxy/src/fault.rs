@@ -187,21 +187,44 @@ pub fn stream_fault(e: StreamError) -> Fault {
 }
 
 /// A 4xx is about the client's request: its status is passed on. A 5xx is the upstream's
-/// fault (502).
+/// fault (502). The client reads the upstream's own message once (its `error.message`,
+/// `message` or `detail` when the body is JSON, else the text as sent), never JSON quoted
+/// inside JSON.
 pub fn status_fault(side: Side, url: &str, status: u16, body: &[u8]) -> Fault {
+    let head = &body[..body.len().min(2000)];
     // Escaped before it reaches the log: a newline or an escape sequence in a server's answer
     // must not be able to forge a log line.
-    let text: String = String::from_utf8_lossy(&body[..body.len().min(2000)])
-        .escape_debug()
-        .collect();
+    let logged: String = String::from_utf8_lossy(head).escape_debug().collect();
     let s = side.name();
-    log::warn!(target: "routed_experts::proxy", "{s} server {url} answered {status}: {text}");
+    log::warn!(target: "routed_experts::proxy", "{s} server {url} answered {status}: {logged}");
     let code = if status < 500 { status } else { 502 };
     Fault::new(
         side.into(),
         code,
-        format!("the {s} server answered {status}: {text}"),
+        format!(
+            "the {s} server answered {status}: {}",
+            upstream_message(body)
+        ),
     )
+}
+
+/// What an upstream's error body says, for a client to read: the message of a JSON error
+/// (OpenAI's `{"error": {"message"}}`, `{"message"}`, FastAPI's `{"detail"}`), else the body's
+/// first 2,000 bytes as text.
+fn upstream_message(body: &[u8]) -> String {
+    let clip = |t: &str| t.chars().take(2000).collect::<String>();
+    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) {
+        let said = v
+            .pointer("/error/message")
+            .or_else(|| v.get("message"))
+            .or_else(|| v.get("detail"));
+        match said {
+            Some(serde_json::Value::String(m)) => return clip(m),
+            Some(other) if !other.is_null() => return clip(&other.to_string()),
+            _ => {}
+        }
+    }
+    clip(String::from_utf8_lossy(&body[..body.len().min(2000)]).trim())
 }
 
 /// A reply in a content coding the proxy cannot merge (it asks for identity).
@@ -240,5 +263,40 @@ mod tests {
         assert!(Fault::new(Blame::Decode, 502, "x")
             .event()
             .ends_with(b"}}\n\n"));
+    }
+
+    /// An upstream's JSON error is quoted once: the client decodes its message, not JSON
+    /// escaped inside JSON.
+    #[test]
+    fn upstream_errors_are_quoted_once() {
+        let vllm = br#"{"error":{"message":"prompt \"x\" is too long","type":"BadRequestError","code":400}}"#;
+        let f = status_fault(Side::Prefill, "http://p", 400, vllm);
+        assert_eq!(f.status, 400);
+        assert_eq!(
+            f.message,
+            r#"the prefill server answered 400: prompt "x" is too long"#
+        );
+        let v: serde_json::Value = serde_json::from_slice(&f.body()).unwrap();
+        assert_eq!(
+            v["error"]["message"],
+            r#"the prefill server answered 400: prompt "x" is too long"#
+        );
+        let fastapi = br#"{"detail":[{"loc":["body"],"msg":"bad"}]}"#;
+        let f = status_fault(Side::Decode, "http://d", 422, fastapi);
+        assert_eq!(
+            f.message,
+            r#"the decode server answered 422: [{"loc":["body"],"msg":"bad"}]"#
+        );
+        let f = status_fault(Side::Decode, "http://d", 503, b"  Service Unavailable\n");
+        assert_eq!(
+            (f.status, f.message.as_str()),
+            (502, "the decode server answered 503: Service Unavailable")
+        );
+        let long = vec![b'a'; 5000];
+        let f = status_fault(Side::Decode, "http://d", 500, &long);
+        assert_eq!(
+            f.message.len(),
+            "the decode server answered 500: ".len() + 2000
+        );
     }
 }

@@ -79,15 +79,15 @@ impl Call {
         head_tx: oneshot::Sender<Result<Head, Fault>>,
     ) {
         let proxy = Arc::clone(&self.proxy);
-        let read = match self.read_prefill(&prefill_body, body.start) {
+        let (read, decode_start) = match self.read_prefill(&prefill_body, body.start) {
             Ok(read) => read,
             Err(fault) => {
                 let _ = head_tx.send(Err(fault));
                 return;
             }
         };
-        let decode_json = body.decode_request(read.kv_transfer_params);
-        let opts = self.merge_options(body.start);
+        let decode_json = body.decode_request(read.kv_transfer_params, decode_start);
+        let opts = self.merge_options(body.start, decode_start);
         drop(body);
         let lease = lease.take();
         let url = lease.upstream.url.clone();

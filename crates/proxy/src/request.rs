@@ -182,12 +182,29 @@ impl ClientBody {
     /// The request for the decode server: the client's, with the `kv_transfer_params` prefill
     /// returned (their raw JSON text) or, when it returned none, `null`: never the client's own,
     /// which could point a decode engine at any host and blocks. [`STEERING`] fields are dropped.
-    pub fn decode_request(&self, kv_transfer_params: Option<&[u8]>) -> Vec<u8> {
-        let mut out = write_object(
-            self.fields
-                .iter()
-                .filter(|(k, _)| *k != "kv_transfer_params" && !STEERING.contains(&k.as_str())),
-        );
+    /// With `start`, routing is asked from that position (`routed_experts_prompt_start`, in
+    /// `sampling_params` for a generate request): a decode engine must never be asked for the
+    /// rows of prompt positions whose KV it received rather than computed (vLLM 0.32 dies).
+    pub fn decode_request(&self, kv_transfer_params: Option<&[u8]>, start: Option<u64>) -> Vec<u8> {
+        let mut fields = self.fields.clone();
+        fields.retain(|k, _| k != "kv_transfer_params" && !STEERING.contains(&k.as_str()));
+        if let Some(s) = start {
+            let at = raw(&s.to_string());
+            match self.api {
+                Api::Generate => {
+                    let mut sp = self.sampling.clone().unwrap_or_default();
+                    sp.insert("routed_experts_prompt_start".into(), at);
+                    let text = String::from_utf8_lossy(&write_object(sp.iter())).into_owned();
+                    let text =
+                        RawValue::from_string(text).expect("an object written from JSON values");
+                    fields.insert("sampling_params".into(), text);
+                }
+                _ => {
+                    fields.insert("routed_experts_prompt_start".into(), at);
+                }
+            }
+        }
+        let mut out = write_object(fields.iter());
         out.pop(); // the closing brace
         if out.len() > 1 {
             out.push(b',');
@@ -197,6 +214,17 @@ impl ClientBody {
         out.push(b'}');
         out
     }
+}
+
+/// Where decode is asked to start its routing, for a prompt of `prompt` tokens whose routing the
+/// client wants from `start` (0 if not given): `max(start, prompt - 1)`. Decode computes at least
+/// the prompt's last position itself (an engine always recomputes it, for the first token's
+/// logits); positions before it may have come over the KV connector, and their rows are
+/// prefill's. `prompt - 1`, not `prompt`: vLLM 0.24's generate asserts
+/// `routed_experts_prompt_start < prompt tokens` and kills its engine on `prompt`; the one row
+/// both halves then hold is taken from prefill by the merge (format.md §4).
+pub fn decode_start(prompt: u64, start: Option<u64>) -> u64 {
+    start.unwrap_or(0).max(prompt.saturating_sub(1))
 }
 
 /// Fields of a client's body that would steer an engine's disaggregated-serving machinery
@@ -291,7 +319,7 @@ mod tests {
         let chat = ClientBody::parse(client, Api::Chat).unwrap();
         assert_eq!(json(&chat.prefill_request())["max_completion_tokens"], 1);
 
-        let d = body.decode_request(Some(br#"{"remote_host":"h"}"#));
+        let d = body.decode_request(Some(br#"{"remote_host":"h"}"#), None);
         let v = json(&d);
         assert_eq!(v["kv_transfer_params"]["remote_host"], "h");
         assert_eq!(
@@ -300,24 +328,24 @@ mod tests {
         );
         let empty = ClientBody::parse(b"{}", Api::Completions).unwrap();
         assert_eq!(
-            empty.decode_request(Some(b"{}")),
+            empty.decode_request(Some(b"{}"), None),
             br#"{"kv_transfer_params":{}}"#
         );
         assert_eq!(
-            empty.decode_request(None),
+            empty.decode_request(None, None),
             br#"{"kv_transfer_params":null}"#
         );
         // A client's own transfer parameters reach neither side.
         let forged = br#"{"prompt":"x","kv_transfer_params":{"remote_host":"10.66.66.66"},
             "ec_transfer_params":{"remote_host":"10.66.66.66"}}"#;
         let forged = ClientBody::parse(forged, Api::Completions).unwrap();
-        for sent in [forged.decode_request(None), forged.prefill_request()] {
+        for sent in [forged.decode_request(None, None), forged.prefill_request()] {
             let text = std::str::from_utf8(&sent).unwrap();
             assert!(!text.contains("10.66.66.66"), "{text}");
             assert!(json(&sent).get("ec_transfer_params").is_none());
         }
         assert_eq!(
-            json(&forged.decode_request(None))["kv_transfer_params"],
+            json(&forged.decode_request(None, None))["kv_transfer_params"],
             serde_json::Value::Null
         );
     }
@@ -367,6 +395,49 @@ mod tests {
     }
 
     #[test]
+    fn decode_is_asked_for_rows_from_the_prompts_last_position() {
+        assert_eq!(decode_start(70, None), 69);
+        assert_eq!(decode_start(70, Some(3)), 69);
+        assert_eq!(decode_start(70, Some(69)), 69);
+        assert_eq!(decode_start(1, None), 0);
+        let c = br#"{"prompt":"x","routed_experts_prompt_start":3,"n":2}"#;
+        let d = json(
+            &ClientBody::parse(c, Api::Completions)
+                .unwrap()
+                .decode_request(None, Some(69)),
+        );
+        assert_eq!(
+            (d["routed_experts_prompt_start"].clone(), d["n"].clone()),
+            (69.into(), 2.into())
+        );
+        let d = json(
+            &ClientBody::parse(br#"{"messages":[]}"#, Api::Chat)
+                .unwrap()
+                .decode_request(None, Some(9)),
+        );
+        assert_eq!(d["routed_experts_prompt_start"], 9);
+        let g = br#"{"token_ids":[1],"sampling_params":{"max_tokens":4}}"#;
+        let d = json(
+            &ClientBody::parse(g, Api::Generate)
+                .unwrap()
+                .decode_request(None, Some(69)),
+        );
+        assert_eq!(d["sampling_params"]["routed_experts_prompt_start"], 69);
+        assert_eq!(d["sampling_params"]["max_tokens"], 4);
+        assert!(d.get("routed_experts_prompt_start").is_none());
+        let g = ClientBody::parse(br#"{"token_ids":[1]}"#, Api::Generate).unwrap();
+        let d = json(&g.decode_request(None, Some(5)));
+        assert_eq!(d["sampling_params"]["routed_experts_prompt_start"], 5);
+        // Without a start the client's fields go as they came.
+        let d = json(
+            &ClientBody::parse(c, Api::Completions)
+                .unwrap()
+                .decode_request(None, None),
+        );
+        assert_eq!(d["routed_experts_prompt_start"], 3);
+    }
+
+    #[test]
     fn generate_requests_carry_their_limits_and_start_in_sampling_params() {
         let text = br#"{"token_ids":[1,2,3],"sampling_params":{"temperature":0.5,"max_tokens":9,
             "min_tokens":2,"routed_experts_prompt_start":1},"stream":true,
@@ -383,7 +454,7 @@ mod tests {
             (p["stream"].clone(), p["token_ids"].clone()),
             (false.into(), serde_json::json!([1, 2, 3]))
         );
-        let d = json(&body.decode_request(Some(b"{}")));
+        let d = json(&body.decode_request(Some(b"{}"), None));
         assert_eq!(d["sampling_params"]["max_tokens"], 9);
         // A top-level start is not the generate endpoint's; a bad sampling_params is named.
         let top = ClientBody::parse(br#"{"routed_experts_prompt_start":4}"#, Api::Generate);

@@ -43,7 +43,10 @@ pub struct StreamMerger<'a> {
     pub suspects: (Suspect, Suspect),
     /// The choices whose routing an event carried.
     merged_choices: Vec<u64>,
-    done: bool,
+    /// The stream's `data: [DONE]` line and all that came after it, held back until
+    /// [`finish`](Self::finish) has checked the stream: an error found there must reach the
+    /// client, and every OpenAI client stops reading at `[DONE]`.
+    after_done: Option<Vec<Bytes>>,
 }
 
 /// Routing rows a merge samples from each value for the marks of a broken engine.
@@ -143,13 +146,13 @@ impl<'a> StreamMerger<'a> {
             merged_bytes: 0,
             suspects: Default::default(),
             merged_choices: Vec::new(),
-            done: false,
+            after_done: None,
         }
     }
 
     /// Whether the stream's `data: [DONE]` was seen.
     pub fn done(&self) -> bool {
-        self.done
+        self.after_done.is_some()
     }
 
     /// Bytes of an incomplete line held back until its end arrives.
@@ -181,20 +184,22 @@ impl<'a> StreamMerger<'a> {
     }
 
     /// The rest of the stream (a last line without a newline); then the checks: the stream
-    /// ended with `data: [DONE]`, and carried routing if the prefill body did.
+    /// ended with `data: [DONE]`, and carried routing if the prefill body did. Only when they
+    /// pass is the held `data: [DONE]` line pushed: a failed stream ends with the caller's
+    /// error event and no `[DONE]` before it.
     pub fn finish(&mut self, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
         if self.partial_len > 0 {
             let line = self.take_line();
             // An unterminated last line is sent on only when the stream is whole with it (SSE
             // clients drop an event cut off by the end of the stream anyway); otherwise the
             // error event that ends the stream starts where the last whole line ended.
-            if self.done || is_done(&line) {
+            if self.done() || is_done(&line) {
                 self.line(line, out)?;
             }
         }
-        if !self.done {
+        let Some(held) = self.after_done.clone() else {
             return Err(StreamError::NoDone);
-        }
+        };
         if !self.merged {
             let opts = MergeOptions {
                 require_routing: true,
@@ -204,6 +209,7 @@ impl<'a> StreamMerger<'a> {
                 .merge(b"{}", opts)
                 .map_err(StreamError::Merge)?;
         }
+        out.extend(held);
         Ok(())
     }
 
@@ -277,7 +283,7 @@ impl<'a> StreamMerger<'a> {
     fn block(&mut self, block: Bytes, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
         let look_closer = may_route(&block) || memmem::find(&block, b"[DONE]").is_some();
         if !look_closer && block.len() <= self.max_line {
-            out.push(block);
+            self.emit(block, out);
             return Ok(());
         }
         let mut start = 0;
@@ -294,19 +300,17 @@ impl<'a> StreamMerger<'a> {
         if line.len() > self.max_line {
             return Err(StreamError::LineTooLong(self.max_line));
         }
-        if is_done(&line) {
-            self.done = true;
-            out.push(line);
-            return Ok(());
+        if is_done(&line) && !self.done() {
+            self.after_done = Some(Vec::new());
         }
         let Some(rest) = line.strip_prefix(b"data:") else {
-            out.push(line);
+            self.emit(line, out);
             return Ok(());
         };
         // A short event is looked at closer only if it may hold routing; a long one (the
         // routing event is the long one) goes straight to the merge, whose walk decides.
         if rest.len() < LONG_LINE && !may_route(rest) {
-            out.push(line);
+            self.emit(line, out);
             return Ok(());
         }
         let payload = line.slice_ref(rest.trim_ascii_start());
@@ -315,7 +319,7 @@ impl<'a> StreamMerger<'a> {
             // A long event that is not JSON, and holds no routing marker, passes as it came
             // (as a short one does without being parsed).
             Err(_) if !may_route(rest) => {
-                out.push(line);
+                self.emit(line, out);
                 return Ok(());
             }
             Err(e) => return Err(StreamError::Merge(e)),
@@ -341,9 +345,19 @@ impl<'a> StreamMerger<'a> {
             self.suspects.0.merge(seen.0);
             self.suspects.1.merge(seen.1);
         }
-        out.push(Bytes::from_static(b"data: "));
-        out.extend(parts);
+        self.emit(Bytes::from_static(b"data: "), out);
+        for p in parts {
+            self.emit(p, out);
+        }
         Ok(())
+    }
+
+    /// A piece to send: onto `out`, or, from `data: [DONE]` on, held for `finish`.
+    fn emit(&mut self, piece: Bytes, out: &mut Vec<Bytes>) {
+        match &mut self.after_done {
+            Some(held) => held.push(piece),
+            None => out.push(piece),
+        }
     }
 }
 
@@ -443,7 +457,8 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
             .unwrap();
         assert_eq!(m.buffered(), 0);
         assert!(m.finish(&mut out).is_err()); // prefill had routing and no event carried it
-        assert_eq!(out.concat(), line);
+                                              // Everything but the `[DONE]`: the caller's error event ends the stream.
+        assert_eq!(out.concat(), line[..line.len() - b"data: [DONE]\n\n".len()]);
     }
 
     #[test]
@@ -480,5 +495,25 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
             e.to_string().contains("missing routing on the decode side"),
             "{e}"
         );
+        // vLLM 0.32 streams no routing on /v1/completions: the `[DONE]` it sent is held back, so
+        // the error event the relay writes next is not after it (clients stop at `[DONE]`).
+        assert_eq!(out.concat(), b"data: {\"choices\":[]}\n\n");
+    }
+
+    #[test]
+    fn done_is_sent_only_by_a_finish_that_passes() {
+        let prefill = Bytes::from_static(PREFILL);
+        let found = routed_experts::read_body(&prefill).unwrap();
+        let opts = MergeOptions::new(DEFAULT_MAX_BYTES);
+        let mut m = StreamMerger::new(&prefill, &found, opts, 1 << 20);
+        let mut out = Vec::new();
+        m.feed(Bytes::from_static(STREAM), &mut out).unwrap();
+        assert!(m.done());
+        assert!(
+            !out.concat().ends_with(b"[DONE]\n\n"),
+            "sent before the checks"
+        );
+        m.finish(&mut out).unwrap();
+        assert!(out.concat().ends_with(b"\n\ndata: [DONE]\n\n"));
     }
 }

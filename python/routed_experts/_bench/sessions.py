@@ -111,7 +111,11 @@ def _engines(w: Workload) -> Iterator[tuple[list[EngineChild], EngineChild]]:
                 "--prefill-us-per-token", str(w.us_per_token),
             ]))
         started.append(EngineChild(
-            ["--role", "decode", "--model", MODEL, "--decode-ms", str(w.decode_ms)]
+            # vllm-router asks decode for rows from 0 (a real vLLM 0.32 decode engine dies of
+            # it); this benchmark measures prefix-cache hits, so decode answers with the
+            # prompt's rows zeroed, as vLLM before 0.32 did.
+            ["--role", "decode", "--model", MODEL, "--decode-ms", str(w.decode_ms),
+             "--uncomputed-rows", "zeros"]
         ))
         yield started[:-1], started[-1]
     finally:

@@ -1,0 +1,172 @@
+"""A real vLLM server, started from an engine environment and stopped with its whole process
+group. The flags and environment that make vLLM's CPU build return routing here (2 cores, no
+GPU) are in one place: `SERVE_FLAGS`, `serve_env`.
+
+Used by the recorder (`record.py`, in the engine environment) and by the live test (from the
+project's environment): standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+# The flags every release that returns routing over HTTP needs here: float32 (the CPU kernels'
+# bfloat16 path needs AVX-512 BF16), eager mode (no graph capture on CPU), prefix caching and
+# routed-expert capture; a block size that lets a 70-token prompt move two full blocks in P/D.
+SERVE_FLAGS = [
+    "--dtype", "float32",
+    "--block-size", "32",
+    "--enforce-eager",
+    "--enable-prefix-caching",
+    "--enable-return-routed-experts",
+    "--enable-prompt-tokens-details",
+    "--max-model-len", "1024",
+    "--served-model-name", "tiny",
+]  # fmt: skip
+
+
+def release_flags(release: str) -> list[str]:
+    """Flags of one release: 0.25 on serve `/inference/v1/generate` only with
+    `--enable-scale-out` (0.22 to 0.24 serve it under the disaggregated endpoints)."""
+    major, minor = (int(x) for x in release.split(".")[:2])
+    return ["--enable-scale-out"] if (major, minor) >= (0, 25) else []
+
+
+def serve_env(release: str) -> dict[str, str]:
+    """The environment for a server of `release`: Model Runner V2 (which captures routing from
+    0.25 on) with Triton's interpreter behind the do-nothing "cpu" backend, a 1 GiB KV cache,
+    one thread, no hub."""
+    env = dict(os.environ)
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        TRITON_INTERPRET="1",
+        VLLM_USE_V2_MODEL_RUNNER="1",
+    )
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """`python -m vllm.entrypoints.openai.api_server` on a loopback port (the `vllm` console
+    script asks for a distribution named `vllm`; the CPU build is `vllm-cpu`)."""
+
+    def __init__(
+        self,
+        python: Path,
+        release: str,
+        model: Path,
+        log: Path,
+        extra: list[str] | None = None,
+        kv_share: Path | None = None,
+        kv_role: str = "kv_both",
+        port: int | None = None,
+    ) -> None:
+        self.python, self.release, self.model, self.log = python, release, model, log
+        self.port = port or free_port()
+        self.args = [*SERVE_FLAGS, *release_flags(release), *(extra or [])]
+        if kv_share is not None:
+            # P/D on CPU: vLLM's ExampleConnector over a shared folder (Nixl, Mooncake and
+            # MoRIIO refuse routed experts). Prefill only saves (`kv_producer`): a prefill
+            # server that loads a prompt's blocks from the folder computes no routing for them,
+            # and vLLM 0.32 dies when asked for it from 0, as a decode server does.
+            cfg = {
+                "kv_connector": "ExampleConnector",
+                "kv_role": kv_role,
+                "kv_connector_extra_config": {"shared_storage_path": str(kv_share)},
+            }
+            self.args += ["--kv-transfer-config", json.dumps(cfg)]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Server:
+        server = "vllm.entrypoints.openai.api_server"
+        where = ["--host", "127.0.0.1", "--port", str(self.port)]
+        cmd = [str(self.python), "-m", server, "--model", str(self.model), *where, *self.args]
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.log, "ab")  # noqa: SIM115 (the child holds it)
+        self.proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=serve_env(self.release),
+            start_new_session=True, cwd=str(self.log.parent),
+        )  # fmt: skip
+        out.close()
+        return self
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM {self.release} exited ({self.proc.returncode}); see {self.log}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"vLLM {self.release} not ready in {timeout:.0f} s; see {self.log}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+            except ProcessLookupError:
+                pass
+        self.proc = None
+
+    def __enter__(self) -> Server:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def post(url: str, body: Any, timeout: float = 300) -> tuple[int, bytes, str]:
+    """POST JSON; the status, the raw body and its content type (errors included)."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read(), r.headers.get("content-type", "")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read(), e.headers.get("content-type", "")

@@ -1,0 +1,250 @@
+"""Bodies a real vLLM sent, read right: every release recorded under tests/real/vllm/<release>/
+(by tests/real/harness/record.py, against a tiny MoE model served by vLLM's CPU build), each
+body beside the truth (the same model's own routing, from transformers). No vLLM or torch is
+needed here: the bodies are files.
+
+Each test is held to what the server really sent: a body built by hand is our reading of an
+engine, a recorded one is a fact."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import routed_experts as rx
+from routed_experts.proxy import StreamMerger
+
+REAL = Path(__file__).parent / "real" / "vllm"
+RELEASES = sorted(p.parent for p in REAL.glob("*/manifest.json"))
+
+
+def manifest(release: Path) -> dict[str, Any]:
+    return json.loads((release / "manifest.json").read_text())
+
+
+def all_cases() -> Iterator[Any]:
+    for release in RELEASES:
+        for case in manifest(release)["cases"]:
+            yield pytest.param(release, case, id=f"{release.name}/{case['name']}")
+
+
+def cases_with(*keys: str) -> list[Any]:
+    return [c for c in all_cases() if all(k in c.values[1] for k in keys)]
+
+
+def body(release: Path, rec: dict[str, Any]) -> bytes:
+    return (release / rec["body"]).read_bytes()
+
+
+def start_asked(request: dict[str, Any]) -> int:
+    sp = request.get("sampling_params") or {}
+    return int(request.get("routed_experts_prompt_start", sp.get("routed_experts_prompt_start", 0)))
+
+
+def expected(truth: dict[str, Any], start: int) -> np.ndarray:
+    """Rows [start, P + G - 1): every position but the last sampled token's."""
+    rows = np.asarray(truth["rows"], dtype=np.int64)
+    return rows[start : len(truth["ids"]) - 1]
+
+
+def events(text: bytes) -> list[dict[str, Any]]:
+    out = []
+    for line in text.decode().splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[6:]))
+    return out
+
+
+def test_a_release_is_recorded() -> None:
+    # The corpus is committed; an empty one would let every test below pass by running none.
+    assert RELEASES, f"no recorded release under {REAL}"
+    for release in RELEASES:
+        m = manifest(release)
+        assert m["release"] == release.name and m["cases"]
+
+
+@pytest.mark.parametrize(("release", "case"), cases_with("reply"))
+def test_a_real_reply_reads_as_the_models_own_routing(release: Path, case: dict[str, Any]) -> None:
+    rec = case["reply"]
+    if rec["status"] != 200:
+        pytest.fail(f"{case['name']} was recorded with status {rec['status']}")
+    text = body(release, rec)
+    start = start_asked(rec["request"])
+    if rec["content_type"] == "text/event-stream":
+        got = stream_routing(text, start)
+        if not got:
+            # vLLM sends no routing on /v1/completions and /v1/chat/completions streams.
+            assert rec["endpoint"] != "/inference/v1/generate", "a generate stream without routing"
+            assert b"routed_experts" not in text
+            return
+        assert len(got) == len(case["truth"])
+        for payload, truth in zip(got, case["truth"]):
+            assert payload.start == start
+            np.testing.assert_array_equal(payload.to_numpy(), expected(truth, start))
+        return
+    doc = json.loads(text)
+    assert len(doc["choices"]) == len(case["truth"])
+    for i, truth in enumerate(case["truth"]):
+        p = rx.from_response(text, choice=i, start=start or None)
+        assert p is not None, f"choice {i} has no routing"
+        assert p.start == start
+        np.testing.assert_array_equal(p.to_numpy(), expected(truth, start))
+        experts = manifest(release)["model"]["experts"][case["model"]]
+        assert p.dtype == (np.uint8 if experts <= 256 else np.uint16)
+
+
+def stream_routing(text: bytes, start: int) -> list[rx.RoutedExperts]:
+    """Each choice's routing from the events that carry it (by choice index)."""
+    got: dict[int, rx.RoutedExperts] = {}
+    for ev in events(text):
+        for c in ev.get("choices") or []:
+            if c.get("routed_experts") is not None:
+                assert c["index"] not in got, "a choice's routing came twice"
+                p = rx.from_response(json.dumps(ev), choice=c["index"], start=start or None)
+                assert p is not None
+                got[c["index"]] = p
+    return [got[i] for i in sorted(got)]
+
+
+@pytest.mark.parametrize(("release", "case"), cases_with("prefill", "decode"))
+def test_real_pd_halves_merge_into_the_whole_sequence(release: Path, case: dict[str, Any]) -> None:
+    pre, dec = case["prefill"], case["decode"]
+    assert pre["status"] == 200 and dec["status"] == 200, (pre["status"], dec["status"])
+    assert dec["alive_after"], "the decode engine died"
+    decode_start = start_asked(dec["request"])
+    merged = rx.merge_response(
+        body(release, pre), body(release, dec), decode_start=decode_start, require_routing=True
+    )
+    got = rx.from_response(merged)
+    assert got is not None and got.start == 0
+    np.testing.assert_array_equal(got.to_numpy(), expected(case["truth"][0], 0))
+    # Decode's own rows start where it was asked to: its value carries no start, and read from
+    # 0 it is refused by the body's token counts (format.md §3.3), never placed at 0.
+    d = rx.from_response(body(release, dec), start=decode_start)
+    assert d is not None and d.start == decode_start
+    with pytest.raises(rx.PayloadError, match="pass that start|start"):
+        rx.from_response(body(release, dec))
+    with pytest.raises(rx.RoutedExpertsError):
+        rx.merge_response(body(release, pre), body(release, dec))
+
+
+def json_replies() -> list[Any]:
+    return [c for c in cases_with("reply") if c.values[1]["reply"]["body"].endswith(".json")]
+
+
+def streams() -> list[Any]:
+    return [c for c in cases_with("reply") if c.values[1]["reply"]["body"].endswith(".sse")]
+
+
+@pytest.mark.parametrize(("release", "case"), json_replies())
+def test_expert_load_of_a_real_body_skips_the_dense_layer(
+    release: Path, case: dict[str, Any]
+) -> None:
+    rec = case["reply"]
+    m = manifest(release)
+    experts = m["model"]["experts"][case["model"]]
+    p = rx.from_response(body(release, rec), start=start_asked(rec["request"]) or None)
+    assert p is not None
+    load = rx.expert_load(p, num_experts=experts)
+    dense = m["model"]["dense_layers"]
+    counts = np.asarray(load.counts)
+    for layer in range(m["model"]["layers"]):
+        if layer in dense:
+            assert counts[layer].sum() == 0 and np.isnan(load.imbalance[layer])
+        else:
+            assert counts[layer].sum() == p.num_tokens * m["model"]["top_k"]
+
+
+@pytest.mark.parametrize(
+    ("release", "case"),
+    [c for c in streams() if b"routed_experts" not in body(c.values[0], c.values[1]["reply"])],
+)
+def test_a_real_stream_without_routing_ends_in_an_error_not_done(
+    release: Path, case: dict[str, Any]
+) -> None:
+    # The proxy's merger over a real decode stream: where the release streams no routing, the
+    # stream's [DONE] is held back and the merge refused, so the client's last event is the
+    # proxy's error (an OpenAI client stops reading at [DONE]).
+    text = body(release, case["reply"])
+    prefill = json.dumps(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "routed_experts": {
+                        "data": "AAE=",
+                        "shape": [1, 1, 2],
+                        "start": 0,
+                        "dtype": "uint8",
+                    },
+                }
+            ]
+        }
+    )
+    m = StreamMerger(prefill)
+    out = b"".join(m.feed(text))
+    assert m.done and b"[DONE]" not in out
+    with pytest.raises(rx.MergeError, match="missing routing"):
+        m.finish()
+
+
+def replay_engine(release: Path, case: dict[str, Any], asked: list[dict[str, Any]]) -> Any:
+    """An upstream that answers as the recorded servers did: prefill's recorded body to a
+    prefill request, decode's to a decode request that asks from where the recording asked;
+    a decode request for rows decode never computed gets the 500 a dying vLLM 0.32 gives."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    want = start_asked(case["decode"]["request"])
+
+    async def handle(request: Request) -> Response:
+        req = await request.json()
+        asked.append(req)
+        if (req.get("kv_transfer_params") or {}).get("do_remote_decode"):
+            return Response(body(release, case["prefill"]), media_type="application/json")
+        if start_asked(req) != want:
+            return JSONResponse({"error": {"message": "EngineDeadError"}}, 500)
+        return Response(body(release, case["decode"]), media_type="application/json")
+
+    path = case["decode"]["endpoint"]
+    return Starlette(routes=[Route(path, handle, methods=["POST"])])
+
+
+@pytest.mark.parametrize(
+    ("release", "case"),
+    [c for c in cases_with("prefill", "decode") if c.values[1]["name"].endswith("-from-P-1")],
+)
+def test_the_proxy_asks_decode_from_the_prompts_last_position(
+    release: Path, case: dict[str, Any]
+) -> None:
+    # The client sends no start; the proxy must ask decode from P - 1 (never from 0: a real
+    # vLLM 0.32 decode engine dies looking up rows it never computed), and merge by it.
+    from engines import Server
+
+    from routed_experts.proxy import create_app
+
+    asked: list[dict[str, Any]] = []
+    client = {k: v for k, v in case["decode"]["request"].items() if k != "kv_transfer_params"}
+    sp = client.get("sampling_params")
+    if sp is not None:
+        client["sampling_params"] = {
+            k: v for k, v in sp.items() if k != "routed_experts_prompt_start"
+        }
+    client.pop("routed_experts_prompt_start", None)
+    import httpx
+
+    with Server(replay_engine(release, case, asked)) as up:
+        with Server(create_app([up.url], [up.url], read_timeout=30)) as proxy:
+            r = httpx.post(proxy.url + case["decode"]["endpoint"], json=client, timeout=60)
+    assert r.status_code == 200, r.text
+    assert start_asked(asked[-1]) == start_asked(case["decode"]["request"])
+    got = rx.from_response(r.content)
+    assert got is not None and got.start == 0
+    np.testing.assert_array_equal(got.to_numpy(), expected(case["truth"][0], 0))
