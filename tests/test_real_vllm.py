@@ -248,3 +248,17 @@ def test_the_proxy_asks_decode_from_the_prompts_last_position(
     got = rx.from_response(r.content)
     assert got is not None and got.start == 0
     np.testing.assert_array_equal(got.to_numpy(), expected(case["truth"][0], 0))
+
+
+@pytest.mark.parametrize(("release", "case"), [
+    c for c in json_replies()
+    if start_asked(c.values[1]["reply"]["request"]) == 0 and len(c.values[1]["truth"]) == 1])
+def test_rows_from_0_read_under_a_later_start_are_refused_not_misplaced(
+    release: Path, case: dict[str, Any]
+) -> None:
+    # What a release that ignores the start sends decode's merge: rows from 0. Read under the
+    # start the proxy asked for (P - 1), the body's counts refuse it (format.md §3.3).
+    text = body(release, case["reply"])
+    prompt = json.loads(text)["usage"]["prompt_tokens"]
+    with pytest.raises(rx.PayloadError, match="rows"):
+        rx.from_response(text, start=prompt - 1)

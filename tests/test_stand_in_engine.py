@@ -238,3 +238,61 @@ def test_a_bad_policy_or_header_on_the_command_line_is_named_not_a_traceback(
     assert "Traceback" not in err
     assert main([*servers, "--session-header", "X Session"]) == 2
     assert "session_header: expected a header name" in capsys.readouterr().err
+
+
+def _recorded(name: str) -> tuple[dict[str, Any], bytes]:
+    """A case vLLM 0.32 really answered (tests/real/vllm/0.32.0/): its reply record and body."""
+    from pathlib import Path
+
+    folder = Path(__file__).parent / "real" / "vllm" / "0.32.0"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    case = next(c for c in manifest["cases"] if c["name"] == name)
+    return case["reply"], (folder / case["reply"]["body"]).read_bytes()
+
+
+def _shape(text: bytes) -> list[tuple[str, bool]]:
+    """Where routing sits in a body or stream, and whether each place holds a value: the parts
+    of a reply the library reads, as (path, has routing)."""
+    docs = [text] if not text.startswith(b"data:") else [
+        line[6:] for line in text.split(b"\n") if line.startswith(b"data: {")]
+    out = []
+    for d in docs:
+        doc = json.loads(d)
+        for c in doc.get("choices") or []:
+            if "routed_experts" in c:
+                place = f"choices[{c['index']}].routed_experts"
+                out.append((place, c["routed_experts"] is not None))
+        out.append(("usage", doc.get("usage") is not None))
+    return out
+
+
+@pytest.mark.parametrize("name", ["e8-completions", "e8-chat", "e8-generate", "e8-generate-start",
+                                  "e8-completions-stream", "e8-chat-stream", "e8-generate-stream"])
+def test_the_stand_in_answers_where_and_as_the_real_release_does(name: str) -> None:
+    # The same request to the stand-in: routing at the same places, in the same format, over
+    # the same positions for the start asked; streams carry it (or not) as the real one did.
+    rec, real = _recorded(name)
+    request = dict(rec["request"])
+    # The stand-in answers as a decode server (given prefill's kv_transfer_params); this real
+    # request had no KV from a prefill, so every row is one it computed.
+    with StandInEngine("decode", uncomputed_rows="zeros") as engine:
+        kv = {"do_remote_prefill": True, "remote_engine_id": "x"}
+        request["kv_transfer_params"] = kv
+        if "sampling_params" in request:
+            start = request["sampling_params"].get("routed_experts_prompt_start", 0)
+        else:
+            start = request.get("routed_experts_prompt_start", 0)
+        status, mine = _post(engine.url, request, rec["endpoint"])
+    assert status == 200, mine
+    real_places, my_places = _shape(real), _shape(mine)
+    # Each event's routing places, without the usage-only bookkeeping the stand-in skips.
+    assert [p for p in my_places if p[0] != "usage"] == [p for p in real_places if p[0] != "usage"]
+    if not real.startswith(b"data:"):
+        assert dict(my_places)["usage"] == dict(real_places)["usage"]
+        for body in (real, mine):
+            value = json.loads(body)["choices"][0]["routed_experts"]
+            assert rx.detect_format(value) == "vllm_npy"
+            p = rx.from_response(body, start=start or None)
+            doc = json.loads(body)
+            assert p is not None and p.start == start
+            assert p.stop == doc["usage"]["prompt_tokens"] + doc["usage"]["completion_tokens"] - 1

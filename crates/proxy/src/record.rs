@@ -62,8 +62,9 @@ impl Exchange {
 
     /// The error response for `fault`, recorded.
     pub(crate) fn fail(&mut self, fault: Fault) -> Response<Body> {
-        log::warn!(target: "routed_experts::proxy",
-            "{} {} {}: {}", self.request_id, self.endpoint, fault.side, fault.message);
+        // Escaped: a message may quote an upstream's text, which must not forge a log line.
+        log::warn!(target: "routed_experts::proxy", "{} {} {}: {}",
+            self.request_id, self.endpoint, fault.side, fault.message.escape_debug());
         self.status(fault.status, Some(fault.side));
         let mut r = fault_response(&fault);
         self.bytes_out = fault.body().len();

@@ -292,7 +292,8 @@ impl Relay<'_> {
         metrics.routing_rows(Side::Decode, &self.url, decode_seen);
         if let Some(fault) = tail {
             log::warn!(target: "routed_experts::proxy", "{} {} stream {}: {}",
-                self.record.request_id, self.record.endpoint, fault.side, fault.message);
+                self.record.request_id, self.record.endpoint, fault.side,
+                fault.message.escape_debug());
             self.record.side = Some(fault.side);
             // The error event starts on a line of its own, whatever the last piece ended with.
             let mut event = fault.event();

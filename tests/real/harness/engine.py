@@ -41,10 +41,51 @@ def release_flags(release: str) -> list[str]:
     return ["--enable-scale-out"] if (major, minor) >= (0, 25) else []
 
 
+# A recording-only `sitecustomize` (see its docstring), loaded in the servers of the releases
+# that need one of its parts: `vllm_cpu_version` where the release asks for a distribution
+# named `vllm` before it trusts Triton (0.25 to 0.31), `cpu_routing` where the CPU MoE kernel
+# picks the experts itself and never reports them to the routed-experts capture (before 0.25).
+HOOK = Path(__file__).resolve().parent / "recording_hook"
+HOOK_NOTES = {
+    "vllm_cpu_version": "importlib.metadata.version('vllm') answers vllm-cpu's version + "
+    "'+cpu' (as 0.32 asks itself), so the release finds Triton and runs Model Runner V2",
+    "cpu_routing": "the CPU MoE kernel's own top-k ids handed to the release's routed-experts "
+    "capture, which its CPU path skips (no vLLM file changed)",
+}
+
+
+def _minor(release: str) -> tuple[int, int]:
+    major, minor = (int(x) for x in release.split(".")[:2])
+    return major, minor
+
+
+def v2_model_runner(release: str) -> bool:
+    """Model Runner V2 captures routing from 0.25 on; before, only the V1 runner does (V2
+    refuses `--enable-return-routed-experts`)."""
+    return _minor(release) >= (0, 25)
+
+
+def hooks(release: str) -> list[str]:
+    """The parts of the recording hook a server of `release` loads (none for 0.32)."""
+    if _minor(release) >= (0, 32):
+        return []
+    if _minor(release) >= (0, 25):
+        return ["vllm_cpu_version"]
+    return ["cpu_routing"]
+
+
+def hook_note(release: str) -> str | None:
+    """What the recording hook does for `release`, or None where it is not loaded."""
+    parts = hooks(release)
+    if not parts:
+        return None
+    return "recording_hook/sitecustomize.py: " + "; ".join(HOOK_NOTES[p] for p in parts)
+
+
 def serve_env(release: str) -> dict[str, str]:
     """The environment for a server of `release`: Model Runner V2 (which captures routing from
     0.25 on) with Triton's interpreter behind the do-nothing "cpu" backend, a 1 GiB KV cache,
-    one thread, no hub."""
+    one thread, no hub; before 0.25, the V1 runner and the recording hook."""
     env = dict(os.environ)
     env.update(
         VLLM_CPU_KVCACHE_SPACE="1",
@@ -55,8 +96,13 @@ def serve_env(release: str) -> dict[str, str]:
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
         TRITON_INTERPRET="1",
-        VLLM_USE_V2_MODEL_RUNNER="1",
+        VLLM_USE_V2_MODEL_RUNNER="1" if v2_model_runner(release) else "0",
     )
+    if hooks(release):
+        env["RX_RECORDING_HOOKS"] = ",".join(hooks(release))
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(HOOK), env.get("PYTHONPATH", "")) if p
+        )
     return env
 
 

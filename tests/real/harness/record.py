@@ -34,11 +34,42 @@ SHORT = "expert router token layer prompt"
 LONG = " ".join(WORDS[i % 24] for i in range(66))
 
 
+class Absent(Exception):
+    """The release serves no such endpoint (404, and not in its OpenAPI paths)."""
+
+
+def alive_after(server: engine.Server) -> bool:
+    """Whether the server still answers after a request: its process lives and its engine
+    serves (an engine core that died takes the API server down within a few seconds, or
+    leaves it answering 500 to everything)."""
+    for _ in range(5):
+        if not server.alive():
+            return False
+        try:
+            with engine.urllib.request.urlopen(server.url + "/health", timeout=5) as r:
+                if r.status != 200:
+                    return False
+        except (engine.urllib.error.URLError, OSError):
+            return False
+        engine.time.sleep(0.2)
+    return True
+
+
+def served(server: engine.Server) -> set[str]:
+    """The paths the server's OpenAPI document lists."""
+    try:
+        with engine.urllib.request.urlopen(server.url + "/openapi.json", timeout=30) as r:
+            return set(json.loads(r.read()).get("paths", {}))
+    except (engine.urllib.error.URLError, OSError, ValueError):
+        return set()
+
+
 class Recorder:
     def __init__(self, release: str, out: Path, models: Path) -> None:
         self.release, self.out, self.models = release, out, models
         self.cases: list[dict[str, Any]] = []
         self.pending: list[tuple[dict[str, Any], str, list[int]]] = []  # (record, model, ids)
+        self.absent: list[dict[str, Any]] = []  # requests to an endpoint the release lacks
 
     def save(self, name: str, status: int, body: bytes, ctype: str) -> str:
         ext = ".sse" if ctype.startswith("text/event-stream") else ".json"
@@ -48,14 +79,27 @@ class Recorder:
 
     def call(self, server: engine.Server, name: str, endpoint: str, request: dict) -> dict:
         status, body, ctype = engine.post(server.url + endpoint, request)
-        return {
+        rec = {
             "endpoint": endpoint,
             "request": request,
             "status": status,
             "content_type": ctype.split(";")[0],
             "body": self.save(name, status, body, ctype),
-            "alive_after": server.alive(),
+            "alive_after": alive_after(server),
         }
+        if not rec["alive_after"]:
+            # The request killed the engine: a new server (same port, same flags) answers the
+            # cases after it, and the case says so.
+            print(f"record: {name} killed vLLM {self.release}; restarting it", flush=True)
+            server.stop()
+            server.start()
+            server.wait_ready()
+            rec["restarted_after"] = True
+        if status == 404 and endpoint not in served(server):
+            self.absent.append({"name": name, "endpoint": endpoint, "status": status})
+            (self.out / rec["body"]).unlink()
+            raise Absent(endpoint)
+        return rec
 
     def sequences(self, rec: dict, prompt_ids: list[int] | None = None) -> list[list[int]]:
         """Each choice's whole token sequence (prompt then generated), read from the body."""
@@ -112,8 +156,13 @@ def record_monolithic(r: Recorder, server: engine.Server, model: str) -> None:
 
     def one(
         name: str, endpoint: str, request: dict, notes: str = "", prompt: list | None = None
-    ) -> dict:
-        rec = r.call(server, f"{tag}-{name}", endpoint, request)
+    ) -> dict | None:
+        try:
+            rec = r.call(server, f"{tag}-{name}", endpoint, request)
+        except Absent:
+            return None  # listed in the manifest's "absent"
+        if rec.get("restarted_after"):
+            notes = (notes + "; " if notes else "") + "this request killed the engine"
         c = r.case(f"{tag}-{name}", model, notes, reply=rec)
         c["sequences"] = r.sequences(rec, prompt)
         return c
@@ -169,8 +218,10 @@ def record_monolithic(r: Recorder, server: engine.Server, model: str) -> None:
             "stream_options": {"include_usage": True},
         },
     )
-    one("chat", chat, {**base, "messages": [{"role": "user", "content": SHORT}], "max_tokens": 5})
-    first = json.loads((r.out / r.cases[-1]["reply"]["body"]).read_text())
+    c = one(
+        "chat", chat, {**base, "messages": [{"role": "user", "content": SHORT}], "max_tokens": 5}
+    )
+    first = json.loads((r.out / c["reply"]["body"]).read_text())
     answer = first["choices"][0]["message"]["content"]
     p1 = first["usage"]["prompt_tokens"]
     turn2 = [
@@ -317,17 +368,20 @@ def record_pd(r: Recorder, prefill: engine.Server, decode: engine.Server) -> Non
         ids = json.loads(raw)["tokens"]
         tag = "pd-generate-from-P" + ("-1" if back else "")
         sp = {"temperature": 0}
-        pre = r.call(
-            prefill,
-            tag + "-prefill",
-            "/inference/v1/generate",
-            {
-                "model": "tiny",
-                "token_ids": ids,
-                "sampling_params": {**sp, "max_tokens": 1},
-                "kv_transfer_params": kv,
-            },
-        )
+        try:
+            pre = r.call(
+                prefill,
+                tag + "-prefill",
+                "/inference/v1/generate",
+                {
+                    "model": "tiny",
+                    "token_ids": ids,
+                    "sampling_params": {**sp, "max_tokens": 1},
+                    "kv_transfer_params": kv,
+                },
+            )
+        except Absent:
+            continue
         if pre["status"] != 200:
             r.case(tag, "e8", "the prefill half failed", prefill=pre)["sequences"] = []
             continue
@@ -431,6 +485,12 @@ def main() -> None:
         },
         "cases": r.cases,
     }
+    if r.absent:
+        # Requests the release could not serve: no such endpoint (no case, no body).
+        manifest["absent"] = r.absent
+    hook = engine.hook_note(args.release)
+    if hook:
+        manifest = {"hook": hook, **manifest}
     (args.out / "manifest.json").write_text(manifest_text(manifest))
     print(f"recorded {len(r.cases)} cases into {args.out}")
 

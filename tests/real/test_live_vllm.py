@@ -1,0 +1,242 @@
+"""A real vLLM in prefill/decode behind the proxy (`make test-engines`, which CI runs): two
+servers of vLLM's CPU build joined by its ExampleConnector, the tiny MoE model made here, and
+every reply's routing checked against the model's own (transformers, in the engine's
+environment). The prompt is long enough that decode receives two 32-token blocks of KV and
+computes only the rest, as in production: asked for rows of positions it did not compute, a
+vLLM 0.32 decode engine dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+import routed_experts as rx
+from routed_experts.proxy import ProxyServer
+
+HARNESS = Path(__file__).resolve().parent / "harness"
+sys.path.insert(0, str(HARNESS))
+
+import engine  # noqa: E402
+import tiny_model  # noqa: E402
+
+PYTHON = Path(os.environ["RX_VLLM_PYTHON"])
+RELEASE = os.environ["RX_VLLM_RELEASE"]
+# 67 tokens: decode loads two full 32-token blocks and computes the last three positions.
+LONG = " ".join(tiny_model.WORDS[i % 24] for i in range(66))
+
+
+class Stack:
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.model = work / "tiny-e8"
+        subprocess.run([str(PYTHON), str(HARNESS / "tiny_model.py"), str(self.model)], check=True)
+        kv = work / "kv"
+        self.prefill = engine.Server(PYTHON, RELEASE, self.model, work / "prefill.log",
+                                     kv_share=kv, kv_role="kv_producer")  # fmt: skip
+        self.decode = engine.Server(PYTHON, RELEASE, self.model, work / "decode.log",
+                                    kv_share=kv, kv_role="kv_consumer")  # fmt: skip
+        self.proxy: ProxyServer | None = None
+
+    def start(self) -> None:
+        for s in (self.prefill, self.decode):
+            s.start()
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda s: s.wait_ready(), (self.prefill, self.decode)))
+        self.proxy = ProxyServer([self.prefill.url], [self.decode.url]).__enter__()
+
+    def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.__exit__(None, None, None)
+        for s in (self.prefill, self.decode):
+            s.stop()
+
+    @property
+    def url(self) -> str:
+        assert self.proxy is not None
+        return self.proxy.url
+
+    def logs(self) -> str:
+        tail = []
+        for name in ("prefill.log", "decode.log"):
+            text = (self.work / name).read_text(errors="replace").splitlines()
+            tail.append(f"--- {name} ---\n" + "\n".join(text[-30:]))
+        return "\n".join(tail)
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    with tempfile.TemporaryDirectory(prefix="rx-live-") as tmp:
+        s = Stack(Path(tmp))
+        try:
+            s.start()
+            yield s
+        finally:
+            s.stop()
+
+
+def truth(stack: Stack, sequences: list[list[int]]) -> list[np.ndarray]:
+    """The model's own routing of each sequence, rows [0, len - 1) (the last sampled token has
+    none), from transformers in the engine's environment."""
+    out = subprocess.run(
+        [str(PYTHON), str(HARNESS / "truth.py"), str(stack.model)],
+        input=json.dumps(sequences), capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return [np.asarray(t["rows"])[: len(s) - 1] for s, t in zip(sequences, json.loads(out.stdout))]
+
+
+def both_alive(stack: Stack) -> None:
+    assert stack.prefill.alive() and stack.decode.alive(), "an engine died\n" + stack.logs()
+
+
+def check_reply(stack: Stack, reply: httpx.Response, prompt_ids: list[int] | None = None) -> None:
+    assert reply.status_code == 200, reply.text
+    doc = reply.json()
+    seqs, got = [], []
+    for c in doc["choices"]:
+        p = rx.from_response(reply.content, choice=c["index"])
+        assert p is not None and p.start == 0, f"choice {c['index']} without routing"
+        prompt = prompt_ids or doc.get("prompt_token_ids") or c.get("prompt_token_ids")
+        seqs.append(list(prompt) + list(c["token_ids"]))
+        got.append(p.to_numpy())
+    for g, t in zip(got, truth(stack, seqs)):
+        np.testing.assert_array_equal(g, t)
+
+
+COMPLETION = {"model": "tiny", "prompt": LONG, "max_tokens": 5, "temperature": 0,
+              "return_token_ids": True}  # fmt: skip
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": LONG}], "max_tokens": 5,
+        "temperature": 0, "return_token_ids": True}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", COMPLETION),
+        ("/v1/completions", {**COMPLETION, "n": 2, "temperature": 1.0, "seed": 11}),
+        ("/v1/chat/completions", CHAT),
+    ],
+    ids=["completions", "completions-n2", "chat"],
+)
+def test_plain_requests_through_the_proxy_merge_to_the_truth(
+    stack: Stack, path: str, body: dict[str, Any]
+) -> None:
+    # A new prompt each time: one seen before would be a prefix-cache hit on prefill.
+    body = json.loads(json.dumps(body).replace(LONG, LONG + " " + path.split("/")[-1]
+                                               + str(body.get("n", 1))))  # fmt: skip
+    check_reply(stack, httpx.post(stack.url + path, json=body, timeout=300))
+    both_alive(stack)
+
+
+def generate_ids(stack: Stack, text: str) -> list[int]:
+    r = httpx.post(stack.prefill.url + "/tokenize", json={"model": "tiny", "prompt": text})
+    return list(r.json()["tokens"])
+
+
+def test_generate_plain_and_streamed_merge_to_the_truth(stack: Stack) -> None:
+    ids = generate_ids(stack, LONG + " generate")
+    body = {
+        "model": "tiny",
+        "token_ids": ids,
+        "sampling_params": {"max_tokens": 5, "temperature": 0},
+    }
+    check_reply(
+        stack, httpx.post(stack.url + "/inference/v1/generate", json=body, timeout=300), ids
+    )
+    ids = generate_ids(stack, LONG + " stream")
+    body = {**body, "token_ids": ids, "stream": True}
+    with httpx.stream("POST", stack.url + "/inference/v1/generate", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]", lines[-1]
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    generated = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+    routed = [e for e in events if any(c.get("routed_experts") for c in e["choices"])]
+    assert len(routed) == 1, "the routing comes once, with the finishing event"
+    p = rx.from_response(json.dumps(routed[0]))
+    assert p is not None and p.start == 0
+    np.testing.assert_array_equal(p.to_numpy(), truth(stack, [ids + generated])[0])
+    both_alive(stack)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)],
+    ids=["completions", "chat"],
+)
+def test_a_stream_the_release_sends_no_routing_on_ends_in_an_error_never_done(
+    stack: Stack, path: str, body: dict[str, Any]
+) -> None:
+    # vLLM 0.32 sends no routing on these streams: the client sees every token, then the
+    # proxy's error as the last event, and no [DONE] (an OpenAI client stops reading there).
+    body = {**body, "stream": True}
+    with httpx.stream("POST", stack.url + path, json=body, timeout=300) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert "data: [DONE]" not in lines
+    last = json.loads(lines[-1][6:])
+    assert last["error"]["side"] == "decode" and "missing routing" in last["error"]["message"]
+    both_alive(stack)
+
+
+def answered_again(stack: Stack, body: dict[str, Any], attempts: int = 120) -> httpx.Response:
+    """The first 200 once the restarted server is back in rotation (until then: 502 or 503)."""
+    for i in range(attempts):
+        body = {**body, "prompt": f"{LONG} back {i}"}
+        r = httpx.post(stack.url + "/v1/completions", json=body, timeout=300)
+        if r.status_code == 200:
+            return r
+        assert r.status_code in (502, 503), r.text
+        time.sleep(1)
+    raise AssertionError(f"not answered again in {attempts} tries: {r.text}")
+
+
+def test_decode_killed_mid_stream_and_down_gives_clear_errors_then_is_taken_back(
+    stack: Stack,
+) -> None:
+    # Killed while it streams: the stream ends with the proxy's error event, no [DONE].
+    ids = generate_ids(stack, LONG + " killed mid-stream")
+    long = {"max_tokens": 400, "min_tokens": 400, "temperature": 0}
+    body = {"model": "tiny", "token_ids": ids, "stream": True, "sampling_params": long}
+    lines = []
+    with httpx.stream("POST", stack.url + "/inference/v1/generate", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line)
+                if len(lines) == 2:
+                    stack.decode.stop()
+    assert "data: [DONE]" not in lines
+    assert json.loads(lines[-1][6:])["error"]["side"] == "decode", lines[-1]
+    # Down: a plain request is an error naming decode (or, once ejected, the proxy's 503).
+    r = httpx.post(stack.url + "/v1/completions", json={**COMPLETION, "prompt": LONG + " down"},
+                   timeout=300)  # fmt: skip
+    assert r.status_code in (502, 503), r.text
+    assert r.json()["error"]["side"] in ("decode", "proxy"), r.text
+    stack.decode.start()
+    stack.decode.wait_ready()
+    check_reply(stack, answered_again(stack, COMPLETION))
+    both_alive(stack)
+
+
+def test_prefill_killed_gives_a_clear_error_then_is_taken_back(stack: Stack) -> None:
+    stack.prefill.stop()
+    body = {**COMPLETION, "prompt": LONG + " no prefill"}
+    r = httpx.post(stack.url + "/v1/completions", json=body, timeout=300)
+    assert r.status_code in (502, 503), r.text
+    assert r.json()["error"]["side"] in ("prefill", "proxy"), r.text
+    stack.prefill.start()
+    stack.prefill.wait_ready()
+    check_reply(stack, answered_again(stack, COMPLETION))
+    both_alive(stack)
