@@ -4,6 +4,7 @@
 //! positions.
 
 use crate::body::{Counts, Place};
+use crate::dtype::with_element;
 use crate::error::{Error, Result};
 use crate::formats::Format;
 use crate::merge;
@@ -44,19 +45,56 @@ impl Rule {
 
 /// A NeMo-RL value without its filler last row, so that it covers what every other producer's
 /// does (`[0, P + G - 1)`) and a prefill half's filler never stands in for decode's real row.
-pub fn without_filler(rule: Rule, p: Payload) -> Result<Payload> {
+/// A row is dropped only when it is the filler: NeMo-RL writes `P + G` rows, the last the
+/// filler; a value of `P + G - 1` rows (as `encode(p, "nemo")` writes a payload, which adds no
+/// filler) keeps every row. Where the body states both counts, they decide, and a last row of
+/// `P + G` that is not the filler is an error; without counts, the last row is dropped when it
+/// is the filler (`0, 1, ..., top_k - 1` in every layer).
+pub fn without_filler(rule: Rule, p: Payload, counts: &Counts) -> Result<Payload> {
     if rule != Rule::WholeWithFiller || p.num_tokens() == 0 {
+        return Ok(p);
+    }
+    let last = p.num_tokens() - 1;
+    let is_filler = last_row_is_filler(&p);
+    if let (Some((prompt, _)), Some((generated, _))) = (counts.prompt, counts.generated) {
+        let whole = prompt.saturating_add(generated);
+        if p.stop() != whole {
+            return Ok(p); // P + G - 1 rows: no filler was written
+        }
+        if !is_filler {
+            return Err(Error::payload(format!(
+                "NeMo-RL writes {whole} rows for {prompt} prompt and {generated} generated tokens, \
+                 the last (position {last}) its filler 0..{} in every layer; this value's last row \
+                 holds other ids: not read",
+                p.top_k()
+            )));
+        }
+    } else if !is_filler {
         return Ok(p);
     }
     // The buffer is cut in place: no copy of the rows kept.
     let (start, dtype) = (p.start(), p.dtype());
     let shape = Shape {
-        tokens: p.num_tokens() - 1,
+        tokens: last,
         ..p.shape()
     };
     let mut data = p.into_data();
     data.truncate(shape.nbytes(dtype)?);
     Payload::new(start, shape, dtype, data)
+}
+
+/// Whether `p`'s last row is NeMo-RL's filler: `0, 1, ..., top_k - 1` in every layer.
+fn last_row_is_filler(p: &Payload) -> bool {
+    let (k, row) = (p.top_k(), p.num_layers() * p.top_k());
+    let Some(last) = p.num_tokens().checked_sub(1) else {
+        return false;
+    };
+    with_element!(p.dtype(), T => {
+        let values = p.values::<T>();
+        values[last * row..(last + 1) * row]
+            .chunks_exact(k.max(1))
+            .all(|g| g.iter().enumerate().all(|(i, &v)| Into::<i64>::into(v) == i as i64))
+    })
 }
 
 /// The filler row put back after `p`, for a merged value written in NeMo-RL's own shape.
@@ -130,9 +168,14 @@ pub fn check(
             }
             Err(Error::payload(msg))
         }
-        Rule::WholeWithFiller if (start, stop) != (0, tokens) => Err(contradiction(format!(
-            "NeMo-RL's rows are [0, {tokens}), the last a filler"
-        ))),
+        Rule::WholeWithFiller
+            if start != 0 || (stop != tokens && stop != tokens.saturating_sub(1)) =>
+        {
+            Err(contradiction(format!(
+                "NeMo-RL's rows are [0, {tokens}), the last a filler (or [0, {}) without it)",
+                tokens.saturating_sub(1)
+            )))
+        }
         Rule::FromZero if stop > tokens => Err(contradiction(format!(
             "the sequence has {tokens} positions"
         ))),
@@ -198,14 +241,15 @@ mod tests {
         assert!(check_at(Format::Lists, &header(0, 11), &c, false).is_ok());
         assert!(check_at(Format::Lists, &header(0, 13), &c, false).is_err());
         assert!(check_at(Format::Nemo, &header(0, 12), &c, false).is_ok());
-        let msg = check_at(Format::Nemo, &header(0, 11), &c, false)
+        assert!(check_at(Format::Nemo, &header(0, 11), &c, false).is_ok()); // no filler
+        let msg = check_at(Format::Nemo, &header(0, 10), &c, false)
             .unwrap_err()
             .to_string();
         assert!(msg.contains("[0, 12)"), "{msg}");
         // NeMo-RL's nested lists (before its PR #3292), at its place, carry the filler too.
         let rule = Rule::of(Format::Lists, Place::Message);
         assert_eq!(rule, Rule::WholeWithFiller);
-        assert!(check(rule, Format::Lists, &header(0, 11), &c, false).is_err());
+        assert!(check(rule, Format::Lists, &header(0, 13), &c, false).is_err());
     }
 
     #[test]
@@ -218,12 +262,49 @@ mod tests {
             DTypeChoice::Exact(DType::I8),
         )
         .unwrap();
-        let trimmed = without_filler(Rule::WholeWithFiller, p.clone()).unwrap();
+        let none = Counts::default();
+        let trimmed = without_filler(Rule::WholeWithFiller, p.clone(), &none).unwrap();
         assert_eq!(trimmed.values::<i8>(), &[5, 7, 1, 4]);
         assert_eq!(
             with_filler(Rule::WholeWithFiller, trimmed.clone()).unwrap(),
             p
         );
-        assert_eq!(without_filler(Rule::FromZero, p.clone()).unwrap(), p);
+        assert_eq!(without_filler(Rule::FromZero, p.clone(), &none).unwrap(), p);
+        // With the counts: P + G rows drop the filler, P + G - 1 keep every row.
+        let c = counts(2, 1);
+        assert_eq!(
+            without_filler(Rule::WholeWithFiller, p.clone(), &c).unwrap(),
+            trimmed
+        );
+        let c = counts(2, 2);
+        assert_eq!(
+            without_filler(Rule::WholeWithFiller, p.clone(), &c).unwrap(),
+            p
+        );
+    }
+
+    #[test]
+    fn a_last_row_that_is_not_the_filler_is_never_dropped() {
+        // What encode(p, "nemo") writes for a payload: its rows, no filler.
+        let real = Payload::from_values(
+            &[5i64, 7, 1, 4, 3, 6],
+            Shape::new(3, 1, 2),
+            0,
+            DTypeChoice::Exact(DType::I8),
+        )
+        .unwrap();
+        let none = Counts::default();
+        assert_eq!(
+            without_filler(Rule::WholeWithFiller, real.clone(), &none).unwrap(),
+            real
+        );
+        // Counted as NeMo-RL's P + G rows, its last row must be the filler.
+        let msg = without_filler(Rule::WholeWithFiller, real.clone(), &counts(2, 1))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("position 2") && msg.contains("filler"),
+            "{msg}"
+        );
     }
 }

@@ -129,6 +129,36 @@ pub fn decode_text(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<(Form
     Ok((format, decode_as(format, text, hints, max_bytes)?))
 }
 
+/// A routing value handed over whole, as a caller's text (a file, a string): refused when it
+/// is empty or white space (never read as zero rows of SGLang's), and read inside its quotes
+/// when it is one JSON string literal (what `json.dump` writes for a string value), so
+/// `"k05VTVBZ..."` is read as the `.npy` text it holds. Bodies do not come this way: a
+/// routing string in a body is read by where it sits (format.md §3.2).
+pub fn input_text(text: &[u8]) -> Result<Cow<'_, [u8]>> {
+    let trimmed = text.trim_ascii();
+    let empty = |what: &str| {
+        Err(Error::payload(format!(
+            "empty input: {what}, not a routing value (a value holds at least its format's \
+             header or text)"
+        )))
+    };
+    if trimmed.is_empty() {
+        return if text.is_empty() {
+            empty("0 bytes")
+        } else {
+            empty(&format!("{} bytes of white space", text.len()))
+        };
+    }
+    if trimmed.first() != Some(&b'"') {
+        return Ok(Cow::Borrowed(text));
+    }
+    let inner = json_string_content(trimmed).map_err(|e| e.context("a JSON string"))?;
+    if inner.trim_ascii().is_empty() {
+        return empty("a JSON string holding nothing");
+    }
+    Ok(Cow::Owned(inner.into_owned()))
+}
+
 /// Decode text known to be in `format` (as [`detect`] found it).
 pub fn decode_as(format: Format, text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Payload> {
     match format {
@@ -557,6 +587,18 @@ mod tests {
 
     /// The direct `.npy` path takes only what the whole-file path reads the same way, and the
     /// files it passes on keep their old errors: sound and flawed files, header and data.
+    #[test]
+    fn caller_text_empty_is_refused_and_a_json_string_is_read_inside() {
+        for text in [&b""[..], b"  \n", b"\"\"", b"\" \""] {
+            let e = input_text(text).unwrap_err().to_string();
+            assert!(e.contains("empty input"), "{e}");
+        }
+        assert_eq!(&*input_text(b"\"nrlre1:x\"").unwrap(), b"nrlre1:x");
+        assert_eq!(&*input_text(b" \"a\\/b\" ").unwrap(), b"a/b");
+        assert_eq!(&*input_text(b"[[[1]]]").unwrap(), b"[[[1]]]");
+        assert!(input_text(b"\"unterminated").is_err());
+    }
+
     #[test]
     fn npy_in_place_agrees_with_the_whole_file() {
         let mut next = crate::test_rng::xorshift(0x1234_5678_9abc_def1u64);

@@ -44,8 +44,9 @@ pub fn describe(text: &[u8]) -> String {
     let first_line = s.lines().next().unwrap_or("");
     let sse_field = ["data:", "event:", "id:", "retry:", ":"];
     if sse_field.iter().any(|f| first_line.starts_with(f)) {
-        return "a server-sent event stream (`data:` lines): merge a stream with StreamMerger, \
-                or read one event's JSON with from_response"
+        return "a server-sent event stream (`data:` lines): merge a stream with \
+                routed_experts.proxy.StreamMerger, or read one event's JSON with \
+                routed_experts.from_response"
             .to_string();
     }
     if first_line.starts_with("HTTP/") {

@@ -13,7 +13,8 @@ pub struct PackOptions {
     /// Each sample's token count: its rows are positions `0..n`, the payload's rows at their
     /// positions; rows it has no routing for (before its start, after its stop: vLLM's last
     /// sampled token has none) are filled and masked. Routing past `n` is an error. `None`:
-    /// each sample is its payload's rows as they are.
+    /// each sample is positions `0..stop` of its payload, its rows at their positions (a delta's
+    /// rows before its start filled and masked, never shifted to position 0).
     pub num_tokens: Option<Vec<usize>>,
     /// Pad every sample at its end to a multiple of this many rows (counted in `cu_seqlens`:
     /// what context parallelism needs).
@@ -74,7 +75,15 @@ pub fn layout(
     for (i, s) in samples.iter().enumerate() {
         check_same_rows(first.shape(), s.shape(), "sample 0", &format!("sample {i}"))?;
         let (len, offset) = match &opts.num_tokens {
-            None => (s.num_tokens(), 0),
+            None => {
+                let start = usize::try_from(s.start()).map_err(|_| {
+                    Error::payload(format!("sample {i}: a start of {} positions", s.start()))
+                })?;
+                let stop = start
+                    .checked_add(s.num_tokens())
+                    .ok_or_else(|| Error::payload(format!("sample {i}: positions past 2**64")))?;
+                (stop, start)
+            }
             Some(counts) => {
                 let n = counts[i];
                 let start = usize::try_from(s.start()).unwrap_or(usize::MAX);
@@ -201,6 +210,19 @@ mod tests {
         assert_eq!(&dst[..14], &[0, 0, 1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 5, 6]);
         let on: Vec<usize> = (0..12).filter(|&i| mask[i]).collect();
         assert_eq!(on, [1, 2, 6]);
+    }
+
+    #[test]
+    fn a_delta_without_num_tokens_sits_at_its_positions_never_at_0() {
+        // Rows of positions 3 and 4: the sample is positions 0..5, the first three masked.
+        let delta = payload(&[1, 2, 3, 4], 2, 3);
+        let l = layout(&[&delta], &PackOptions::default(), DType::I32, 1 << 20).unwrap();
+        assert_eq!((l.rows, l.cu_seqlens.clone()), (5, vec![0, 5]));
+        let mut dst = vec![0i32; 10];
+        let mut mask = vec![false; 5];
+        pack_into(&[&delta], &l, &mut dst, Some(&mut mask)).unwrap();
+        assert_eq!(dst, [0, 0, 0, 0, 0, 0, 1, 2, 3, 4]);
+        assert_eq!(mask, [false, false, false, true, true]);
     }
 
     #[test]

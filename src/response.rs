@@ -71,7 +71,7 @@ fn decode_fields(
     };
     let rule = Rule::of(format, f.place);
     coverage::check(rule, format, &p.header(), &f.counts, hints.start.is_some())?;
-    Ok((format, coverage::without_filler(rule, p)?))
+    Ok((format, coverage::without_filler(rule, p, &f.counts)?))
 }
 
 /// How many rows (token positions) a routing value holds. A compact sidecar's shape is read and
@@ -474,6 +474,11 @@ fn merge_pieces<'a>(
     let prefill = prefill_found()?;
     if let Some(at) = prefill.weights.as_ref().or(decode.weights.as_ref()) {
         return Err(split::weights_error(at));
+    }
+    for f in prefill.values.iter().chain(&decode.values) {
+        if let Some(key) = f.fields.as_ref().and_then(|x| x.extra_key.as_deref()) {
+            return Err(crate::sidecar::extra_key_error(&f.path, key));
+        }
     }
     if prefill.prompt.is_some() || decode.prompt.is_some() {
         let plan = split::merge_plan(

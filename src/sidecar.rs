@@ -37,11 +37,33 @@ pub struct SidecarFields<'a> {
     pub body_key: Option<&'static str>,
     /// A key of another routing object the object has (`FOREIGN_KEYS`): it is not a sidecar.
     pub foreign_key: Option<&'static str>,
+    /// The first key beyond `data`, `shape`, `start` and `dtype` (at most 64 characters of it):
+    /// readers read the ids and pass it by (the golden vectors give a sidecar a `note`), but a
+    /// merge, which writes only those four, refuses it rather than drop it (format.md §3.6).
+    pub extra_key: Option<String>,
     /// What `data` decodes to, when the reader decoded it in the same pass that found the end
     /// of its text ([`parse_fields_decoding`], `body::read_body_decoding`): exactly the bytes
     /// decoding `data` gives, used once the fields are validated. `None`: `data` is decoded
     /// after validation.
     pub decoded: Option<AlignedBytes>,
+}
+
+/// A merge of a sidecar with a key it would not write back (format.md §3.6): prime-rl's
+/// `weights` (PR #3523, open: its router weights, whose shape is not settled) or any key the
+/// library does not know. Refused, never dropped.
+pub fn extra_key_error(path: &str, key: &str) -> Error {
+    let what = match key {
+        "weights" => {
+            "prime-rl's router weights (PR #3523, open; their shape is not settled), \
+             which are not merged"
+        }
+        "format_version" => "prime-rl's format version (PR #3523, open, beside its weights)",
+        _ => "a key the library does not know",
+    };
+    Error::merge(format!(
+        "the sidecar at {path} has a `{key}` key: {what}; a merge writes data, shape, start and \
+         dtype only, and never drops a field of a sidecar"
+    ))
 }
 
 /// Decode a sidecar from JSON text: every check format.md §3.1 lists happens before the payload
@@ -127,6 +149,10 @@ fn read_with<'a>(s: &mut Scanner<'a>, decode_up_to: Option<usize>) -> Result<Sid
             b"start" => &mut fields.start,
             b"dtype" => &mut fields.dtype,
             _ => {
+                if fields.extra_key.is_none() {
+                    let shown = String::from_utf8_lossy(key);
+                    fields.extra_key = Some(shown.chars().take(64).collect());
+                }
                 if let Some(k) = BODY_KEYS.iter().find(|k| k.as_bytes() == key) {
                     fields.body_key = Some(k);
                 }

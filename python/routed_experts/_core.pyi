@@ -1,7 +1,7 @@
 """Type stubs for the Rust extension module (checked by mypy.stubtest)."""
 
 from collections.abc import Sequence
-from typing import Any, Literal, SupportsIndex, TypeAlias, final, overload
+from typing import Any, Literal, Protocol, SupportsIndex, TypeAlias, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -42,7 +42,15 @@ __all__ = [
 
 _DTypeLike: TypeAlias = str | npt.DTypeLike
 _JsonInput: TypeAlias = bytes | bytearray | memoryview | str | dict[str, Any]
-_Body: TypeAlias = bytes | bytearray | memoryview | str
+class _ResponseModel(Protocol):
+    """A pydantic model that keeps a server's extra fields: the OpenAI SDK's `Completion`,
+    `ChatCompletion` and their stream chunks (routing rides in `model_extra`)."""
+
+    @property
+    def model_extra(self) -> dict[str, Any] | None: ...
+    def model_dump_json(self, *, exclude_unset: bool = ...) -> str: ...
+
+_Body: TypeAlias = bytes | bytearray | memoryview | str | dict[str, Any] | _ResponseModel
 _Overlap: TypeAlias = Literal["keep", "replace", "check"]
 _Pad: TypeAlias = Literal["repeat", "zero"]
 _Format: TypeAlias = Literal["compact", "vllm_npy", "sglang", "nemo", "lists"]
@@ -121,7 +129,7 @@ class RoutedExperts:
 class Trajectory:
     def __init__(self) -> None: ...
     def append(
-        self, payload: RoutedExperts | _JsonInput, overlap: _Overlap = "keep"
+        self, payload: RoutedExperts | _JsonInput | _ResponseModel, overlap: _Overlap = "keep"
     ) -> None: ...
     @property
     def start(self) -> int | None: ...

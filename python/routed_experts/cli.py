@@ -389,6 +389,11 @@ def _add_hints(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--num-layers", type=_count(1), help="layers, for SGLang flat values")
     p.add_argument("--top-k", type=_count(1), help="top_k, for SGLang flat values")
+    p.add_argument(
+        "--max-bytes", type=_count(1),
+        help="the largest decoded payload read, in bytes (default: the library's limit, "
+        "routed_experts.get_max_bytes())",
+    )
 
 
 # The library names its hints as Python arguments; on the command line they are flags.
@@ -405,7 +410,11 @@ def _as_flags(message: str, args: argparse.Namespace) -> str:
                 f"`{field}`: expected {getattr(args, field)} (as given)",
                 f"`{field}`: expected {getattr(args, field)} (as given by {flag})",
             )
-    return message.replace("give num_layers and top_k", "give --num-layers and --top-k")
+    message = message.replace("give num_layers and top_k", "give --num-layers and --top-k")
+    # The command's own way to raise the size limit, where the library names its arguments.
+    for said in ("routed_experts.set_max_bytes or max_bytes=", "routed_experts.set_max_bytes"):
+        message = message.replace(f"raise it with {said}", "raise it with --max-bytes")
+    return message
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -676,6 +685,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         args = parser.parse_args(["demo", *(argv or [])])
     try:
+        if getattr(args, "max_bytes", None) is not None:
+            rx.set_max_bytes(args.max_bytes)
         rc = int(args.func(args))
         sys.stdout.flush()
         return rc

@@ -190,10 +190,15 @@ def test_a_stream_the_release_sends_no_routing_on_ends_in_an_error_never_done(
     both_alive(stack)
 
 
-def answered_again(stack: Stack, body: dict[str, Any], attempts: int = 120) -> httpx.Response:
-    """The first 200 once the restarted server is back in rotation (until then: 502 or 503)."""
+def answered_again(
+    stack: Stack, body: dict[str, Any], tag: str, attempts: int = 120
+) -> httpx.Response:
+    """The first 200 once the restarted server is back in rotation (until then: 502 or 503).
+    Every prompt new: prefill saves each prompt's KV in the shared folder, and a prefill server
+    that later finds a prompt there loads it, computes no routing for it and dies when asked
+    for routing from 0 (vLLM 0.32; format.md §3.5)."""
     for i in range(attempts):
-        body = {**body, "prompt": f"{LONG} back {i}"}
+        body = {**body, "prompt": f"{LONG} {tag} back {i}"}
         r = httpx.post(stack.url + "/v1/completions", json=body, timeout=300)
         if r.status_code == 200:
             return r
@@ -226,7 +231,7 @@ def test_decode_killed_mid_stream_and_down_gives_clear_errors_then_is_taken_back
     assert r.json()["error"]["side"] in ("decode", "proxy"), r.text
     stack.decode.start()
     stack.decode.wait_ready()
-    check_reply(stack, answered_again(stack, COMPLETION))
+    check_reply(stack, answered_again(stack, COMPLETION, "decode"))
     both_alive(stack)
 
 
@@ -238,5 +243,5 @@ def test_prefill_killed_gives_a_clear_error_then_is_taken_back(stack: Stack) -> 
     assert r.json()["error"]["side"] in ("prefill", "proxy"), r.text
     stack.prefill.start()
     stack.prefill.wait_ready()
-    check_reply(stack, answered_again(stack, COMPLETION))
+    check_reply(stack, answered_again(stack, COMPLETION, "prefill"))
     both_alive(stack)

@@ -26,7 +26,43 @@ pub fn body_arg<'a>(value: &'a Bound<'_, PyAny>, name: &str) -> PyResult<Cow<'a,
             "a JSON-serialisable dict",
         )?));
     }
+    if let Some(text) = model_json(value, name)? {
+        return Ok(Cow::Owned(text));
+    }
     text_arg(value, name)
+}
+
+/// A pydantic model's JSON (the OpenAI SDK's `Completion`, `ChatCompletion` and their stream
+/// chunks are pydantic models that keep a server's extra fields, routing among them, in
+/// `model_extra`): what the server sent, its fields that were set (`exclude_unset`), written by
+/// pydantic's own serializer. Found by its method, so the SDK is never imported.
+pub fn model_json(value: &Bound<'_, PyAny>, name: &str) -> PyResult<Option<Vec<u8>>> {
+    if value.is_instance_of::<PyString>()
+        || value.is_instance_of::<PyBytes>()
+        || !value.hasattr("model_dump_json")?
+        || !value.hasattr("model_extra")?
+    {
+        return Ok(None);
+    }
+    let kwargs = pyo3::types::PyDict::new(value.py());
+    kwargs.set_item("exclude_unset", true)?;
+    let text = value
+        .call_method("model_dump_json", (), Some(&kwargs))
+        .map_err(|e| {
+            routed_experts::Error::field(
+                name,
+                "a response body",
+                format!("a pydantic model its model_dump_json refuses ({e})"),
+            )
+        })?;
+    let text = text.cast::<PyString>().map_err(|_| {
+        routed_experts::Error::field(
+            name,
+            "a response body",
+            "a model_dump_json that is not a str",
+        )
+    })?;
+    Ok(Some(str_utf8(text, name)?.as_bytes().to_vec()))
 }
 
 /// A parsed Python value written back to JSON text with `json.dumps`; what it refuses (objects
@@ -70,6 +106,16 @@ pub fn text_arg<'a>(value: &'a Bound<'_, PyAny>, name: &str) -> PyResult<Cow<'a,
     if kind != NOT_JSON {
         // Already parsed JSON, but not an object: malformed input, not a programming error.
         return Err(routed_experts::Error::field(name, "a JSON object", kind).into());
+    }
+    if value.hasattr("__array__").unwrap_or(false) {
+        // An array is routing, not JSON: say how to make it a payload this call takes.
+        return Err(routed_experts::Error::field(
+            name,
+            "JSON as bytes, str or a dict, or a RoutedExperts (an array becomes one with \
+             routed_experts.RoutedExperts.from_array(array, start=...))",
+            a_value_of(value),
+        )
+        .into());
     }
     Err(
         routed_experts::Error::field(name, "JSON as bytes, str or a dict", a_value_of(value))
@@ -144,6 +190,14 @@ fn dict_fields<'a>(
             foreign_key = Some(key);
         }
     }
+    let mut extra_key = None;
+    for key in d.keys() {
+        let key = key.str()?.to_string();
+        if !["data", "shape", "start", "dtype"].contains(&key.as_str()) {
+            extra_key = Some(key.chars().take(64).collect());
+            break;
+        }
+    }
     Ok(SidecarFields {
         data: data.map(data_field).transpose()?,
         shape: small("shape")?,
@@ -151,6 +205,7 @@ fn dict_fields<'a>(
         dtype: small("dtype")?,
         body_key,
         foreign_key,
+        extra_key,
         decoded: None,
     })
 }

@@ -203,6 +203,7 @@ pub fn decode_any(
         return Ok((Format::Lists, p));
     }
     let text = text_arg(value, "value")?;
+    let text = formats::input_text(&text)?;
     Ok(py.detach(|| formats::decode_text(&text, hints, limit))?)
 }
 
@@ -270,7 +271,8 @@ pub fn detect_format(value: &Bound<'_, PyAny>) -> PyResult<&'static str> {
     if value.is_instance_of::<PyList>() || value.is_instance_of::<PyTuple>() {
         return Ok(Format::Lists.name());
     }
-    Ok(formats::detect(&text_arg(value, "value")?)?.name())
+    let text = text_arg(value, "value")?;
+    Ok(formats::detect(&formats::input_text(&text)?)?.name())
 }
 
 /// Pack samples into one batch (format.md §6): `samples` are payloads, trajectories, or integer

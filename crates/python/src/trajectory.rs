@@ -50,7 +50,8 @@ impl Trajectory {
         Self::default()
     }
 
-    /// Add a turn's payload (a RoutedExperts or a compact sidecar).
+    /// Add a turn's payload (a RoutedExperts or a compact sidecar), or the routing of an OpenAI
+    /// SDK response object (its choice 0, read as `from_response` reads it).
     #[pyo3(signature = (payload, overlap = Overlap::Keep), text_signature = "($self, payload, overlap='keep')")]
     fn append(
         &self,
@@ -62,6 +63,19 @@ impl Trajectory {
         if let Ok(p) = payload.cast::<RoutedExperts>() {
             let p = &p.get().inner;
             return Ok(self.locked(py, |t| t.append(p, overlap, limit))?);
+        }
+        if let Some(body) = crate::convert::model_json(payload, "payload")? {
+            let hints = routed_experts::formats::Hints::default();
+            let read =
+                py.detach(|| routed_experts::response::from_response(&body, 0, &hints, limit))?;
+            let p = read.ok_or_else(|| {
+                routed_experts::Error::field(
+                    "payload",
+                    "a response with routing",
+                    "a response without any",
+                )
+            })?;
+            return Ok(self.locked(py, |t| t.append(&p, overlap, limit))?);
         }
         let p = payload_arg(payload, "payload")?;
         Ok(self.locked(py, |t| t.append(&p, overlap, limit))?)
