@@ -83,6 +83,12 @@ pub fn formats(data: &[u8]) {
         // SGLang is chosen only for text that reads as base64 (format.md §3.2).
         assert!(text.len() % 4 == 0, "{text:?} taken for SGLang's base64");
     }
+    // A caller's text: empty is refused, a JSON string literal is read inside its quotes, and
+    // what it yields is never empty.
+    if let Ok(inner) = formats::input_text(text) {
+        assert!(!inner.trim_ascii().is_empty(), "{text:?} passed as input");
+        let _ = formats::decode_text(&inner, &hints, LIMIT);
+    }
     let Ok((_, p)) = formats::decode_text(text, &hints, LIMIT) else {
         return;
     };

@@ -112,3 +112,28 @@ put("formats", b"\x00" + json.dumps(rows.tolist()).encode())
 # The proxy's client bodies: a generate request (limits in sampling_params).
 put("proxy", json.dumps({"token_ids": [1, 2, 3], "stream": True, "sampling_params": {
     "max_tokens": 9, "min_tokens": 2, "routed_experts_prompt_start": 1}}).encode())
+# Issue 38: sidecars with keys beyond data/shape/start/dtype (prime-rl PR #3523's weights; an
+# unknown key), Dynamo's generation artifact receipts, NeMo-RL values with and without the filler,
+# and nested lists at a choice of vLLM 0.21's generated count.
+weighted = {"data": "AAECAwQFBgcBAAMCBQQHBg==", "shape": [4, 2, 2], "start": 0, "dtype": "uint8",
+            "format_version": 1, "weights": {"data": "AACAPwAAAD8=", "dtype": "float32"}}
+put("sidecar", json.dumps(weighted).encode())
+put("sidecar", json.dumps(dict(weighted, weights=None, note="x")).encode())
+body = lambda v: json.dumps({"choices": [{"index": 0, "routed_experts": v}]}).encode()  # noqa: E731
+put("merge_response", body(weighted) + b"\xff" + body(dict(weighted, start=0)))
+receipt = {"format": "generation_artifact_v1", "contents": ["moe_routes"], "state": "ready",
+           "actual_bytes": 4096, "sha256": "ab", "object_id": "obj-7"}
+for doc in (
+    {"choices": [{"index": 0, "message": {"content": "x"}}],
+     "nvext": {"routed_experts": None, "generation_artifact": receipt}},
+    {"request_id": "g", "choices": [{"index": 0, "token_ids": [1]}], "generation_artifact": receipt},
+    {"generation_artifact": {"format": "generation_artifact_v1", "contents": ["logprobs"]}},
+    {"generation_artifact": {"object_id": "x"}},
+    {"choices": [{"index": 0, "routed_experts": rows[3:].tolist()}], "usage": usage},
+    {"choices": [{"index": 0, "message": {"routed_experts": "nrlre1:int8:4x2x2:" + base64.b64encode(
+        rows.astype(np.int8).tobytes()).decode()}}], "usage": usage},
+):
+    put("response", b"\x06" + json.dumps(doc).encode())
+    put("merge_response", json.dumps(doc).encode() + b"\xff" + json.dumps(doc).encode())
+put("formats", b"\x00" + json.dumps("nrlre1:int8:1x1x2:AAE=").encode())
+put("formats", b"\x00")

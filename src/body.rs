@@ -135,6 +135,8 @@ pub const LOCATIONS: &[(&str, &str)] = &[
 pub(crate) const ROUTING_KEY: &[u8] = b"routed_experts";
 const PROMPT_ROUTING_KEY: &[u8] = b"prompt_routed_experts";
 const DTYPE_KEY: &[u8] = b"routed_experts_dtype";
+/// NVIDIA Dynamo's receipt for outputs it moved to its object store (PRs #14385, #14975-#14978).
+const ARTIFACT_KEY: &[u8] = b"generation_artifact";
 const KV_TRANSFER_PARAMS: &[u8] = b"kv_transfer_params";
 
 /// Whether a key names routing: it contains `routed` then `expert` with nothing but `_`, `-` or
@@ -458,6 +460,8 @@ fn top_object<'a>(
                 }
                 Ok(())
             }
+            // Dynamo's receipt on /inference/v1/generate.
+            ARTIFACT_KEY => artifact_receipt(s),
             // vLLM 0.21 puts it at the top of a body (never in an SGLang batch list).
             PROMPT_ROUTING_KEY if !in_list => {
                 let mut one = Vec::new();
@@ -695,6 +699,8 @@ fn holder<'a>(
             // SGLang 0.5.7 and 0.5.8 write `[]` in meta_info for a result without routing.
             ROUTING_KEY if counts.is_some() && empty_list(s) => s.value().map(drop),
             ROUTING_KEY => routing_value(s, (index, &mut *decode), kind.place(), found),
+            // Dynamo's receipt on chat and completions.
+            ARTIFACT_KEY if kind == Holder::Nvext => artifact_receipt(s),
             // Dynamo hands the backend's engine data through whole when asked for it.
             b"engine_data" if kind == Holder::Nvext => {
                 holder(s, (index, &mut *decode), found, Holder::EngineData, None)
@@ -731,6 +737,60 @@ fn holder<'a>(
         f.dtype = f.dtype.or(dtype);
     }
     Ok(())
+}
+
+/// NVIDIA Dynamo's generation artifact receipt (`generation_artifact` at the top of a generate
+/// body, in `nvext` on chat): outputs Dynamo moved to its object store, with `routed_experts`
+/// null or absent. A receipt that lists routes (`contents` naming them) is refused with where
+/// they went: the body does not carry them, and reading it as "no routing" would pass a rollout
+/// without routing on. One whose contents cannot be read is refused too (never guessed routeless);
+/// `null`, or a receipt of other outputs, is passed by. Its binary object (`DYNEXP1`) is not
+/// read: its layout is Dynamo's own and not settled (format.md §3.2).
+fn artifact_receipt(s: &mut Scanner) -> Result<()> {
+    let path = s.path();
+    let at = s.value()?;
+    let text = &s.buf()[at];
+    if text == b"null" {
+        return Ok(());
+    }
+    let receipt: serde_json::Value = serde_json::from_slice(text)
+        .map_err(|e| Error::payload(format!("{path}: a generation artifact receipt: {e}")))?;
+    let field = |k: &str| {
+        receipt.get(k).map_or_else(
+            || "?".to_string(),
+            |v| v.to_string().chars().take(80).collect(),
+        )
+    };
+    let contents = receipt.get("contents").and_then(|c| c.as_array());
+    let routes = match contents {
+        Some(list) => list.iter().any(|c| {
+            c.as_str()
+                .is_some_and(|t| t.to_ascii_lowercase().contains("route"))
+        }),
+        None => {
+            return Err(Error::payload(format!(
+                "{path}: NVIDIA Dynamo's generation artifact receipt without a list of contents \
+                 (got {}): whether routing moved out of the body cannot be told, so the body is \
+                 not read as having none",
+                field("contents")
+            )))
+        }
+    };
+    if !routes {
+        return Ok(());
+    }
+    Err(Error::payload(format!(
+        "{path}: the routing is not in this body: NVIDIA Dynamo moved it to its object store \
+         (generation artifact receipt: format {}, contents {}, state {}, object_id {}, \
+         actual_bytes {}, sha256 {}); fetch the artifact from Dynamo, or ask it for routing \
+         inline (this library does not read Dynamo's artifact objects)",
+        field("format"),
+        field("contents"),
+        field("state"),
+        field("object_id"),
+        field("actual_bytes"),
+        field("sha256"),
+    )))
 }
 
 /// Whether the value next is `[]` (white space allowed inside).
@@ -861,5 +921,40 @@ mod tests {
             let err = read_body(body.as_bytes()).unwrap_err().to_string();
             assert!(err.contains(path), "{body}: {err}");
         }
+    }
+
+    #[test]
+    fn a_dynamo_receipt_for_routes_is_refused_with_where_they_went() {
+        let receipt = r#"{"format":"generation_artifact_v1","contents":["moe_routes"],"state":"ready","actual_bytes":4096,"sha256":"ab","object_id":"obj-7"}"#;
+        for (body, path) in [
+            (
+                format!(
+                    r#"{{"choices":[{{"index":0,"message":{{"content":"x"}}}}],"nvext":{{"routed_experts":null,"generation_artifact":{receipt}}}}}"#
+                ),
+                "$.nvext.generation_artifact",
+            ),
+            (
+                format!(
+                    r#"{{"request_id":"r","choices":[{{"index":0,"token_ids":[1]}}],"generation_artifact":{receipt}}}"#
+                ),
+                "$.generation_artifact",
+            ),
+        ] {
+            let err = read_body(body.as_bytes()).unwrap_err().to_string();
+            assert!(err.contains(path), "{err}");
+            assert!(
+                err.contains("object store") && err.contains("obj-7"),
+                "{err}"
+            );
+        }
+        // A receipt of other outputs, or null, is passed by; one without contents is refused.
+        let other = r#"{"generation_artifact":{"format":"generation_artifact_v1","contents":["logprobs"]}}"#;
+        assert!(read_body(other.as_bytes()).unwrap().is_empty());
+        assert!(read_body(br#"{"generation_artifact":null}"#)
+            .unwrap()
+            .is_empty());
+        let unknown = br#"{"generation_artifact":{"object_id":"x"}}"#;
+        let err = read_body(unknown).unwrap_err().to_string();
+        assert!(err.contains("without a list of contents"), "{err}");
     }
 }

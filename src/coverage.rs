@@ -23,6 +23,11 @@ pub enum Rule {
     /// Rows from 0, ending anywhere up to `P + G` (lmdeploy's nested lists drop the last row
     /// after a stop string).
     FromZero,
+    /// Nested lists at `choices[i].routed_experts`: lmdeploy's rows from 0 ([`Rule::FromZero`]),
+    /// unless they number what vLLM 0.21 writes there (its generated rows, `G - 1` or `G`,
+    /// whose prompt rows sit in a top-level `prompt_routed_experts` a router may have dropped):
+    /// those cannot be told apart, and are refused with both readings named.
+    ListsAtChoice,
     /// The value states its own start and shape (the compact sidecar): its positions are never
     /// guessed, and the body around it may have been rewritten by a router that kept another
     /// body's counts, so they are not held against it.
@@ -37,6 +42,7 @@ impl Rule {
             Format::Compact => Rule::SelfPlaced,
             Format::Nemo => Rule::WholeWithFiller,
             Format::Lists if place == Place::Message => Rule::WholeWithFiller,
+            Format::Lists if place == Place::Choice => Rule::ListsAtChoice,
             Format::Lists => Rule::FromZero,
             Format::VllmNpy | Format::Sglang => Rule::EndsBeforeLastToken,
         }
@@ -176,9 +182,22 @@ pub fn check(
                 tokens.saturating_sub(1)
             )))
         }
-        Rule::FromZero if stop > tokens => Err(contradiction(format!(
+        Rule::FromZero | Rule::ListsAtChoice if stop > tokens => Err(contradiction(format!(
             "the sequence has {tokens} positions"
         ))),
+        Rule::ListsAtChoice
+            if start == 0
+                && prompt > 0
+                && (generated.saturating_sub(1)..=generated).contains(&(rows as u64)) =>
+        {
+            Err(Error::payload(format!(
+                "ambiguous routing: the nested lists hold {rows} rows and {said}: read as \
+                 lmdeploy's they are positions [0, {rows}) of {tokens}; read as vLLM 0.21's they \
+                 are the {generated} generated tokens' rows, whose prompt rows (the top-level \
+                 prompt_routed_experts) are missing, as when a router re-serialises the body \
+                 through typed structs; the two cannot be told apart, so neither is guessed"
+            )))
+        }
         _ => Ok(()),
     }
 }
@@ -250,6 +269,30 @@ mod tests {
         let rule = Rule::of(Format::Lists, Place::Message);
         assert_eq!(rule, Rule::WholeWithFiller);
         assert!(check(rule, Format::Lists, &header(0, 13), &c, false).is_err());
+    }
+
+    #[test]
+    fn nested_lists_at_a_choice_of_vllm_021s_count_are_ambiguous() {
+        // 7 prompt and 5 generated tokens: lmdeploy writes 11 rows (10 after a stop string);
+        // vLLM 0.21 writes 4 or 5 generated rows there, its prompt rows at the top level.
+        let c = counts(7, 5);
+        let rule = Rule::of(Format::Lists, Place::Choice);
+        assert_eq!(rule, Rule::ListsAtChoice);
+        assert!(check(rule, Format::Lists, &header(0, 11), &c, false).is_ok());
+        assert!(check(rule, Format::Lists, &header(0, 10), &c, false).is_ok());
+        for rows in [4, 5] {
+            let msg = check(rule, Format::Lists, &header(0, rows), &c, false)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                msg.contains("ambiguous") && msg.contains("vLLM 0.21"),
+                "{msg}"
+            );
+            assert!(msg.contains("lmdeploy"), "{msg}");
+        }
+        // Elsewhere (lmdeploy's /generate meta_info) lists are lmdeploy's alone.
+        let other = Rule::of(Format::Lists, Place::Sglang);
+        assert!(check(other, Format::Lists, &header(0, 5), &c, false).is_ok());
     }
 
     #[test]

@@ -115,11 +115,11 @@ def test_the_cli_raises_its_size_limit_with_max_bytes(
     p = rx.RoutedExperts.from_array(_rows(64))
     f = tmp_path / "value.json"
     f.write_bytes(p.to_json())
-    assert main(["inspect", str(f), "--max-bytes", "16"]) == 2
-    err = capsys.readouterr().err
-    assert "raise it with --max-bytes" in err and "set_max_bytes" not in err
-    limit = rx.get_max_bytes()
+    limit = rx.get_max_bytes()  # the command sets the process's limit: put back after
     try:
+        assert main(["inspect", str(f), "--max-bytes", "16"]) == 2
+        err = capsys.readouterr().err
+        assert "raise it with --max-bytes" in err and "set_max_bytes" not in err
         assert main(["inspect", str(f), "--max-bytes", str(p.nbytes)]) == 0
     finally:
         rx.set_max_bytes(limit)
@@ -145,3 +145,111 @@ def test_openai_sdk_objects_are_read_as_the_body_they_came_from() -> None:
     t = rx.Trajectory()
     t.append(openai.types.chat.ChatCompletion.model_validate(chat))
     assert t.payload == p
+
+
+def _weighted_sidecar(rows: np.ndarray, start: int = 0) -> dict:
+    """A sidecar as prime-rl's open PR #3523 writes it: FP32 router weights inside."""
+    p = rx.RoutedExperts.from_array(rows, start=start)
+    weights = np.full(rows.shape, 0.5, dtype="<f4").tobytes()
+    import base64
+
+    return dict(p.to_dict(), format_version=1,
+                weights={"data": base64.b64encode(weights).decode(), "dtype": "float32"})
+
+
+def test_a_merge_refuses_weights_inside_a_sidecar_and_never_drops_them() -> None:
+    rows = _rows(6)
+    prefill = {"choices": [{"index": 0, "routed_experts": _weighted_sidecar(rows[:4])}]}
+    decode = {"choices": [{"index": 0, "routed_experts": _weighted_sidecar(rows[3:], start=3)}]}
+    # Reading takes the ids (the weights' shape is not settled; nothing is merged from them).
+    got = rx.from_response(json.dumps(decode))
+    assert got is not None and got.start == 3
+    with pytest.raises(rx.MergeError, match="`format_version` key|`weights` key"):
+        rx.merge_response(json.dumps(prefill), json.dumps(decode))
+    # Any key the library does not know is refused by a merge too, not dropped.
+    noted = dict(rx.RoutedExperts.from_array(rows[:4]).to_dict(), note="kept?")
+    plain = {"choices": [{"index": 0, "routed_experts": rx.RoutedExperts.from_array(
+        rows[3:], start=3).to_dict()}]}
+    with pytest.raises(rx.MergeError, match="`note` key: a key the library does not know"):
+        rx.merge_response(json.dumps({"choices": [{"index": 0, "routed_experts": noted}]}),
+                          json.dumps(plain))
+
+
+@pytest.mark.parametrize("where", ["nvext", "top"])
+def test_routing_moved_to_dynamos_object_store_is_refused_saying_where(where: str) -> None:
+    receipt = {"format": "generation_artifact_v1", "contents": ["moe_routes"], "state": "ready",
+               "actual_bytes": 8192, "sha256": "9f", "object_id": "art-42"}
+    if where == "nvext":
+        body = {"choices": [{"index": 0, "message": {"content": "x"}}],
+                "nvext": {"routed_experts": None, "generation_artifact": receipt}}
+    else:
+        body = {"request_id": "r", "choices": [{"index": 0, "token_ids": [3]}],
+                "generation_artifact": receipt}
+    for call in (lambda: rx.from_response(json.dumps(body)),
+                 lambda: rx.merge_response(json.dumps(body), json.dumps(body))):
+        with pytest.raises(rx.PayloadError, match="object store.*art-42"):
+            call()
+
+
+def test_nested_lists_of_vllm_021s_generated_count_are_refused_naming_both_readings() -> None:
+    # vLLM 0.21's body after a router dropped its top-level prompt_routed_experts: the choice's
+    # generated rows (G - 1 of them) would read as lmdeploy's rows from position 0.
+    rows = _rows(4)
+    body = {"choices": [{"index": 0, "routed_experts": rows.tolist()}],
+            "usage": {"prompt_tokens": 9, "completion_tokens": 5}}
+    with pytest.raises(rx.PayloadError, match="ambiguous.*lmdeploy.*vLLM 0.21"):
+        rx.from_response(json.dumps(body))
+    # lmdeploy's own count (P + G - 1 rows) reads from 0.
+    body["choices"][0]["routed_experts"] = _rows(13).tolist()
+    got = rx.from_response(json.dumps(body))
+    assert got is not None and (got.start, got.stop) == (0, 13)
+
+
+class _Terminal:
+    """A stderr that says it is a terminal, keeping what is written."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        self.text += s
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_long_cli_work_shows_progress_on_a_terminal_only(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    term = _Terminal()
+    monkeypatch.setattr("sys.stderr", term)
+    assert main(["demo", "--tokens", "64"]) == 0
+    assert "making a synthetic" in term.text and "timing encode and decode" in term.text
+    assert "routed-experts:" not in capsys.readouterr().out  # progress never on stdout
+    monkeypatch.undo()
+    assert main(["demo", "--tokens", "64"]) == 0
+    assert capsys.readouterr().err == ""  # not a terminal: silent
+
+
+@pytest.mark.source_tree
+def test_what_the_readme_says_the_command_prints_it_prints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    quoted = "argument --prefill: expected a\nURL starting with http://, got 'localhost:8100'"
+    assert quoted in readme
+    with pytest.raises(SystemExit) as e:
+        main(["proxy", "--prefill", "localhost:8100", "--decode", "http://127.0.0.1:9"])
+    assert e.value.code == 2
+    assert quoted.replace("\n", " ") in capsys.readouterr().err
+    # The policies are choices the usage shows.
+    with pytest.raises(SystemExit):
+        main(["proxy", "--help"])
+    assert "{round_robin,least_load,session}" in capsys.readouterr().out
+    # to_json returns bytes, as the README says.
+    assert isinstance(rx.RoutedExperts.from_array(_rows(1)).to_json(), bytes)
+    assert "`p.to_json()` (bytes)" in readme

@@ -443,7 +443,11 @@ def test_nemo_rl_message_rows_end_in_a_filler() -> None:
                          "routed_experts": value}, "finish_reason": "length"}],
             "usage": usage()}
     assert same(rx.from_response(json.dumps(body)), ROWS)
-    short = value.replace("5x2x2", "4x2x2").rsplit(":", 1)[0] + ":" + b64(ROWS, "int8")
+    # P + G - 1 rows (what encode(p, "nemo") writes: no filler) are read whole; fewer are refused.
+    whole = value.replace("5x2x2", "4x2x2").rsplit(":", 1)[0] + ":" + b64(ROWS, "int8")
+    body["choices"][0]["message"]["routed_experts"] = whole
+    assert same(rx.from_response(json.dumps(body)), ROWS)
+    short = value.replace("5x2x2", "3x2x2").rsplit(":", 1)[0] + ":" + b64(ROWS[:3], "int8")
     body["choices"][0]["message"]["routed_experts"] = short
     with pytest.raises(rx.PayloadError, match=r"NeMo-RL's rows are \[0, 5\)"):
         rx.from_response(json.dumps(body))

@@ -22,6 +22,7 @@ __all__ = [
     "_ProxyServer",
     "_check_proxy_settings",
     "_from_raw",
+    "_proxy_policies",
     "_proxy_settings",
     "_proxy_text_settings",
     "_read_prefill",
@@ -314,6 +315,7 @@ class StreamMerger:
 
 def _proxy_settings() -> list[tuple[str, str, int, int, str]]: ...
 def _proxy_text_settings() -> list[tuple[str, str | None, str]]: ...
+def _proxy_policies() -> list[str]: ...
 def _check_proxy_settings(settings: dict[str, Any]) -> None: ...
 @final
 class _ProxyServer:

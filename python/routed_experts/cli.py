@@ -26,18 +26,28 @@ UPSTREAM_KEY_ENV = "ROUTED_EXPERTS_UPSTREAM_API_KEY"
 BODY_KEYS = ("choices", "sglext", "meta_info", "nvext")
 
 
+def _progress(text: str) -> None:
+    """A step of work that can take more than a moment, on stderr when it is a terminal (never
+    in a pipe or a log, and never on stdout, which carries only results)."""
+    if sys.stderr.isatty():
+        print(f"routed-experts: {text}...", file=sys.stderr, flush=True)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    _progress(f"making a synthetic {args.model} rollout of {args.tokens:,} tokens")
     p = synthetic_rollout(args.model, args.tokens)
     layers, top_k, experts = MODELS[args.model]
     print(
         f"rollout: {args.model} ({layers} MoE layers, top_k {top_k}, {experts} experts), "
         f"{p.num_tokens} tokens -> {p!r}, {p.nbytes / 1e6:.2f} MB decoded"
     )
+    _progress("encoding, decoding and comparing it")
     wire = p.to_json()
     back = RoutedExperts.from_json(wire)
     if back != p or not np.array_equal(back.array, p.array):
         print("FAILED: decode(encode(p)) != p", file=sys.stderr)
         return 1
+    _progress("timing encode and decode, 5 runs each")
     t_enc = best_of(p.to_json, 5)
     t_dec = best_of(lambda: RoutedExperts.from_json(wire), 5)
     mb = len(wire) / 1e6
@@ -92,6 +102,7 @@ def _is_response_body(text: bytes) -> bool:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    _progress(f"reading {'stdin' if args.file == '-' else args.file}")
     text = _read_input(args.file).strip()
     with _in_file(args.file):
         if _is_response_body(text):
@@ -654,12 +665,16 @@ def _add_proxy_choices(p: argparse.ArgumentParser) -> None:
     """The proxy's text settings but the API key (its own flag, with the environment): one
     flag each, default and help from Rust's declaration, which also checks the values (a
     policy's name, a header's) when the config is made."""
+    from routed_experts._core import _proxy_policies
     from routed_experts.proxy.config import text_settings_declared
 
     for name, default, help_text in text_settings_declared():
         if name == "upstream_api_key":
             continue
-        p.add_argument("--" + name.replace("_", "-"), default=default, help=help_text)
+        # A policy's names, as Rust declares them, shown in the usage and checked here too.
+        choices = _proxy_policies() if name.endswith("_policy") else None
+        p.add_argument("--" + name.replace("_", "-"), default=default, help=help_text,
+                       choices=choices)
 
 
 def size_text(n: int) -> str:

@@ -194,11 +194,12 @@ def answered_again(
     stack: Stack, body: dict[str, Any], tag: str, attempts: int = 120
 ) -> httpx.Response:
     """The first 200 once the restarted server is back in rotation (until then: 502 or 503).
-    Every prompt new: prefill saves each prompt's KV in the shared folder, and a prefill server
-    that later finds a prompt there loads it, computes no routing for it and dies when asked
-    for routing from 0 (vLLM 0.32; format.md §3.5)."""
+    Every prompt new from its first token: prefill saves each prompt's KV blocks in the shared
+    folder, and a restarted prefill server (its own prefix cache empty) that finds a prompt's
+    leading blocks there loads them, computes no routing for them and dies when asked for
+    routing from 0 (vLLM 0.32; format.md §3.5)."""
     for i in range(attempts):
-        body = {**body, "prompt": f"{LONG} {tag} back {i}"}
+        body = {**body, "prompt": f"{tag} back {i} {LONG}"}
         r = httpx.post(stack.url + "/v1/completions", json=body, timeout=300)
         if r.status_code == 200:
             return r
@@ -237,7 +238,7 @@ def test_decode_killed_mid_stream_and_down_gives_clear_errors_then_is_taken_back
 
 def test_prefill_killed_gives_a_clear_error_then_is_taken_back(stack: Stack) -> None:
     stack.prefill.stop()
-    body = {**COMPLETION, "prompt": LONG + " no prefill"}
+    body = {**COMPLETION, "prompt": "no prefill " + LONG}
     r = httpx.post(stack.url + "/v1/completions", json=body, timeout=300)
     assert r.status_code in (502, 503), r.text
     assert r.json()["error"]["side"] in ("prefill", "proxy"), r.text

@@ -127,6 +127,13 @@ pub fn _proxy_text_settings() -> Vec<(&'static str, Option<&'static str>, &'stat
     TEXT_SETTINGS.to_vec()
 }
 
+/// The names of the policies a side's server can be picked by (`prefill_policy`,
+/// `decode_policy`), as Rust declares them: the command's choices.
+#[pyfunction]
+pub fn _proxy_policies() -> Vec<&'static str> {
+    routed_experts_proxy::Policy::ALL.iter().map(|p| p.name()).collect()
+}
+
 /// Check proxy settings (a dict of `ProxyConfig`'s fields) without starting a server: a
 /// `ConfigError` names the first that cannot serve.
 #[pyfunction]
