@@ -166,9 +166,16 @@ pub fn check(
                     end - rows as u64
                 ));
             } else if stop > end && start_given && end >= rows as u64 {
+                // Who ignores the start it was asked for, by format (format.md §3.5).
+                let who = match format {
+                    Format::VllmNpy => {
+                        "vLLM before 0.28 ignores routed_experts_prompt_start on /v1/completions \
+                         and /v1/chat/completions"
+                    }
+                    _ => "SGLang 0.5.8 to 0.5.11 ignore routed_experts_start_len",
+                };
                 msg.push_str(&format!(
-                    "; the server sent rows from position {} (SGLang 0.5.8 to 0.5.11 ignore \
-                     routed_experts_start_len), not from the start given",
+                    "; the server sent rows from position {} ({who}), not from the start given",
                     end - rows as u64
                 ));
             }

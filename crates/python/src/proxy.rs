@@ -131,7 +131,10 @@ pub fn _proxy_text_settings() -> Vec<(&'static str, Option<&'static str>, &'stat
 /// `decode_policy`), as Rust declares them: the command's choices.
 #[pyfunction]
 pub fn _proxy_policies() -> Vec<&'static str> {
-    routed_experts_proxy::Policy::ALL.iter().map(|p| p.name()).collect()
+    routed_experts_proxy::Policy::ALL
+        .iter()
+        .map(|p| p.name())
+        .collect()
 }
 
 /// Check proxy settings (a dict of `ProxyConfig`'s fields) without starting a server: a
