@@ -51,3 +51,16 @@ def test_the_benchmarked_recompute_differs_in_one_expert_of_a_tenth_of_the_route
     r = seen[0]
     assert 0.08 < 1 - r.exact_match < 0.12
     assert 1 - r.overlap == pytest.approx((1 - r.exact_match) / 8)  # one expert of eight
+
+
+def test_the_cpu_ratio_bound_fails_a_run_over_it(capsys: pytest.CaptureFixture[str]) -> None:
+    from routed_experts._bench.proxy import _within_cpu_ratio
+
+    run = {"load": {"vs_vllm_router": {"cpu_per_request": 0.45}},
+           "stream": {"vs_vllm_router": {"cpu_per_request": 0.81}}}
+    assert _within_cpu_ratio(run, None)
+    assert _within_cpu_ratio(run, 0.9)
+    assert not _within_cpu_ratio(run, 0.8)
+    assert "stream: CPU per request 0.81x vllm-router's, OVER the bound of 0.8x" in (
+        capsys.readouterr().out)
+    assert not _within_cpu_ratio({"load": {"proxy": {}}}, 0.8)  # no vllm-router: no pass

@@ -641,6 +641,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait after the memory rounds for the proxy to give memory back",
     )
     bench_proxy.add_argument("--json", help="also write the results to this JSON file")
+    bench_proxy.add_argument(
+        "--max-cpu-ratio", type=float,
+        help="exit 1 when the proxy's CPU per request passes this many times vllm-router's "
+        "in the same run (load and stream parts; CI's regression check)",
+    )
     bench_proxy.set_defaults(func=cmd_bench_proxy)
     return parser
 

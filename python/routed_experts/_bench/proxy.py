@@ -743,7 +743,29 @@ def run_bench(args: argparse.Namespace) -> int:
     if wrong:
         print(f"bench-proxy: {wrong} responses were 200 with wrong routing", flush=True)
         return 1
-    return 0
+    return 0 if _within_cpu_ratio(results, getattr(args, "max_cpu_ratio", None)) else 1
+
+
+def _within_cpu_ratio(results: dict[str, Any], bound: float | None) -> bool:
+    """With a bound: the proxy's CPU per request, over vllm-router's in the same run, is at
+    most `bound` in every load part that ran (a regression a benchmark could catch is caught
+    here, not in a timed test). vllm-router must have run."""
+    if bound is None:
+        return True
+    ok = True
+    for part in ("load", "stream"):
+        if part not in results:
+            continue
+        ratio = results[part].get("vs_vllm_router", {}).get("cpu_per_request")
+        if ratio is None:
+            print(f"bench-proxy: {part}: no vllm-router figure to hold the proxy to", flush=True)
+            ok = False
+            continue
+        verdict = "within" if ratio <= bound else "OVER"
+        print(f"bench-proxy: {part}: CPU per request {ratio}x vllm-router's, {verdict} the "
+              f"bound of {bound}x", flush=True)
+        ok &= ratio <= bound
+    return ok
 
 
 RELIABILITY_PARTS = ("lockup", "slow", "split")
