@@ -37,21 +37,37 @@ pub struct Agreement {
     pub tokens_with_difference: u64,
     /// Routers whose sets differ, over every compared token.
     pub differing_routers: u64,
+    /// Per layer: the layer has no router (its top_k zero throughout on both sides, with
+    /// `top_k > 1`: vLLM 0.22+ and SGLang write dense layers so). Such a layer is left out of
+    /// every figure (its per-layer fractions are NaN), as `validate` and `expert_load` read it:
+    /// two dense layers "agreeing" would count as replay working where there is no router.
+    pub no_router: Vec<bool>,
 }
 
 impl Agreement {
     fn routers(&self) -> f64 {
-        self.compared_rows as f64 * self.num_layers as f64
+        let routed = self.no_router.iter().filter(|&&none| !none).count();
+        self.compared_rows as f64 * routed as f64
+    }
+
+    /// The sum of a per-layer count over the layers that have a router.
+    fn routed_sum(&self, per_layer: &[u64]) -> u64 {
+        per_layer
+            .iter()
+            .zip(&self.no_router)
+            .filter(|(_, &none)| !none)
+            .map(|(&c, _)| c)
+            .sum()
     }
 
     /// Fraction of routers whose expert sets match exactly.
     pub fn exact_match(&self) -> f64 {
-        self.exact_per_layer.iter().sum::<u64>() as f64 / self.routers()
+        self.routed_sum(&self.exact_per_layer) as f64 / self.routers()
     }
 
     /// Mean over routers of |A ∩ B| / top_k.
     pub fn overlap(&self) -> f64 {
-        self.overlap_per_layer.iter().sum::<u64>() as f64 / (self.routers() * self.top_k as f64)
+        self.routed_sum(&self.overlap_per_layer) as f64 / (self.routers() * self.top_k as f64)
     }
 
     /// Fraction of compared tokens with at least one layer whose sets differ.
@@ -64,18 +80,24 @@ impl Agreement {
         self.differing_routers as f64 / self.compared_rows as f64
     }
 
-    /// Per layer: the fraction of routers whose sets match exactly.
+    /// Per layer: the fraction of routers whose sets match exactly (NaN for a layer with no
+    /// router).
     pub fn exact_match_per_layer(&self) -> Vec<f64> {
         let n = self.compared_rows as f64;
-        self.exact_per_layer.iter().map(|&c| c as f64 / n).collect()
+        self.per_layer(&self.exact_per_layer, n)
     }
 
-    /// Per layer: the mean of |A ∩ B| / top_k.
+    /// Per layer: the mean of |A ∩ B| / top_k (NaN for a layer with no router).
     pub fn overlap_per_layer(&self) -> Vec<f64> {
         let n = self.compared_rows as f64 * self.top_k as f64;
-        self.overlap_per_layer
+        self.per_layer(&self.overlap_per_layer, n)
+    }
+
+    fn per_layer(&self, counts: &[u64], n: f64) -> Vec<f64> {
+        counts
             .iter()
-            .map(|&c| c as f64 / n)
+            .zip(&self.no_router)
+            .map(|(&c, &none)| if none { f64::NAN } else { c as f64 / n })
             .collect()
     }
 }
@@ -119,10 +141,21 @@ pub fn agreement(a: &Payload, b: &Payload) -> Result<Agreement> {
     let rows = (stop - start) as usize;
     let (from_a, from_b) = ((start - a.start()) as usize, (start - b.start()) as usize);
     let row = la * ka;
-    let c = with_element!(a.dtype(), A => with_element!(b.dtype(), B => {
+    let (c, no_router) = with_element!(a.dtype(), A => with_element!(b.dtype(), B => {
         let va = &a.values::<A>()[from_a * row..(from_a + rows) * row];
         let vb = &b.values::<B>()[from_b * row..(from_b + rows) * row];
-        count(va, vb, ka, la, start)?
+        let c = count(va, vb, ka, la, start)?;
+        // Only a layer that agreed everywhere can be zero on both sides: look at those alone.
+        let none: Vec<bool> = (0..la)
+            .map(|l| {
+                ka > 1
+                    && c.compared > 0
+                    && c.exact[l] == c.compared
+                    && zero_throughout(va, l, ka, row)
+                    && zero_throughout(vb, l, ka, row)
+            })
+            .collect();
+        (c, none)
     }));
     Ok(Agreement {
         num_layers: la,
@@ -135,7 +168,19 @@ pub fn agreement(a: &Payload, b: &Payload) -> Result<Agreement> {
         overlap_per_layer: c.overlap,
         tokens_with_difference: c.differing_tokens,
         differing_routers: c.differing,
+        no_router,
     })
+}
+
+/// Whether layer `layer`'s top_k is zero in every row of `v` not marked missing.
+fn zero_throughout<T: Element>(v: &[T], layer: usize, k: usize, row: usize) -> bool {
+    v.chunks_exact(row)
+        .filter(|token| !is_missing(token))
+        .all(|token| {
+            token[layer * k..(layer + 1) * k]
+                .iter()
+                .all(|&x| Into::<i64>::into(x) == 0)
+        })
 }
 
 /// Why a group could not be compared by bit masks.
@@ -414,6 +459,20 @@ mod tests {
     fn payload(values: &[i64], shape: (usize, usize, usize), start: u64) -> Payload {
         let shape = Shape::new(shape.0, shape.1, shape.2);
         Payload::from_values(values, shape, start, DTypeChoice::Compact).unwrap()
+    }
+
+    #[test]
+    fn a_layer_zero_on_both_sides_has_no_router_and_is_left_out() {
+        // 2 tokens, 2 layers (layer 1 dense: zeros), top_k 2; layer 0 differs in one token.
+        let a = payload(&[1, 2, 0, 0, 3, 4, 0, 0], (2, 2, 2), 0);
+        let b = payload(&[1, 2, 0, 0, 3, 5, 0, 0], (2, 2, 2), 0);
+        let r = agreement(&a, &b).unwrap();
+        assert_eq!(r.no_router, vec![false, true]);
+        assert_eq!(r.exact_match(), 0.5); // one of two routers of layer 0, not 3 of 4
+        assert!(r.exact_match_per_layer()[1].is_nan());
+        // Zero on one side only is routing that differs, not a missing router.
+        let c = payload(&[1, 2, 0, 0, 3, 4, 0, 1], (2, 2, 2), 0);
+        assert_eq!(agreement(&a, &c).unwrap().no_router, vec![false, false]);
     }
 
     #[test]

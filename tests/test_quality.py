@@ -46,13 +46,19 @@ def reference(a: np.ndarray, b: np.ndarray) -> dict[str, Any]:
                     y.remove(v)
                     common[t, layer] += 1
     differ = (~exact).sum(axis=1)
+    # A layer zero throughout on both sides (top_k > 1) has no router: left out, NaN per layer.
+    routed = ~(((a == 0) & (b == 0)).all(axis=(0, 2)) & (k > 1))
+    per_exact = np.where(routed, exact.mean(axis=0), np.nan)
+    per_overlap = np.where(routed, common.sum(axis=0) / (a.shape[0] * k), np.nan)
     return {
-        "exact_match": exact.mean(),
-        "overlap": common.sum() / (common.size * k),
+        "exact_match": exact[:, routed].mean() if routed.any() else np.nan,
+        "overlap": (common[:, routed].sum() / (common[:, routed].size * k)
+                    if routed.any() else np.nan),
         "tokens_with_difference": (differ > 0).mean(),
         "differing_per_token": differ.mean(),
-        "exact_match_per_layer": exact.mean(axis=0),
-        "overlap_per_layer": common.sum(axis=0) / (a.shape[0] * k),
+        "exact_match_per_layer": per_exact,
+        "overlap_per_layer": per_overlap,
+        "no_router_layers": np.flatnonzero(~routed).tolist(),
     }
 
 
@@ -151,8 +157,12 @@ def test_agreement_equals_the_numpy_reference_on_any_ids(
     assert_matches(rx.agreement(pa, pb), reference(a, b))
     assert_matches(rx.agreement(a, b), reference(a, b))  # numpy arrays too
     permuted = rng.permuted(a, axis=-1)
+    dense = ((a == 0).all(axis=(0, 2)) & (shape[2] > 1)).tolist()
     for same in (rx.agreement(pa, pa), rx.agreement(pa, payload(permuted))):
-        assert (same.exact_match, same.overlap) == (1.0, 1.0)
+        if all(dense):  # every layer zero throughout: no router to compare
+            assert np.isnan(same.exact_match) and np.isnan(same.overlap)
+        else:
+            assert (same.exact_match, same.overlap) == (1.0, 1.0)
         assert (same.tokens_with_difference, same.differing_per_token) == (0.0, 0.0)
 
 

@@ -180,7 +180,7 @@ def streams() -> list[Any]:
 
 
 @pytest.mark.parametrize(("release", "case"), json_replies())
-def test_expert_load_of_a_real_body_skips_the_dense_layer(
+def test_quality_figures_of_a_real_body_skip_the_dense_layer(
     release: Path, case: dict[str, Any]
 ) -> None:
     rec = case["reply"]
@@ -199,6 +199,10 @@ def test_expert_load_of_a_real_body_skips_the_dense_layer(
             assert counts[layer].sum() == 0 and np.isnan(load.imbalance[layer])
         else:
             assert counts[layer].sum() == p.num_tokens * m["model"]["top_k"]
+    # Agreement leaves the dense layer out too: it is no router "agreeing".
+    a = rx.agreement(p, p)
+    assert a.no_router_layers == dense and a.exact_match == 1.0
+    assert all(np.isnan(a.exact_match_per_layer[layer]) for layer in dense)
 
 
 @pytest.mark.parametrize(

@@ -121,10 +121,18 @@ impl Agreement {
         self.inner.top_k
     }
 
+    /// The layers with no router (top_k zero throughout on both sides: a dense layer), left
+    /// out of every figure.
+    #[getter]
+    fn no_router_layers(&self) -> Vec<usize> {
+        no_router_layers(&self.inner)
+    }
+
     /// Every figure as a plain dict (lists for the per-layer ones), for logging.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let a = &self.inner;
         let d = PyDict::new(py);
+        d.set_item("no_router_layers", no_router_layers(a))?;
         d.set_item("exact_match", a.exact_match())?;
         d.set_item("overlap", a.overlap())?;
         d.set_item("tokens_with_difference", a.tokens_with_difference())?;
@@ -174,6 +182,15 @@ pub fn agreement(
     let (a, b) = (a.get(), b.get());
     let inner = py.detach(|| routed_experts::agreement::agreement(a, b))?;
     Ok(Agreement { inner })
+}
+
+fn no_router_layers(a: &CoreAgreement) -> Vec<usize> {
+    a.no_router
+        .iter()
+        .enumerate()
+        .filter(|(_, &none)| none)
+        .map(|(l, _)| l)
+        .collect()
 }
 
 /// How often each layer's router picked each expert (from `expert_load`).
