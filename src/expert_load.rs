@@ -8,10 +8,11 @@ use crate::validate::is_missing;
 
 /// A `(num_layers, num_experts)` table of how many times each layer picked each expert, and
 /// the token rows it was counted over. Rows marked missing (all `-1`) are skipped and counted.
-/// A layer's top_k that is zero throughout (with `top_k > 1`: a router never picks one expert
-/// twice) is a layer with no router, as [`validate`](crate::validate) reads it: vLLM 0.22+ and
-/// SGLang write dense layers so. It is not counted as picks of expert 0, so a dense layer's
-/// figures are NaN (it counted nothing), never a false imbalance.
+/// A layer whose top_k is zero throughout a payload (every counted row, with `top_k > 1`: a
+/// router never picks one expert twice) is a layer with no router, as
+/// [`validate`](crate::validate) reads it: vLLM 0.22+ and SGLang write dense layers so. It is
+/// not counted as picks of expert 0, so a dense layer's figures are NaN (it counted nothing),
+/// never a false imbalance.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExpertLoad {
     num_layers: usize,
@@ -104,13 +105,28 @@ impl ExpertLoad {
                 }
             }
         }
-        for (table, rows, missing) in counted {
-            for (total, c) in self.counts.iter_mut().zip(table) {
+        let (mut mine, mut rows, mut missing) = (vec![0u64; cells], 0u64, 0u64);
+        for (table, r, m) in counted {
+            for (total, c) in mine.iter_mut().zip(table) {
                 *total += c;
             }
-            self.rows += rows;
-            self.missing_rows += missing;
+            rows += r;
+            missing += m;
         }
+        // A layer this payload holds as zeros throughout (every id of every counted row) has no
+        // router: read from the counts, so the counting loop stays branch-free.
+        if k > 1 && rows > 0 {
+            for layer in mine.chunks_exact_mut(experts) {
+                if layer[0] == rows * k as u64 && layer[1..].iter().all(|&c| c == 0) {
+                    layer[0] = 0;
+                }
+            }
+        }
+        for (total, c) in self.counts.iter_mut().zip(mine) {
+            *total += c;
+        }
+        self.rows += rows;
+        self.missing_rows += missing;
         Ok(())
     }
 
@@ -216,9 +232,6 @@ fn count<T: Element>(
             }
             rows += 1;
             for (group, counts) in token.chunks_exact(k).zip(local.chunks_exact_mut(experts)) {
-                if k > 1 && group.iter().all(|&v| v.into() == 0) {
-                    continue; // no router in this layer (a dense layer's zeros)
-                }
                 for &v in group {
                     let id: i64 = v.into();
                     counts[id as usize] += 1; // in 0..experts: checked by the caller
