@@ -253,3 +253,20 @@ def test_what_the_readme_says_the_command_prints_it_prints(
     # to_json returns bytes, as the README says.
     assert isinstance(rx.RoutedExperts.from_array(_rows(1)).to_json(), bytes)
     assert "`p.to_json()` (bytes)" in readme
+
+
+def test_an_openai_sdk_stream_chunk_with_routing_is_read() -> None:
+    # SGLang's OpenAI stream sends its routing in a chunk of its own: `choices` empty,
+    # `sglext.routed_experts` (the SDK keeps `sglext` in model_extra).
+    openai = pytest.importorskip("openai")
+    import base64
+
+    rows = _rows(3)
+    flat = base64.b64encode(rows.astype("<i4").tobytes()).decode()
+    chunk = openai.types.chat.ChatCompletionChunk.model_validate(
+        {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+         "choices": [], "sglext": {"routed_experts": flat}})
+    assert chunk.model_extra is not None and "sglext" in chunk.model_extra
+    got = rx.from_response(chunk, num_layers=2, top_k=2)
+    assert got is not None
+    np.testing.assert_array_equal(got.to_numpy(), rows)

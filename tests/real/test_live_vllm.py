@@ -225,24 +225,22 @@ def test_decode_killed_mid_stream_and_down_gives_clear_errors_then_is_taken_back
                     stack.decode.stop()
     assert "data: [DONE]" not in lines
     assert json.loads(lines[-1][6:])["error"]["side"] == "decode", lines[-1]
-    # Down: a plain request is an error naming decode (or, once ejected, the proxy's 503).
-    r = httpx.post(stack.url + "/v1/completions", json={**COMPLETION, "prompt": LONG + " down"},
-                   timeout=300)  # fmt: skip
-    assert r.status_code in (502, 503), r.text
-    assert r.json()["error"]["side"] in ("decode", "proxy"), r.text
-    stack.decode.start()
-    stack.decode.wait_ready()
-    check_reply(stack, answered_again(stack, COMPLETION, "decode"))
-    both_alive(stack)
+    down_then_taken_back(stack, stack.decode, "decode")
 
 
 def test_prefill_killed_gives_a_clear_error_then_is_taken_back(stack: Stack) -> None:
     stack.prefill.stop()
-    body = {**COMPLETION, "prompt": "no prefill " + LONG}
+    down_then_taken_back(stack, stack.prefill, "prefill")
+
+
+def down_then_taken_back(stack: Stack, server: engine.Server, side: str) -> None:
+    """While `server` is down a plain request is an error naming its side (or, once the proxy
+    ejected it, the proxy's 503); restarted, it is taken back and answers right."""
+    body = {**COMPLETION, "prompt": f"{side} down {LONG}"}
     r = httpx.post(stack.url + "/v1/completions", json=body, timeout=300)
     assert r.status_code in (502, 503), r.text
-    assert r.json()["error"]["side"] in ("prefill", "proxy"), r.text
-    stack.prefill.start()
-    stack.prefill.wait_ready()
-    check_reply(stack, answered_again(stack, COMPLETION, "prefill"))
+    assert r.json()["error"]["side"] in (side, "proxy"), r.text
+    server.start()
+    server.wait_ready()
+    check_reply(stack, answered_again(stack, COMPLETION, side))
     both_alive(stack)

@@ -303,6 +303,7 @@ def record_monolithic(r: Recorder, server: engine.Server, model: str) -> None:
 def record_pd(r: Recorder, prefill: engine.Server, decode: engine.Server) -> None:
     """The two halves as the proxy asks for them: prefill with one token and the KV cache kept,
     then decode from the prompt's last position (P - 1), and from P."""
+    # As the proxy's PREFILL_KV_TRANSFER_PARAMS (routed_experts is not in the engine's env).
     kv = {
         "do_remote_decode": True,
         "do_remote_prefill": False,
