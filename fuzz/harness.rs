@@ -478,6 +478,18 @@ fn check_agreement(a: &Payload, va: &[i64], b: &Payload, vb: &[i64]) {
     }
     let got = got.expect("comparable routings");
     assert_eq!((got.compared_rows, got.excluded_rows), (compared, excluded));
+    // A layer zero on both sides in every compared row (top_k > 1) has no router.
+    let zero = |v: &[i64], p: &Payload, l: usize| {
+        (start..stop).all(|pos| {
+            let r = &v[(pos - p.start()) as usize * row..][..row];
+            missing(r) || r[l * k..][..k].iter().all(|&x| x == 0)
+        })
+    };
+    let rows_compared = compared > 0;
+    let none: Vec<bool> = (0..layers)
+        .map(|l| k > 1 && rows_compared && exact[l] == compared && zero(va, a, l) && zero(vb, b, l))
+        .collect();
+    assert_eq!(got.no_router, none, "layers with no router");
     assert_eq!(
         (&got.exact_per_layer, &got.overlap_per_layer),
         (&exact, &overlap)
@@ -518,12 +530,24 @@ fn check_expert_load(routings: &[(&Payload, &Vec<i64>)], num_experts: usize) {
             continue;
         }
         got.expect("ids in range");
-        for r in values
+        let counted: Vec<&[i64]> = values
             .chunks_exact(row.max(1))
             .filter(|r| row > 0 && !missing(r))
-        {
+            .collect();
+        // A layer zero throughout this payload's counted rows (top_k > 1) has no router.
+        let k = p.top_k();
+        let dense = |l: usize| {
+            k > 1
+                && !counted.is_empty()
+                && counted
+                    .iter()
+                    .all(|r| r[l * k..][..k].iter().all(|&v| v == 0))
+        };
+        for r in &counted {
             for (i, &v) in r.iter().enumerate() {
-                want[(i / p.top_k()) * num_experts + v as usize] += 1;
+                if !dense(i / k) {
+                    want[(i / k) * num_experts + v as usize] += 1;
+                }
             }
         }
         assert_eq!(load.counts(), &want[..]);
