@@ -48,6 +48,9 @@ pub struct SidecarFields<'a> {
     pub decoded: Option<AlignedBytes>,
 }
 
+/// The keys a compact sidecar is made of, and the only ones a merge writes (format.md §3.1).
+pub const SIDECAR_KEYS: [&str; 4] = ["data", "shape", "start", "dtype"];
+
 /// A merge of a sidecar with a key it would not write back (format.md §3.6): prime-rl's
 /// `weights` (PR #3523, open: its router weights, whose shape is not settled) or any key the
 /// library does not know. Refused, never dropped.

@@ -155,11 +155,7 @@ impl ClientBody {
                 let mut s = sampling.clone().unwrap_or_default();
                 s.insert("max_tokens".into(), one);
                 s.shift_remove("min_tokens");
-                let text = RawValue::from_string(
-                    String::from_utf8_lossy(&write_object(s.iter())).into_owned(),
-                )
-                .expect("an object written from JSON values");
-                f.insert("sampling_params".into(), text);
+                f.insert("sampling_params".into(), object_value(&s));
             }
             (api, _) => {
                 f.insert("max_tokens".into(), one.clone());
@@ -194,10 +190,7 @@ impl ClientBody {
                 Api::Generate => {
                     let mut sp = self.sampling.clone().unwrap_or_default();
                     sp.insert("routed_experts_prompt_start".into(), at);
-                    let text = String::from_utf8_lossy(&write_object(sp.iter())).into_owned();
-                    let text =
-                        RawValue::from_string(text).expect("an object written from JSON values");
-                    fields.insert("sampling_params".into(), text);
+                    fields.insert("sampling_params".into(), object_value(&sp));
                 }
                 _ => {
                     fields.insert("routed_experts_prompt_start".into(), at);
@@ -235,6 +228,12 @@ pub const STEERING: [&str; 1] = ["ec_transfer_params"];
 
 fn raw(text: &str) -> Box<RawValue> {
     RawValue::from_string(text.to_string()).expect("constant JSON")
+}
+
+/// `fields` written as one JSON object value (a rewritten `sampling_params`).
+fn object_value(fields: &IndexMap<String, Box<RawValue>>) -> Box<RawValue> {
+    let text = String::from_utf8_lossy(&write_object(fields.iter())).into_owned();
+    RawValue::from_string(text).expect("an object written from JSON values")
 }
 
 fn write_object<'a>(fields: impl Iterator<Item = (&'a String, &'a Box<RawValue>)>) -> Vec<u8> {

@@ -193,7 +193,7 @@ fn dict_fields<'a>(
     let mut extra_key = None;
     for key in d.keys() {
         let key = key.str()?.to_string();
-        if !["data", "shape", "start", "dtype"].contains(&key.as_str()) {
+        if !routed_experts::sidecar::SIDECAR_KEYS.contains(&key.as_str()) {
             extra_key = Some(key.chars().take(64).collect());
             break;
         }
