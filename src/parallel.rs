@@ -3,7 +3,7 @@
 //! over an input and the output it maps to part for part (base64 text and bytes).
 
 use std::ops::Range;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 /// Below this many input bytes per thread, a thread costs more than it saves.
 #[cfg(not(any(test, fuzzing)))]
@@ -32,11 +32,20 @@ pub(crate) fn over_rows<R: Send>(
 
 /// How many threads `bytes` of input are worth, at least 1.
 pub(crate) fn threads_for(bytes: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    cores
-        .min(MAX_THREADS)
-        .min(bytes / MIN_BYTES_PER_THREAD)
-        .max(1)
+    let worth = bytes / MIN_BYTES_PER_THREAD;
+    if worth < 2 {
+        return 1;
+    }
+    cores().min(MAX_THREADS).min(worth)
+}
+
+/// The cores this process may use, read once. `available_parallelism` reads the cgroup quota
+/// files on every call (opens, stats and reads under /sys and /proc): called per decode, that
+/// was a fifth of the proxy's CPU under load (issue 39). A quota changed while the process
+/// runs is not seen; a process started under it is.
+fn cores() -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, usize::from))
 }
 
 /// `f` over matching parts of `input` and `out`, on as many threads as `input` is worth: parts
