@@ -370,6 +370,25 @@ pub fn encode_into(bytes: &[u8], out: &mut [MaybeUninit<u8>]) {
     debug_assert!(split, "encoded_len splits as the bytes do");
 }
 
+/// [`encode_into`] of `a` then `b` joined, without joining them: `a`'s whole 3-byte groups,
+/// the group that straddles the two, then the rest of `b` (whose groups then line up with the
+/// output's). `out` must be `encoded_len(a.len() + b.len())` long.
+pub fn encode_joined_into(a: &[u8], b: &[u8], out: &mut [MaybeUninit<u8>]) {
+    let whole = a.len() / 3 * 3;
+    let left = a.len() - whole;
+    let fill = ((3 - left) % 3).min(b.len());
+    let mut straddle = [0u8; 3];
+    straddle[..left].copy_from_slice(&a[whole..]);
+    straddle[left..left + fill].copy_from_slice(&b[..fill]);
+    let (head, rest) = out.split_at_mut(encoded_len(whole));
+    let (middle, tail) = rest.split_at_mut(encoded_len(left + fill));
+    encode_into(&a[..whole], head);
+    // The straddling group is short only when `b` ends inside it: then `tail` is empty, and
+    // its padding is the text's end, as in the joined encoding.
+    encode_into(&straddle[..left + fill], middle);
+    encode_into(&b[fill..], tail);
+}
+
 /// [`encode_into`] on this thread.
 fn encode_part(bytes: &[u8], out: &mut [MaybeUninit<u8>]) {
     assert_eq!(
@@ -394,6 +413,22 @@ fn encode_part(bytes: &[u8], out: &mut [MaybeUninit<u8>]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn two_slices_encode_as_their_join() {
+        // Every split of every length up to 3 groups: the straddling group may be missing,
+        // short, or end the text (padding), and `b` may start on any group boundary.
+        let bytes: Vec<u8> = (0u8..12)
+            .map(|i| i.wrapping_mul(97).wrapping_add(13))
+            .collect();
+        for n in 0..=bytes.len() {
+            for cut in 0..=n {
+                let (a, b) = bytes[..n].split_at(cut);
+                let joined = filled_vec(encoded_len(n), |out| encode_joined_into(a, b, out));
+                assert_eq!(joined, encode(&bytes[..n]), "{cut} of {n}");
+            }
+        }
+    }
 
     #[test]
     fn round_trip_and_errors() {

@@ -381,24 +381,48 @@ impl<'a> Spliced<'a> {
     /// part of one of the two input bodies, or of this value (the small rewritten parts). For
     /// a server that writes them out with one vectored write instead of assembling the body.
     pub fn checked_slices(&self) -> Result<Vec<&[u8]>> {
-        let mut out = Vec::with_capacity(self.pieces.len());
+        self.check()?;
+        Ok(self
+            .pieces
+            .iter()
+            .map(|piece| match piece {
+                Piece::Copy(b) => &b[..],
+                Piece::Base64 { text, .. } => text,
+            })
+            .collect())
+    }
+
+    /// The body's pieces in order, its base64 text checked, taken out of this value (which
+    /// then holds none; what it says of the merge stays): borrowed pieces are parts of the two
+    /// input bodies, owned ones the parts the merge wrote, handed over without a copy (a
+    /// re-encoded routing value is most of the body).
+    pub fn take_checked_parts(&mut self) -> Result<Vec<Cow<'a, [u8]>>> {
+        self.check()?;
+        Ok(std::mem::take(&mut self.pieces)
+            .into_iter()
+            .map(|piece| match piece {
+                Piece::Copy(b) => b,
+                Piece::Base64 { text, .. } => Cow::Borrowed(text),
+            })
+            .collect())
+    }
+
+    /// Check the base64 text the pieces copy as it is.
+    fn check(&self) -> Result<()> {
         for piece in &self.pieces {
-            match piece {
-                Piece::Copy(b) => out.push(&b[..]),
-                Piece::Base64 {
-                    text,
-                    last,
-                    whole,
-                    context,
-                } => {
-                    if !b64::groups_valid(text, *last) {
-                        return Err(b64::error_in(whole, "data").context(context));
-                    }
-                    out.push(text);
+            if let Piece::Base64 {
+                text,
+                last,
+                whole,
+                context,
+            } = piece
+            {
+                if !b64::groups_valid(text, *last) {
+                    return Err(b64::error_in(whole, "data").context(context));
                 }
             }
         }
-        Ok(out)
+        Ok(())
     }
 }
 
@@ -565,6 +589,19 @@ fn merge_found<'a>(p: &Found<'a>, d: &Found<'a>, opts: &MergeOptions) -> Result<
         decode_found(p, &prefill_hints, opts.max_bytes).map_err(|e| e.context("prefill"))?;
     let (format, decode) =
         decode_found(d, &decode_hints, opts.max_bytes).map_err(|e| e.context("decode"))?;
+    if !opts.keep_format && prefill.dtype() == decode.dtype() {
+        // The merged bytes are prefill's, then decode's from `skip` on (merge::merge's rows,
+        // same dtype): encoded where they lie, not joined first (vLLM's `.npy` halves take
+        // this path; a join is one more copy of every byte).
+        let plan = merge::plan(&prefill.header(), &decode.header())?;
+        // `skip` is at most decode's rows (plan's checks), so this is within its bytes.
+        let rest = &decode.bytes()[plan.skip * decode.header().row_bytes()..];
+        return Ok(vec![Piece::Copy(Cow::Owned(sidecar::encode_joined(
+            &plan.header,
+            prefill.bytes(),
+            rest,
+        )))]);
+    }
     let merged = merge::merge(&prefill, &decode)?;
     let (format, merged) = if opts.keep_format {
         (

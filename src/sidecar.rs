@@ -446,6 +446,20 @@ pub fn encode_into(p: &Payload, out: &mut [MaybeUninit<u8>]) {
     b64::write_uninit(end, tail(&p.header()).as_bytes());
 }
 
+/// The canonical encoding of the payload `header` describes, whose bytes are `a` then `b`,
+/// written without joining them first (a merge's halves, encoded where they lie: the join
+/// would be one more copy of every byte).
+pub fn encode_joined(header: &Header, a: &[u8], b: &[u8]) -> Vec<u8> {
+    let data = b64::encoded_len(a.len() + b.len());
+    let tail = tail(header);
+    b64::filled_vec(DATA_KEY.len() + data + tail.len(), |out| {
+        let rest = b64::write_uninit(out, DATA_KEY);
+        let (body, end) = rest.split_at_mut(data);
+        b64::encode_joined_into(a, b, body);
+        b64::write_uninit(end, tail.as_bytes());
+    })
+}
+
 /// The sidecar's `data` string: standard padded base64 of the payload's bytes.
 pub fn data_base64(p: &Payload) -> Vec<u8> {
     b64::encode(p.bytes())

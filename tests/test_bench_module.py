@@ -64,3 +64,34 @@ def test_the_cpu_ratio_bound_fails_a_run_over_it(capsys: pytest.CaptureFixture[s
     assert "stream: CPU per request 0.81x vllm-router's, OVER the bound of 0.8x" in (
         capsys.readouterr().out)
     assert not _within_cpu_ratio({"load": {"proxy": {}}}, 0.8)  # no vllm-router: no pass
+
+
+def test_the_vllm_shaped_bench_bodies_merge_to_the_truth_and_hold_the_start() -> None:
+    # vLLM 0.32's P/D bodies: `.npy` text, decode's rows from P - 1 with no start in them. The
+    # merge the proxy must return is the whole sequence; the stand-in refuses a decode request
+    # asking another start (the real release dies), and answers one that asks none (as
+    # vllm-router sends: its row measures the relay alone).
+    import numpy as np
+
+    from routed_experts._bench.proxy import Bodies, Engine
+
+    b = Bodies.make(600, 3, 2, "vllm")
+    assert b.decode_start == 600 - 512  # 512 generated (GENERATED): P = 89, decode from 88
+    assert rx.detect_format(json.loads(b.prefill)["choices"][0]["routed_experts"]) == "vllm_npy"
+    merged = rx.from_response(b.merged)
+    prefill = rx.from_response(b.prefill)
+    decode = rx.from_response(b.decode, start=b.decode_start)
+    assert merged is not None and prefill is not None and decode is not None
+    assert merged.shape == (600, 3, 2) and decode.shape == (512, 3, 2)
+    np.testing.assert_array_equal(merged.to_numpy()[: prefill.shape[0]], prefill.to_numpy())
+    np.testing.assert_array_equal(merged.to_numpy()[b.decode_start :], decode.to_numpy())
+    sent = rx.from_response(b.merged_stream.split(b"\n\n")[-3][6:])
+    assert sent == merged
+    engine = Engine("decode", b, None, "vllm")
+    request = b'{"kv_transfer_params":{"remote_engine_id":"bench-prefill"}'
+    for start, status in [(b.decode_start, b"200"), (0, b"400"), (None, b"200")]:
+        asked = b"" if start is None else b',"routed_experts_prompt_start":%d' % start
+        reply = engine.reply(b"/v1/completions", request + asked + b"}")
+        assert reply is not None and reply[0].split()[1] == status, (start, reply[0])
+    with pytest.raises(ValueError, match="bodies must be one of"):
+        Bodies.make(600, 3, 2, "npy")

@@ -245,3 +245,31 @@ def test_max_bytes_bounds_each_half_of_one_call() -> None:
     merged = rx.from_response(rx.merge_response(pb, db, max_bytes=10))  # decode's 10 bytes fit
     assert merged is not None
     assert merged.to_numpy().ravel().tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 9, 10]
+
+
+def npy_body(p: rx.RoutedExperts) -> bytes:
+    """A vLLM-shaped body: the `.npy` text (which carries no start) at the choice."""
+    value = rx.encode(p, "vllm_npy")
+    return json.dumps({"id": "cmpl-1", "choices": [{"index": 0, "routed_experts": value}]}).encode()
+
+
+@settings(max_examples=200, deadline=None)
+@given(r=rollouts(), decode_dtype=st.sampled_from(["uint8", "uint16"]))
+def test_npy_halves_merge_to_the_canonical_sidecar_byte_for_byte(
+    r: dict[str, Any], decode_dtype: str
+) -> None:
+    # Formats that carry no start are merged by decoding them; halves of one dtype are encoded
+    # where they lie (no join), mixed ones are promoted and joined. Either way the decode body
+    # comes back with its value replaced by exactly the canonical sidecar of the merge.
+    P, S, truth, dt = r["P"], r["S"], r["truth"], r["dtype"]
+    if decode_dtype == "uint8" and dt == "uint16":
+        decode_dtype = "uint16"  # decode's ids may need the wider dtype
+    prefill = payload(truth[S:P], S, dt)
+    for name, decode in decode_forms(r).items():
+        decode = payload(decode.to_numpy(), decode.start, decode_dtype)
+        merged = rx.merge(prefill, decode)
+        pb, db = npy_body(prefill), npy_body(decode)
+        out = rx.merge_response(pb, db, start=S, decode_start=decode.start)
+        canonical = json.dumps(merged.to_dict(), separators=(",", ":"))
+        old = json.dumps(json.loads(db)["choices"][0]["routed_experts"])
+        assert out == db.replace(old.encode(), canonical.encode()), name

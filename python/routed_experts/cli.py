@@ -614,6 +614,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_proxy.add_argument("--layers", type=_count(1), default=48, help="MoE layers")
     bench_proxy.add_argument("--top-k", type=_count(1), default=8, help="experts per token")
     bench_proxy.add_argument(
+        "--bodies", choices=["sidecar", "vllm"], default="sidecar",
+        help="the bodies' shape in the load, stream, memory and fault parts: compact sidecars "
+        "(decode sends zeroed prompt rows), or vLLM 0.32's P/D bodies (.npy text; decode's "
+        "rows from P - 1, the start the proxy must ask)",
+    )
+    bench_proxy.add_argument(
         "--only",
         nargs="+",
         choices=["load", "stream", "memory", "faults", "lockup", "slow", "split", "sessions"],

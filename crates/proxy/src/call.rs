@@ -86,7 +86,8 @@ impl Call {
                 require_routing: true,
                 ..self.merge_options(body.start, decode_start)
             };
-            let spliced = merge_response_found(&prefill_body, &read.routing, &decode_body, opts)?;
+            let mut spliced =
+                merge_response_found(&prefill_body, &read.routing, &decode_body, opts)?;
             let seen = merge_suspects(
                 &read.routing.values,
                 spliced.decode_values(),
@@ -94,7 +95,7 @@ impl Call {
                 SAMPLE_ROWS,
             );
             Ok((
-                shared_slices(&spliced, &[&prefill_body, &decode_body])?,
+                shared_slices(&mut spliced, &[&prefill_body, &decode_body])?,
                 seen,
             ))
         })

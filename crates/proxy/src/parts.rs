@@ -5,6 +5,7 @@
 //! takes them into its write queue.
 
 use std::any::Any;
+use std::borrow::Cow;
 use std::convert::Infallible;
 use std::io::IoSlice;
 use std::sync::Arc;
@@ -63,10 +64,11 @@ impl Buf for Outgoing {
     }
 }
 
-/// A merged body's slices as `Bytes` sharing the buffers of `sources` (the bodies it was
-/// merged from); only the parts the merge wrote are copied (they are small).
+/// A merged body's parts as `Bytes`, taken out of `spliced`: slices share the buffers of
+/// `sources` (the bodies it was merged from), and the parts the merge wrote are moved, not
+/// copied (a re-encoded routing value can be most of the body).
 pub fn shared_slices(
-    spliced: &Spliced<'_>,
+    spliced: &mut Spliced<'_>,
     sources: &[&Bytes],
 ) -> routed_experts::Result<Vec<Bytes>> {
     let within = |b: &Bytes, s: &[u8]| {
@@ -74,12 +76,15 @@ pub fn shared_slices(
         p >= start && p + s.len() <= start + b.len()
     };
     Ok(spliced
-        .checked_slices()?
+        .take_checked_parts()?
         .into_iter()
         .filter(|s| !s.is_empty())
-        .map(|s| match sources.iter().find(|b| within(b, s)) {
-            Some(b) => b.slice_ref(s),
-            None => Bytes::copy_from_slice(s),
+        .map(|s| match s {
+            Cow::Owned(v) => Bytes::from(v),
+            Cow::Borrowed(s) => match sources.iter().find(|b| within(b, s)) {
+                Some(b) => b.slice_ref(s),
+                None => Bytes::copy_from_slice(s),
+            },
         })
         .collect())
 }

@@ -314,7 +314,7 @@ impl<'a> StreamMerger<'a> {
             return Ok(());
         }
         let payload = line.slice_ref(rest.trim_ascii_start());
-        let spliced = match self.prefill.merge(&payload, self.opts) {
+        let mut spliced = match self.prefill.merge(&payload, self.opts) {
             Ok(s) => s,
             // A long event that is not JSON, and holds no routing marker, passes as it came
             // (as a short one does without being parsed).
@@ -324,7 +324,8 @@ impl<'a> StreamMerger<'a> {
             }
             Err(e) => return Err(StreamError::Merge(e)),
         };
-        let parts = shared_slices(&spliced, &[self.prefill.body(), &payload])
+        let merged_len = spliced.len();
+        let parts = shared_slices(&mut spliced, &[self.prefill.body(), &payload])
             .map_err(StreamError::Merge)?;
         if spliced.merged_values() > 0 {
             // A choice's routing comes once; a second event for it would merge it twice.
@@ -340,7 +341,7 @@ impl<'a> StreamMerger<'a> {
             self.merged_choices
                 .extend(spliced.decode_values().iter().map(|f| f.index));
             self.merged = true;
-            self.merged_bytes += spliced.len();
+            self.merged_bytes += merged_len;
             let seen = self.prefill.suspects(spliced.decode_values(), &self.opts);
             self.suspects.0.merge(seen.0);
             self.suspects.1.merge(seen.1);

@@ -43,6 +43,10 @@ PREFILL_KV = {
     "remote_port": 14579,
 }
 GENERATED = 512  # tokens each request generates (the last one has no row)
+# The bodies' shapes: "sidecar", the compact sidecar, decode sending the whole sequence with
+# zeroed prompt rows; "vllm", as vLLM 0.32 sends them in P/D (`.npy` text, prefill rows [0, P),
+# decode rows [P - 1, P + G - 1) when asked from P - 1, the start the proxy asks).
+BODY_SHAPES = ("sidecar", "vllm")
 
 
 # --- the bodies the stand-in engines serve ------------------------------------------------------
@@ -51,8 +55,10 @@ GENERATED = 512  # tokens each request generates (the last one has no row)
 @dataclass
 class Bodies:
     """One request's prebuilt traffic: a vLLM-shaped prefill body (rows [0, P)), a decode body
-    (the full sequence with zeroed prompt rows, as a decode server that did not compute the
-    prompt sends), its stream form, the client's request, and the merge the proxy must return."""
+    (`shape` "sidecar": the full sequence with zeroed prompt rows, as a decode server that did
+    not compute the prompt sends; "vllm": vLLM 0.32's `.npy` rows from P - 1), its stream form
+    (the routing on the last event), the client's request, and the merge the proxy must
+    return. `decode_start`: the start decode must be asked for (None: any)."""
 
     request: bytes
     prefill: bytes
@@ -60,17 +66,30 @@ class Bodies:
     stream: bytes
     merged: bytes
     merged_stream: bytes
+    decode_start: int | None = None
 
     @classmethod
-    def make(cls, tokens: int, layers: int, top_k: int) -> Bodies:
+    def make(cls, tokens: int, layers: int, top_k: int, shape: str = "sidecar") -> Bodies:
+        if shape not in BODY_SHAPES:
+            raise ValueError(f"bench-proxy: bodies must be one of {BODY_SHAPES}, not {shape!r}")
         generated = min(GENERATED, tokens - 1)
         prompt = tokens - generated + 1  # rows: prompt + generated - 1 = tokens
         rng = np.random.default_rng(7)
         truth = rng.integers(0, 128, size=(tokens, layers, top_k), dtype=np.uint8)
-        prefill_rows = rx.RoutedExperts.from_array(truth[:prompt], num_experts=128)
-        zeroed = truth.copy()
-        zeroed[:prompt] = 0
-        decode_rows = rx.RoutedExperts.from_array(zeroed, num_experts=128)
+        prefill_payload = rx.RoutedExperts.from_array(truth[:prompt], num_experts=128)
+        decode_start = None
+        if shape == "vllm":
+            decode_start = prompt - 1
+            decode_payload = rx.RoutedExperts.from_array(
+                truth[decode_start:], start=decode_start, num_experts=128
+            )
+            prefill_rows: Any = rx.encode(prefill_payload, "vllm_npy")
+            decode_rows: Any = rx.encode(decode_payload, "vllm_npy")
+        else:
+            zeroed = truth.copy()
+            zeroed[:prompt] = 0
+            prefill_rows = prefill_payload.to_dict()
+            decode_rows = rx.RoutedExperts.from_array(zeroed, num_experts=128).to_dict()
         request = json.dumps(
             {"model": "moe", "prompt": list(range(prompt)), "max_tokens": generated}
         ).encode()
@@ -84,7 +103,7 @@ class Bodies:
                         "index": 0,
                         "text": "x",
                         "finish_reason": "length",
-                        "routed_experts": prefill_rows.to_dict(),
+                        "routed_experts": prefill_rows,
                     }
                 ],
                 "usage": {"prompt_tokens": prompt, "completion_tokens": 1},
@@ -102,7 +121,7 @@ class Bodies:
                         "index": 0,
                         "text": text,
                         "finish_reason": "length",
-                        "routed_experts": decode_rows.to_dict(),
+                        "routed_experts": decode_rows,
                     }
                 ],
                 "usage": {"prompt_tokens": prompt, "completion_tokens": generated},
@@ -112,12 +131,15 @@ class Bodies:
         for i in range(generated):
             choice: dict[str, Any] = {"index": 0, "text": " tok"}
             if i == generated - 1:  # vLLM sends the routing with the last chunk
-                choice.update(finish_reason="length", routed_experts=decode_rows.to_dict())
+                choice.update(finish_reason="length", routed_experts=decode_rows)
             events.append(b"data: " + json.dumps({"id": "cmpl-d", "choices": [choice]}).encode())
         stream = b"\n\n".join([*events, b"data: [DONE]"]) + b"\n\n"
-        merged = rx.merge_response(prefill, decode)
-        merged_stream = stream.replace(events[-1][6:], rx.merge_response(prefill, events[-1][6:]))
-        return cls(request, prefill, decode, stream, merged, merged_stream)
+        merged = rx.merge_response(prefill, decode, decode_start=decode_start)
+        last = events[-1][6:]
+        merged_stream = stream.replace(
+            last, rx.merge_response(prefill, last, decode_start=decode_start)
+        )
+        return cls(request, prefill, decode, stream, merged, merged_stream, decode_start)
 
     def without_routing(self) -> bytes:
         doc = json.loads(self.decode)
@@ -134,8 +156,8 @@ class Engine:
     stream's routing event one byte per HTTP chunk). A request whose client marked it
     `"user": "small"` is answered with the bodies of an 8-token request."""
 
-    def __init__(self, role: str, bodies: Bodies, fault: str | None) -> None:
-        self.role, self.bodies, self.fault = role, bodies, fault
+    def __init__(self, role: str, bodies: Bodies, fault: str | None, shape: str = "sidecar"):
+        self.role, self.bodies, self.fault, self.shape = role, bodies, fault, shape
         self.requests = 0
         self.disconnects = 0
         self._small: Bodies | None = None
@@ -145,7 +167,7 @@ class Engine:
             prefill = rx.from_response(self.bodies.prefill)
             assert prefill is not None
             shape = prefill.shape
-            self._small = Bodies.make(8, shape[1], shape[2])
+            self._small = Bodies.make(8, shape[1], shape[2], self.shape)
         return self._small
 
     def reply(self, url: bytes, body: bytes) -> list[bytes] | None:
@@ -170,6 +192,14 @@ class Engine:
             return _http(200, bodies.prefill)
         if b'"bench-prefill"' not in body:  # decode needs prefill's kv_transfer_params
             return _http(400, b'{"error":"no kv_transfer_params from prefill"}')
+        if bodies.decode_start is not None and b'"routed_experts_prompt_start"' in body:
+            # vLLM 0.32's decode dies when asked for rows it did not compute: a router that
+            # asks for routing must ask from where decode's rows begin. (vllm-router asks no
+            # start; it is answered the same body, where the real release would die, so its
+            # row measures its relay alone.)
+            asked = b'"routed_experts_prompt_start":%d' % bodies.decode_start
+            if asked not in body.replace(b'": ', b'":'):
+                return _http(400, b'{"error":"decode asked from another start"}')
         if b'"stream":true' in body:
             if self.fault == "byte_split":
                 return _byte_split(bodies.stream)
@@ -210,11 +240,13 @@ def _http(status: int, body: bytes, content_type: bytes = b"application/json") -
     return [head, body]
 
 
-def _engine_main(role: str, fault: str | None, tokens: int, layers: int, top_k: int) -> None:
+def _engine_main(
+    role: str, fault: str | None, tokens: int, layers: int, top_k: int, shape: str
+) -> None:
     import httptools
     import uvloop
 
-    engine = Engine(role, Bodies.make(tokens, layers, top_k), fault)
+    engine = Engine(role, Bodies.make(tokens, layers, top_k, shape), fault, shape)
 
     class Connection(asyncio.Protocol):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -394,14 +426,15 @@ def children(*specs: list[str]) -> Iterator[list[Child]]:
 
 
 def _engine(role: str, args: argparse.Namespace, fault: str | None = None) -> list[str]:
-    return engine_spec(role, args.tokens, args.layers, args.top_k, fault)
+    return engine_spec(role, args.tokens, args.layers, args.top_k, fault, args.bodies)
 
 
 def engine_spec(
-    role: str, tokens: int, layers: int, top_k: int, fault: str | None = None
+    role: str, tokens: int, layers: int, top_k: int, fault: str | None = None,
+    shape: str = "sidecar",
 ) -> list[str]:
-    """The child spec of a stand-in engine serving bodies of this shape."""
-    spec = ["engine", role, str(tokens), str(layers), str(top_k)]
+    """The child spec of a stand-in engine serving bodies of this size and `shape`."""
+    spec = ["engine", role, str(tokens), str(layers), str(top_k), shape]
     return spec + ([fault] if fault else [])
 
 
@@ -535,7 +568,7 @@ def bench_load(args: argparse.Namespace, bodies: Bodies, stream: bool) -> dict[s
     body = bodies.request
     if stream:
         body = body[:-1] + b',"stream":true}'
-    decode_routing = rx.from_response(bodies.decode)
+    decode_routing = rx.from_response(bodies.decode, start=bodies.decode_start)
     kinds = ["passthrough", "vllm-router", "proxy"] if vllm_router() else ["passthrough", "proxy"]
     results: dict[str, Any] = {}
     with children(_engine("prefill", args), _engine("decode", args)) as (p, d):
@@ -551,7 +584,7 @@ def bench_load(args: argparse.Namespace, bodies: Bodies, stream: bool) -> dict[s
                 # vllm-router rewrites the JSON (it adds usage.total_tokens) and relays the
                 # decode server's routing, zeroed prompt rows included: that is what is checked.
                 def expect(content: bytes) -> bool:
-                    return rx.from_response(content) == decode_routing
+                    return rx.from_response(content, start=bodies.decode_start) == decode_routing
             with contextlib.ExitStack() as stack:
                 if kind == "vllm-router":
                     server: Child = RouterChild([p], [d])
@@ -702,9 +735,10 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0 if _reliable(rounds) else 1
     if reliability:
         raise SystemExit("bench-proxy: run lockup, slow and split apart from the other parts")
-    bodies = Bodies.make(args.tokens, args.layers, args.top_k)
+    bodies = Bodies.make(args.tokens, args.layers, args.top_k, args.bodies)
     results: dict[str, Any] = {
         "shape": [args.tokens, args.layers, args.top_k],
+        "bodies": args.bodies,
         "request_bytes": len(bodies.request),
         "prefill_bytes": len(bodies.prefill),
         "decode_bytes": len(bodies.decode),
@@ -714,7 +748,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "cpus": os.cpu_count(),
     }
     print(
-        f"bench-proxy: {args.tokens} x {args.layers} x {args.top_k}; prefill body "
+        f"bench-proxy: {args.tokens} x {args.layers} x {args.top_k}, {args.bodies} bodies; "
+        "prefill body "
         f"{len(bodies.prefill) / 1e6:.1f} MB, decode {len(bodies.decode) / 1e6:.1f} MB, merged "
         f"{len(bodies.merged) / 1e6:.1f} MB; {args.requests} requests, {args.concurrency} in "
         "flight",
@@ -839,7 +874,8 @@ def _print_faults(r: dict[str, Any]) -> None:
 def _child_main(argv: list[str]) -> None:
     if argv[0] == "engine":
         role, tokens, layers, top_k = argv[1], int(argv[2]), int(argv[3]), int(argv[4])
-        _engine_main(role, argv[5] if len(argv) > 5 else None, tokens, layers, top_k)
+        fault = argv[6] if len(argv) > 6 else None
+        _engine_main(role, fault, tokens, layers, top_k, argv[5])
     elif argv[0] == "serve":
         kind, prefill, decode, settings = argv[1], argv[2], argv[3], json.loads(argv[4])
         _serve_main(kind, prefill.split(","), decode.split(","), settings)
