@@ -624,4 +624,24 @@ pub fn proxy(data: &[u8]) {
         whole,
         "a stream merged in pieces differs from the whole"
     );
+    // Arbitrary chunkings: lengths 1 to 64 drawn from the stream's own first bytes (so the
+    // fuzzer steers where events, lines and escapes are cut), and one byte at a time.
+    let lengths: Vec<usize> = stream.iter().take(16).map(|&b| 1 + b as usize % 64).collect();
+    if !lengths.is_empty() {
+        let mut chunks = Vec::new();
+        let mut rest = stream;
+        for len in lengths.iter().cycle() {
+            if rest.is_empty() {
+                break;
+            }
+            let (head, tail) = rest.split_at((*len).min(rest.len()));
+            chunks.push(head);
+            rest = tail;
+        }
+        assert_eq!(run(&chunks), whole, "a stream merged in chunks differs from the whole");
+    }
+    if stream.len() <= 2048 {
+        let bytes: Vec<&[u8]> = stream.chunks(1).collect();
+        assert_eq!(run(&bytes), whole, "a stream merged a byte at a time differs from the whole");
+    }
 }
