@@ -31,6 +31,8 @@ from routed_experts._core import (
     __version__ as __version__,
 )
 
+from . import replay
+
 __all__ = [
     "Agreement",
     "ConfigError",
@@ -50,6 +52,7 @@ __all__ = [
     "merge",
     "merge_response",
     "pack",
+    "replay",
     "set_max_bytes",
     "shard",
 ]

@@ -1,0 +1,31 @@
+"""Router replay in the trainer's model: the last hop (format.md §7). Payloads in, replay set on
+this rank's routers, forward and backward, cleared.
+
+- `rx.replay.megatron(model, packed, cu_seqlens, mask)`: Megatron-core's `RouterReplay`.
+- `rx.replay.hf(model, routing, mask)`: Hugging Face transformers MoE models (Qwen3-MoE, OLMoE,
+  Mixtral, DeepSeek-V3).
+
+Both map payload layers to the model's routers by walking the model, refuse a payload that
+does not fit it (layer counts, a dense layer carrying routing, a MoE layer all zero, ids out of
+range or repeated in a row), and give rows without routing ids spread over the experts, with a
+mask (`.replayed`) of the rows that were replayed.
+"""
+
+from __future__ import annotations
+
+from ._rows import check_layers, cp_sp_positions, fill_ids, moe_pattern, payload_layer
+from .hf import HfReplay, hf
+from .megatron import MegatronReplay, local_rows, megatron
+
+__all__ = [
+    "HfReplay",
+    "MegatronReplay",
+    "check_layers",
+    "cp_sp_positions",
+    "fill_ids",
+    "hf",
+    "local_rows",
+    "megatron",
+    "moe_pattern",
+    "payload_layer",
+]

@@ -1,0 +1,147 @@
+"""What every trainer's router replay needs, whatever the framework: which payload layer feeds
+which router, the tokens in the order a router sees them, and each router's ids checked and
+completed (format.md §7). numpy only: the frameworks' own modules wrap these."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, Union
+
+import numpy as np
+
+from .._core import ConfigError, PayloadError
+
+MoeLayerFreq = Union[int, Sequence[int]]
+
+
+def moe_pattern(num_layers: int, moe_layer_freq: MoeLayerFreq = 1) -> list[bool]:
+    """Which of a model's `num_layers` decoder layers (0-based) have a router: Megatron's
+    `moe_layer_freq`, an int N (layer i is MoE when i % N == 0) or one 0/1 per layer."""
+    if isinstance(moe_layer_freq, int):
+        if moe_layer_freq < 1:
+            raise ConfigError(f"`moe_layer_freq`: expected an int >= 1, got {moe_layer_freq}")
+        return [i % moe_layer_freq == 0 for i in range(num_layers)]
+    pattern = [bool(x) for x in moe_layer_freq]
+    if len(pattern) != num_layers:
+        raise ConfigError(
+            f"`moe_layer_freq`: expected one entry per layer ({num_layers}), got {len(pattern)}"
+        )
+    return pattern
+
+
+def payload_layer(layer: int, payload_layers: int, pattern: Sequence[bool]) -> int:
+    """The payload layer that feeds the router of decoder layer `layer` (0-based, global). A
+    payload holds every hidden layer (vLLM, SGLang: dense layers zero) or the MoE layers only
+    (NeMo-RL, vLLM 0.21); which one is told by its count, never guessed."""
+    if not 0 <= layer < len(pattern) or not pattern[layer]:
+        raise ConfigError(f"decoder layer {layer} has no router in this model's MoE pattern")
+    moe = [i for i, is_moe in enumerate(pattern) if is_moe]
+    if payload_layers == len(pattern):
+        return layer
+    if payload_layers == len(moe):
+        return moe.index(layer)
+    raise ConfigError(
+        f"the payload has {payload_layers} layers, but the model has {len(pattern)} decoder "
+        f"layers of which {len(moe)} have routers: a payload holds one or the other"
+    )
+
+
+def check_layers(rows: np.ndarray, pattern: Sequence[bool], valid: np.ndarray | None) -> None:
+    """Refuse a payload of every hidden layer whose dense layers carry routing, or whose MoE
+    layers have none (all zero: an all-zero row has top_k copies of expert 0, which no top-k
+    router picks when top_k >= 2). `rows`: [tokens, layers, top_k]."""
+    if rows.shape[1] != len(pattern):
+        return  # MoE layers only: no dense layer to look at
+    seen = rows if valid is None else rows[valid]
+    if seen.shape[0] == 0:
+        return
+    nonzero = (seen != 0).any(axis=(0, 2))
+    for layer, is_moe in enumerate(pattern):
+        if not is_moe and nonzero[layer]:
+            raise PayloadError(
+                f"payload layer {layer}: the model's decoder layer {layer} is dense, but the "
+                "payload carries routing there (is the payload from another model?)"
+            )
+        if is_moe and not nonzero[layer] and rows.shape[2] >= 2:
+            raise PayloadError(
+                f"payload layer {layer}: the model's decoder layer {layer} has a router, but "
+                "the payload's rows there are all zero (a layer the engine did not record, "
+                "such as another pipeline stage's)"
+            )
+
+
+def fill_ids(
+    ids: np.ndarray,
+    valid: np.ndarray | None,
+    num_experts: int,
+    where: str,
+    dtype: Any = np.int64,
+) -> tuple[np.ndarray, np.ndarray]:
+    """A router's `[tokens, top_k]` replay ids in an index dtype (int64 or int32), and which rows
+    are replayed. Rows without routing (not `valid`, or holding -1) get ids spread over the
+    experts: row r takes experts (r * top_k + j) % num_experts, distinct within the row when
+    top_k <= num_experts (never the duplicates zero padding makes). Recorded rows must hold
+    distinct ids in [0, num_experts); `where` names the router in errors."""
+    tokens, top_k = ids.shape
+    if top_k > num_experts:
+        raise ConfigError(f"{where}: top_k {top_k} is more than the {num_experts} experts")
+    replayed: np.ndarray = np.asarray((ids >= 0).all(axis=1))
+    if valid is not None:
+        replayed &= np.asarray(valid, dtype=bool)
+    out = np.empty((tokens, top_k), dtype=dtype)
+    out[...] = ids
+    bad = replayed & (ids >= num_experts).any(axis=1)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise PayloadError(
+            f"{where}, row {row}: expert ids must be below num_experts {num_experts}, got "
+            f"{ids[row].tolist()}"
+        )
+    if top_k > 1:
+        ordered = np.sort(out, axis=1)
+        dup = replayed & (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
+        if dup.any():
+            row = int(np.argmax(dup))
+            raise PayloadError(
+                f"{where}, row {row}: a row's expert ids must be distinct (a top-k router never "
+                f"picks one twice), got {ids[row].tolist()}"
+            )
+    missing = np.flatnonzero(~replayed)
+    if missing.size:
+        spread = (missing[:, None] * top_k + np.arange(top_k)[None, :]) % num_experts
+        out[missing] = spread
+    return out, replayed
+
+
+def cp_sp_positions(
+    seq_len: int,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    cp_split: Literal["zigzag", "contiguous"] = "zigzag",
+    tp_size: int = 1,
+    tp_rank: int = 0,
+) -> np.ndarray:
+    """The sequence positions a rank's router sees of one `[seq_len]` sequence (BSHD layout):
+    context parallelism's chunks (zigzag: chunks r and 2 x cp_size - 1 - r of 2 x cp_size;
+    contiguous: chunk r of cp_size), then sequence parallelism's contiguous 1/tp_size of them."""
+    if cp_split not in ("zigzag", "contiguous"):
+        raise ConfigError(f'`cp_split`: expected "zigzag" or "contiguous", got {cp_split!r}')
+    if not (0 <= cp_rank < cp_size and 0 <= tp_rank < tp_size):
+        raise ConfigError(
+            f"rank out of range: cp_rank {cp_rank} of {cp_size}, tp_rank {tp_rank} of {tp_size}"
+        )
+    parts = 2 * cp_size if cp_split == "zigzag" else cp_size
+    if seq_len % parts:
+        raise ConfigError(
+            f"sequence length {seq_len} does not split into {parts} context-parallel chunks"
+        )
+    chunk = seq_len // parts
+    chunks = [cp_rank, parts - 1 - cp_rank] if cp_split == "zigzag" else [cp_rank]
+    local = np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in chunks])
+    if local.size % tp_size:
+        raise ConfigError(
+            f"this rank's {local.size} positions do not split among {tp_size} tensor-parallel "
+            "ranks"
+        )
+    share = local.size // tp_size
+    return local[tp_rank * share : (tp_rank + 1) * share]
