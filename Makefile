@@ -22,7 +22,7 @@ DIST ?= dist
 
 .PHONY: run test test-wheel wheel build-dev lint bench bench-rust bench-python bench-table bench-proxy \
 	bench-quality clean fuzz \
-	fuzz-build engine-vllm record-vllm test-engines bench-proxy-ci
+	fuzz-build engine-vllm record-vllm test-engines bench-proxy-ci test-trainer
 
 # Coverage-guided fuzzing (cargo fuzz, libFuzzer, nightly): every target for FUZZ_SECONDS each.
 # The working corpus grows in fuzz/corpus/ (not committed); fuzz/seeds/ is the checked-in seed
@@ -168,6 +168,17 @@ engine-vllm:
 record-vllm: engine-vllm
 	py=$(ENGINE_PY); nice -n 5 $$py tests/real/harness/record.py $(VLLM) tests/real/vllm/$(VLLM) \
 		&& cp "$$(dirname $$(dirname $$py))/environment.txt" tests/real/vllm/$(VLLM)/environment.txt
+
+# Router replay in the trainer's model (rx.replay) against real megatron-core and transformers,
+# in an environment of their own kept under ~/.cache/routed_experts (tests/trainer/trainer_env.py:
+# about 2.8 GB to download, 5 GB on disk, 1-3 minutes the first time). The clone's python/ with
+# the extension build-dev built (abi3) is what they import. Warnings are not errors here: the
+# libraries warn of what this CPU lacks (apex, TransformerEngine) and of their own deprecations.
+test-trainer: build-dev
+	py=$$(python3 tests/trainer/trainer_env.py | tail -n 1); \
+	RX_TRAINER=1 OMP_NUM_THREADS=1 PYTHONPATH=python $$py -m pytest -q -p no:cacheprovider \
+		-o filterwarnings=default -W ignore::DeprecationWarning -W ignore::UserWarning \
+		tests/trainer
 
 # Two real vLLM servers in P/D behind the proxy, every reply's routing against the model's own
 # (tests/real/test_live_vllm.py; about 4 minutes once the environment is made).

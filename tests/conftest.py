@@ -27,6 +27,10 @@ REPO = Path(__file__).resolve().parent.parent
 # collected, and the recorded bodies stand in (tests/test_real_vllm.py). Declared here: a
 # conftest.py of tests/real/ would be imported as the same module name as this one.
 collect_ignore_glob = [] if os.environ.get("RX_VLLM_PYTHON") else ["real/test_live_*.py"]
+# The trainer tests need torch, megatron-core and transformers: `make test-trainer` makes their
+# environment (tests/trainer/trainer_env.py) and runs them there (RX_TRAINER=1), nowhere else.
+if not os.environ.get("RX_TRAINER"):
+    collect_ignore_glob.append("trainer/*")
 # Golden vectors from an independent implementation of the format (tests/vectors/README.md).
 VECTORS = Path(__file__).resolve().parent / "vectors"
 

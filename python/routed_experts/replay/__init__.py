@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from ._rows import check_layers, cp_sp_positions, fill_ids, moe_pattern, payload_layer
 from .hf import HfReplay, hf
+from .hf import gates as hf_gates
 from .megatron import MegatronReplay, local_rows, megatron
+from .megatron import routers as megatron_routers
 
 __all__ = [
     "HfReplay",
@@ -24,8 +26,10 @@ __all__ = [
     "cp_sp_positions",
     "fill_ids",
     "hf",
+    "hf_gates",
     "local_rows",
     "megatron",
+    "megatron_routers",
     "moe_pattern",
     "payload_layer",
 ]
