@@ -178,7 +178,7 @@ test-trainer: build-dev
 	py=$$(python3 tests/trainer/trainer_env.py | tail -n 1); \
 	RX_TRAINER=1 OMP_NUM_THREADS=1 PYTHONPATH=python $$py -m pytest -q -p no:cacheprovider \
 		-o filterwarnings=default -W ignore::DeprecationWarning -W ignore::UserWarning \
-		tests/trainer
+		tests/trainer tests/test_readme.py::test_the_trainer_steps_run_on_real_models
 
 # Two real vLLM servers in P/D behind the proxy, every reply's routing against the model's own
 # (tests/real/test_live_vllm.py; about 4 minutes once the environment is made).

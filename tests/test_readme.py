@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 QUICKSTART = "# quickstart: needs the three commands above running"
+# A trainer step needs torch and a model: the last test runs those blocks where they are.
+TRAINER_STEP = "# trainer step"
 
 
 @pytest.mark.source_tree
@@ -17,7 +21,7 @@ def test_every_python_block_of_the_readme_runs() -> None:
     blocks = re.findall(r"^```python\n(.*?)^```", README.read_text(), re.M | re.S)
     assert len(blocks) >= 3
     # The quickstart's block needs servers: the next test runs it with them.
-    blocks = [b for b in blocks if not b.startswith(QUICKSTART)]
+    blocks = [b for b in blocks if not b.startswith((QUICKSTART, TRAINER_STEP))]
     namespace: dict[str, object] = {}
     for i, block in enumerate(blocks):
         try:
@@ -92,3 +96,73 @@ def _end(proc: subprocess.Popen[str]) -> None:
     proc.wait()
     if proc.stdout is not None:
         proc.stdout.close()
+
+
+@pytest.mark.source_tree
+@pytest.mark.skipif(
+    not os.environ.get("RX_TRAINER"),
+    reason="make test-trainer runs it (torch, megatron-core and transformers are there)",
+)
+def test_the_trainer_steps_run_on_real_models() -> None:
+    """The README's two trainer steps as written, on the trainer tests' tiny models, with
+    payloads recorded from the models themselves: the step replays them (the loss is the one
+    the model gives on its own)."""
+    import numpy as np
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "trainer"))
+    import trainer_models as tm
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    import routed_experts as rx
+
+    text = README.read_text()
+    steps = [b for b in re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
+             if b.startswith(TRAINER_STEP)]
+    assert [s.splitlines()[0].split("(")[1].split(")")[0] for s in steps] == [
+        "Megatron", "transformers"]
+    megatron_step, hf_step = steps
+
+    with tm.megatron_world():
+        model = tm.megatron_model()
+        routers = rx.replay.megatron_routers(model)
+        for router, _, _ in routers:
+            router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+        with torch.no_grad():
+            own = tm.megatron_forward(model, 1)
+        ids = [r.router_replay.get_recorded_indices().numpy() for r, _, _ in routers]
+        for router, _, _ in routers:
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()
+        rows = np.zeros((tm.SEQ, tm.LAYERS, tm.TOP_K), dtype=np.int64)
+        for (_, number, _), t in zip(routers, ids):
+            rows[:, number - 1] = t
+        half = tm.SEQ // 2  # two samples packed as one sequence of SEQ tokens
+        payloads = [rx.RoutedExperts.from_array(rows[:half], num_experts=tm.EXPERTS),
+                    rx.RoutedExperts.from_array(rows[half:], num_experts=tm.EXPERTS)]
+        ns: dict[str, object] = {"rx": rx, "model": model, "payloads": payloads,
+                                 "forward": lambda m: tm.megatron_forward(m, 1)}
+        exec(compile(megatron_step, "README.md trainer step (Megatron)", "exec"), ns)  # noqa: S102
+        assert torch.equal(ns["loss"].detach(), own)  # type: ignore[union-attr]
+
+    model = tm.hf_model("qwen3_moe")
+    b, s = 2, 6
+    input_ids = torch.randint(0, tm.HF_VOCAB, (b, s), generator=torch.Generator().manual_seed(1))
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [g.register_forward_hook(lambda _g, _a, out, i=i: seen.__setitem__(i, out[2]))
+             for i, g in enumerate(rx.replay.hf_gates(model)) if g is not None]
+    with torch.no_grad():
+        own = model(input_ids, labels=input_ids).loss
+    for h in hooks:
+        h.remove()
+    rows = np.zeros((b, s, tm.HF_LAYERS, tm.TOP_K), dtype=np.int64)
+    for i, t in seen.items():
+        rows[:, :, i] = t.reshape(b, s, tm.TOP_K).numpy()
+    payloads = [rx.RoutedExperts.from_array(rows[k, : s - 1], num_experts=tm.EXPERTS)
+                for k in range(b)]
+    ns = {"rx": rx, "model": model, "input_ids": input_ids, "payloads": payloads}
+    exec(compile(hf_step, "README.md trainer step (transformers)", "exec"), ns)  # noqa: S102
+    # The last token of each sample had no row and was filled; its logits predict nothing (a
+    # causal LM's loss ends at the token before), so the loss is the model's own, bit for bit.
+    assert torch.equal(ns["loss"].detach(), own)  # type: ignore[attr-defined]
+    assert model.model.layers[1].mlp.gate.weight.grad is not None  # the step's backward ran

@@ -1,4 +1,4 @@
-"""Router replay's framework-free part (format.md §7): layers mapped, rows ordered as a router
+"""Router replay's framework-free part (format.md §6.2): layers mapped, rows ordered as a router
 sees them, ids checked and completed. The frameworks themselves are tested in tests/trainer/
 (`make test-trainer`, against real megatron-core and transformers)."""
 

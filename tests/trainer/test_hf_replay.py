@@ -9,54 +9,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from transformers import (
-    DeepseekV3Config,
-    DeepseekV3ForCausalLM,
-    MixtralConfig,
-    MixtralForCausalLM,
-    OlmoeConfig,
-    OlmoeForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-)
+from trainer_models import EXPERTS, FAMILIES, HF_LAYERS, HF_VOCAB, TOP_K, hf_model
 
 import routed_experts as rx
 
-torch.set_num_threads(1)
-EXPERTS, TOP_K, LAYERS, BATCH, SEQ, VOCAB = 8, 2, 3, 2, 6, 64
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-
-
-def tiny(family: str) -> Any:
-    torch.manual_seed(0)
-    if family == "qwen3_moe":  # layer 0 dense (mlp_only_layers)
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-            **COMMON, num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=16,
-            norm_topk_prob=True, mlp_only_layers=[0], head_dim=8))
-    elif family == "olmoe":
-        model = OlmoeForCausalLM(OlmoeConfig(
-            **COMMON, num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=False))
-    elif family == "mixtral":
-        model = MixtralForCausalLM(MixtralConfig(
-            **COMMON, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, head_dim=8))
-    else:  # deepseek_v3: layer 0 dense (first_k_dense_replace), grouped top-k, scaled weights
-        model = DeepseekV3ForCausalLM(DeepseekV3Config(
-            **{**COMMON, "num_key_value_heads": 4}, n_routed_experts=EXPERTS,
-            num_experts_per_tok=TOP_K, n_group=2, topk_group=1, moe_intermediate_size=16,
-            first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16,
-            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=2.5,
-            norm_topk_prob=True))
-    for gate in rx.replay.hf_gates(model):
-        if gate is not None:  # some families start their gates at zero: route for real
-            torch.nn.init.normal_(gate.weight, std=0.5)
-            if hasattr(gate, "e_score_correction_bias"):
-                gate.e_score_correction_bias.normal_(0, 0.1)
-    model.train()
-    return model
-
-
-FAMILIES = ["qwen3_moe", "olmoe", "mixtral", "deepseek_v3"]
+BATCH, SEQ = 2, 6
+LAYERS, VOCAB = HF_LAYERS, HF_VOCAB
+tiny = hf_model
 INPUT = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
 
 

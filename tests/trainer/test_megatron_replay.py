@@ -4,77 +4,35 @@ bit for bit; forced routing; the refusals. CPU, gloo, world size 1."""
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
+from trainer_models import (
+    EXPERTS,
+    SEQ,
+    TOP_K,
+    megatron_forward,
+    megatron_model,
+    megatron_world,
+)
 
 import routed_experts as rx
 
-torch.set_num_threads(1)
-# megatron-core places buffers on torch.cuda.current_device(); this machine has no GPU.
-torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
-
-import torch.distributed as dist  # noqa: E402
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
-from megatron.core.tensor_parallel.random import initialize_rng_tracker  # noqa: E402
-from megatron.core.transformer.moe.router_replay import (  # noqa: E402
-    RouterReplay,
-    RouterReplayAction,
-)
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-
-EXPERTS, TOP_K, LAYERS, SEQ, BATCH, VOCAB = 8, 2, 4, 16, 2, 128
-PATTERN = [0, 1, 1, 1]  # decoder layer 1 (0 here) dense, the others MoE
+BATCH = 2
 
 
 @pytest.fixture(scope="module")
 def model() -> Iterator[Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1,
-                                             create_gloo_process_groups=False)
-    # The CUDA RNG tracker needs a driver; the inference tracker's fork() does nothing (no
-    # dropout here).
-    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    torch.manual_seed(1234)
-    config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-        num_moe_experts=EXPERTS, moe_ffn_hidden_size=32, moe_router_topk=TOP_K,
-        moe_layer_freq=PATTERN, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
-        moe_enable_routing_replay=True, use_cpu_initialization=True,
-        params_dtype=torch.float32, add_bias_linear=False, hidden_dropout=0.0,
-        attention_dropout=0.0, transformer_impl="local",
-    )
-    RouterReplay.clear_global_router_replay_instances()
-    gpt = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
-        vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
-    )
-    gpt.train()
-    yield gpt
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-    os.environ.pop("MASTER_PORT", None)
+    with megatron_world():
+        yield megatron_model()
 
 
 def forward(model: Any, batch: int = BATCH) -> Any:
-    g = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
-    positions = torch.arange(SEQ).unsqueeze(0).expand(batch, -1)
-    labels = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
-    # An explicit causal mask: without one, local attention builds it on "cuda".
-    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ), diagonal=1).bool()
-    return model(tokens, positions, attention_mask=mask, labels=labels)
+    return megatron_forward(model, batch)
 
 
 def routing_maps(model: Any) -> tuple[dict[int, Any], list[Any]]:

@@ -1,4 +1,4 @@
-"""Router replay in the trainer's model: the last hop (format.md §7). Payloads in, replay set on
+"""Router replay in the trainer's model: the last hop (format.md §6.2). Payloads in, replay set on
 this rank's routers, forward and backward, cleared.
 
 - `rx.replay.megatron(model, packed, cu_seqlens, mask)`: Megatron-core's `RouterReplay`.

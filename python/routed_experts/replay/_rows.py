@@ -1,6 +1,6 @@
 """What every trainer's router replay needs, whatever the framework: which payload layer feeds
 which router, the tokens in the order a router sees them, and each router's ids checked and
-completed (format.md §7). numpy only: the frameworks' own modules wrap these."""
+completed (format.md §6.2). numpy only: the frameworks' own modules wrap these."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Router replay into a Hugging Face transformers (5.x) MoE model: each MoE block's gate is made
 to return the replayed expert ids, with weights recomputed by that model's own rule from its
-live logits at those ids, so gradients reach the gate (format.md §7.3).
+live logits at those ids, so gradients reach the gate (format.md §6.2).
 
     with rx.replay.hf(model, routing):     # routing: [B, S, layers, top_k], as input_ids [B, S]
         loss = model(input_ids, labels=labels).loss
