@@ -179,3 +179,34 @@ def test_what_does_not_fit_is_refused(model: Any) -> None:
             rx.replay.megatron(model, routing, layout="bshd")
     finally:
         config.moe_router_fusion = False
+
+
+def test_activation_recompute_replays_the_same_ids_inside_backward(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import megatron.core.tensor_parallel.random as mrandom
+
+    # Recompute saves and restores the CUDA RNG state; there is none on a CPU.
+    monkeypatch.setattr(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+    monkeypatch.setattr(mrandom, "_set_cuda_rng_state", lambda *a, **k: None)
+    ids, _ = record(model)
+    routing = bshd(as_payloads(forced_ids(ids), BATCH))
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(recompute: bool) -> list[Any]:
+        config = model.config
+        monkeypatch.setattr(config, "recompute_granularity", "full" if recompute else None)
+        monkeypatch.setattr(config, "recompute_method", "uniform" if recompute else None)
+        monkeypatch.setattr(config, "recompute_num_layers", 1 if recompute else None)
+        model.zero_grad()
+        with rx.replay.megatron(model, routing, layout="bshd") as replay:
+            loss = forward(model)
+            replay.backward()
+            loss.sum().backward()
+            if recompute:  # each router's recomputed forward took its ids from the queue
+                for router, _, _ in rx.replay.megatron_routers(model):
+                    assert router.router_replay.replay_backward_list == []
+        return [p.grad.clone() for p in params]
+
+    plain, recomputed = step(False), step(True)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, recomputed))
