@@ -22,7 +22,7 @@ DIST ?= dist
 
 .PHONY: run test test-wheel wheel build-dev lint bench bench-rust bench-python bench-table bench-proxy \
 	bench-quality clean fuzz \
-	fuzz-build engine-vllm record-vllm test-engines bench-proxy-ci test-trainer
+	fuzz-build engine-vllm record-vllm test-engines bench-proxy-ci test-trainer bench-replay
 
 # Coverage-guided fuzzing (cargo fuzz, libFuzzer, nightly): every target for FUZZ_SECONDS each.
 # The working corpus grows in fuzz/corpus/ (not committed); fuzz/seeds/ is the checked-in seed
@@ -179,6 +179,12 @@ test-trainer: build-dev
 	RX_TRAINER=1 OMP_NUM_THREADS=1 PYTHONPATH=python $$py -m pytest -q -p no:cacheprovider \
 		-o filterwarnings=default -W ignore::DeprecationWarning -W ignore::UserWarning \
 		tests/trainer tests/test_readme.py::test_the_trainer_steps_run_on_real_models
+
+# The replay tensors from a rank's rows beside the torch glue frameworks write and a memcpy, at
+# DEVELOPERS.md's model sizes, 4k to 128k tokens (benches/replay_tensors.py; BENCHMARKS.md).
+bench-replay: build-dev
+	py=$$(python3 tests/trainer/trainer_env.py | tail -n 1); \
+	OMP_NUM_THREADS=1 PYTHONPATH=python $$py benches/replay_tensors.py
 
 # Two real vLLM servers in P/D behind the proxy, every reply's routing against the model's own
 # (tests/real/test_live_vllm.py; about 4 minutes once the environment is made).

@@ -116,6 +116,9 @@ pub mod npy;
 pub mod pack;
 mod parallel;
 mod payload;
+/// A router's replay ids from a batch of routing rows: checked, in an index dtype, missing rows
+/// spread over the experts (the trainer's end, format.md §6.2).
+pub mod replay;
 /// Routing inside whole response bodies: finding it, and merging bodies (format.md §3.2, §4).
 pub mod response;
 /// One rank's share of a packed batch: context and sequence parallelism, pipeline stages

@@ -99,7 +99,7 @@ def test_recorded_ids_out_of_range_or_repeated_are_refused() -> None:
         fill_ids(np.array([[0, 1], [9, 1]]), None, 8, "router 3")
     with pytest.raises(rx.PayloadError, match="row 0: a row's expert ids must be distinct"):
         fill_ids(np.array([[4, 4]]), None, 8, "router 3")
-    with pytest.raises(rx.ConfigError, match="top_k 3 is more than the 2 experts"):
+    with pytest.raises(rx.PayloadError, match="`num_experts`: expected at least top_k \\(3\\)"):
         fill_ids(np.zeros((1, 3), dtype=np.int64), None, 2, "router 3")
     out, _ = fill_ids(np.array([[1, 0]]), None, 8, "r", np.int32)
     assert out.dtype == np.int32

@@ -15,6 +15,7 @@ pub mod functions;
 pub mod payload;
 pub mod proxy;
 pub mod quality;
+pub mod replay;
 pub mod trajectory;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -179,6 +180,8 @@ mod _core {
     };
     #[pymodule_export]
     use crate::quality::{agreement, expert_load, Agreement, ExpertLoad};
+    #[pymodule_export]
+    use crate::replay::_replay_ids;
     #[pymodule_export]
     use crate::trajectory::{_trajectory_from_payload, Trajectory};
 

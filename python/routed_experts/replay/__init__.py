@@ -13,7 +13,14 @@ mask (`.replayed`) of the rows that were replayed.
 
 from __future__ import annotations
 
-from ._rows import check_layers, cp_sp_positions, fill_ids, moe_pattern, payload_layer
+from ._rows import (
+    check_layers,
+    cp_sp_positions,
+    fill_ids,
+    moe_pattern,
+    payload_layer,
+    replay_ids,
+)
 from .hf import HfReplay, hf
 from .hf import gates as hf_gates
 from .megatron import MegatronReplay, local_rows, megatron
@@ -32,4 +39,5 @@ __all__ = [
     "megatron_routers",
     "moe_pattern",
     "payload_layer",
+    "replay_ids",
 ]

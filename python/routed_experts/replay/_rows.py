@@ -9,7 +9,7 @@ from typing import Any, Literal, Union
 
 import numpy as np
 
-from .._core import ConfigError, PayloadError
+from .._core import ConfigError, PayloadError, _replay_ids
 
 MoeLayerFreq = Union[int, Sequence[int]]
 
@@ -70,6 +70,30 @@ def check_layers(rows: np.ndarray, pattern: Sequence[bool], valid: np.ndarray | 
             )
 
 
+def replay_ids(
+    rows: np.ndarray,
+    layers: Sequence[int],
+    valid: np.ndarray | None,
+    num_experts: int,
+    places: Sequence[str],
+    dtype: Any = np.int64,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each router's `[tokens, top_k]` replay ids in an index dtype (int64 or int32), stacked
+    `[routers, tokens, top_k]` (each router's part contiguous: torch takes it without a copy),
+    and `[routers, tokens]`: which rows were replayed. Router i reads layer `layers[i]` of
+    `rows` (`[tokens, layers, top_k]`). Rows without routing (not `valid`, or holding -1) get ids
+    spread over the experts: row r takes experts (r * top_k + j) % num_experts, distinct within
+    the row when top_k <= num_experts (never the duplicates zero padding makes). Recorded rows
+    must hold distinct ids in [0, num_experts); `places[i]` names router i in errors. One pass
+    in Rust, the GIL released."""
+    batch = np.ascontiguousarray(rows)
+    if batch.dtype.kind not in "iu":
+        raise PayloadError(f"`rows`: expected an integer array, got dtype {batch.dtype}")
+    mask = None if valid is None else np.ascontiguousarray(valid, dtype=bool)
+    name = np.dtype(dtype).name
+    return _replay_ids(batch, list(layers), mask, num_experts, list(places), name)
+
+
 def fill_ids(
     ids: np.ndarray,
     valid: np.ndarray | None,
@@ -77,40 +101,10 @@ def fill_ids(
     where: str,
     dtype: Any = np.int64,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """A router's `[tokens, top_k]` replay ids in an index dtype (int64 or int32), and which rows
-    are replayed. Rows without routing (not `valid`, or holding -1) get ids spread over the
-    experts: row r takes experts (r * top_k + j) % num_experts, distinct within the row when
-    top_k <= num_experts (never the duplicates zero padding makes). Recorded rows must hold
-    distinct ids in [0, num_experts); `where` names the router in errors."""
-    tokens, top_k = ids.shape
-    if top_k > num_experts:
-        raise ConfigError(f"{where}: top_k {top_k} is more than the {num_experts} experts")
-    replayed: np.ndarray = np.asarray((ids >= 0).all(axis=1))
-    if valid is not None:
-        replayed &= np.asarray(valid, dtype=bool)
-    out = np.empty((tokens, top_k), dtype=dtype)
-    out[...] = ids
-    bad = replayed & (ids >= num_experts).any(axis=1)
-    if bad.any():
-        row = int(np.argmax(bad))
-        raise PayloadError(
-            f"{where}, row {row}: expert ids must be below num_experts {num_experts}, got "
-            f"{ids[row].tolist()}"
-        )
-    if top_k > 1:
-        ordered = np.sort(out, axis=1)
-        dup = replayed & (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
-        if dup.any():
-            row = int(np.argmax(dup))
-            raise PayloadError(
-                f"{where}, row {row}: a row's expert ids must be distinct (a top-k router never "
-                f"picks one twice), got {ids[row].tolist()}"
-            )
-    missing = np.flatnonzero(~replayed)
-    if missing.size:
-        spread = (missing[:, None] * top_k + np.arange(top_k)[None, :]) % num_experts
-        out[missing] = spread
-    return out, replayed
+    """`replay_ids` of one router whose rows are `ids` (`[tokens, top_k]`)."""
+    out, replayed = replay_ids(np.asarray(ids)[:, None, :], [0], valid, num_experts, [where],
+                               dtype)
+    return out[0], replayed[0]
 
 
 def cp_sp_positions(

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .._core import ConfigError
-from ._rows import check_layers, fill_ids, payload_layer
+from ._rows import check_layers, payload_layer, replay_ids
 
 
 def _softmax_rule(gate: Any, logits: Any, ids: Any) -> Any:
@@ -100,16 +100,25 @@ class HfReplay:
         check_layers(rows, pattern, valid)
         self.replayed: dict[int, Any] = {}
         self._targets: list[tuple[Any, Any, int]] = []
-        for i, gate in enumerate(found):
-            if gate is None:
-                continue
-            where = f"gate of decoder layer {i}"
+        routed = [(i, gate) for i, gate in enumerate(found) if gate is not None]
+        for i, gate in routed:
             if top_k != gate.top_k:
-                raise ConfigError(f"{where}: top_k {gate.top_k}, but the payload has {top_k}")
-            layer = payload_layer(i, layers, pattern)
-            ids, replayed = fill_ids(rows[:, layer, :], valid, gate.num_experts, where)
-            self.replayed[i] = torch.from_numpy(replayed)
-            self._targets.append((gate, torch.from_numpy(ids), i))
+                raise ConfigError(
+                    f"gate of decoder layer {i}: top_k {gate.top_k}, but the payload has {top_k}"
+                )
+        experts = sorted({gate.num_experts for _, gate in routed})
+        if len(experts) != 1:
+            raise ConfigError(f"`model`: its gates have different expert counts {experts}")
+        ids, replayed = replay_ids(
+            rows,
+            [payload_layer(i, layers, pattern) for i, _ in routed],
+            valid,
+            experts[0],
+            [f"gate of decoder layer {i}" for i, _ in routed],
+        )
+        for k, (i, gate) in enumerate(routed):
+            self.replayed[i] = torch.from_numpy(replayed[k])
+            self._targets.append((gate, torch.from_numpy(ids[k]), i))
         self._hooks: list[Any] = []
 
     def __enter__(self) -> HfReplay:

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .._core import ConfigError, shard
-from ._rows import check_layers, cp_sp_positions, fill_ids, moe_pattern, payload_layer
+from ._rows import check_layers, cp_sp_positions, moe_pattern, payload_layer, replay_ids
 
 Layout = Literal["thd", "bshd"]
 
@@ -147,6 +147,7 @@ class MegatronReplay:
         self.replayed: dict[int, Any] = {}
         self._targets: list[tuple[Any, Any, int]] = []
         np_dtype = np.int64 if dtype == torch.int64 else np.int32
+        replaying: list[tuple[Any, int]] = []
         for router, number, is_mtp in found:
             if router.router_replay is None:
                 raise ConfigError(
@@ -155,19 +156,28 @@ class MegatronReplay:
                 )
             if is_mtp:
                 continue  # engines record decoder layers only: MTP layers route natively
-            where = f"router of decoder layer {number}"
             top_k = router.config.moe_router_topk
-            layer = payload_layer(number - 1, rows.shape[1], pattern)
             if rows.shape[2] != top_k:
-                raise ConfigError(f"{where}: top_k {top_k}, but the payload has {rows.shape[2]}")
-            ids, replayed = fill_ids(rows[:, layer, :], valid, router.config.num_moe_experts,
-                                     where, np_dtype)
-            target = torch.from_numpy(ids)
+                raise ConfigError(
+                    f"router of decoder layer {number}: top_k {top_k}, but the payload has "
+                    f"{rows.shape[2]}"
+                )
+            replaying.append((router, number))
+        ids, replayed = replay_ids(
+            rows,
+            [payload_layer(number - 1, rows.shape[1], pattern) for _, number in replaying],
+            valid,
+            config.num_moe_experts,
+            [f"router of decoder layer {number}" for _, number in replaying],
+            np_dtype,
+        )
+        for i, (router, number) in enumerate(replaying):
+            target = torch.from_numpy(ids[i])  # the router's contiguous part: no copy
             if pin_memory:
                 target = target.pin_memory()
             if device is not None:
                 target = target.to(device, non_blocking=pin_memory)
-            self.replayed[number] = torch.from_numpy(replayed)
+            self.replayed[number] = torch.from_numpy(replayed[i])
             self._targets.append((router, target, number))
         self._hooks: list[Any] = []
 
