@@ -57,6 +57,31 @@ def best(f: Callable[[], object], repeat: int) -> float:
     return min(times) * 1e3
 
 
+def measure(batch: np.ndarray, experts: int, repeat: int) -> tuple[float, float, float]:
+    """Best ms of rx, the glue and the memcpy, for `batch` ([tokens, layers, top_k])."""
+    tokens, layers, top_k = batch.shape
+    mask = np.ones(tokens, dtype=bool)
+    mask[-1] = False  # the last token: engines send no row for it
+    names = [f"router {i}" for i in range(layers)]
+
+    def rx_ids() -> object:
+        ids, _ = replay_ids(batch, range(layers), mask, experts, names)
+        return [torch.from_numpy(ids[i]) for i in range(layers)]
+
+    def glue() -> object:
+        t = torch.from_numpy(batch.astype(np.int32)).to(torch.int64)
+        t = t.permute(1, 0, 2).contiguous()
+        return [t[i] for i in range(layers)]
+
+    def memcpy() -> object:
+        out = np.empty((layers, tokens, top_k), dtype=np.int64)
+        out.fill(1)
+        return out
+
+    r, g, m = (best(f, repeat) for f in (rx_ids, glue, memcpy))
+    return r, g, m
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=5)
@@ -71,26 +96,7 @@ def main() -> None:
         for tokens in args.tokens:
             if tokens * layers * top_k * 8 > 2**30 and name != "Qwen3-30B-A3B":
                 continue  # past 1 GiB of int64 ids: the largest model at 128k is left out
-            batch = rows(tokens, layers, top_k, experts, dtype)
-            mask = np.ones(tokens, dtype=bool)
-            mask[-1] = False  # the last token: engines send no row for it
-            names = [f"router {i}" for i in range(layers)]
-
-            def rx_ids() -> object:
-                ids, _ = replay_ids(batch, range(layers), mask, experts, names)
-                return [torch.from_numpy(ids[i]) for i in range(layers)]
-
-            def glue() -> object:
-                t = torch.from_numpy(batch.astype(np.int32)).to(torch.int64)
-                t = t.permute(1, 0, 2).contiguous()
-                return [t[i] for i in range(layers)]
-
-            def memcpy() -> object:
-                out = np.empty((layers, tokens, top_k), dtype=np.int64)
-                out.fill(1)
-                return out
-
-            r, g, m = (best(f, args.repeat) for f in (rx_ids, glue, memcpy))
+            r, g, m = measure(rows(tokens, layers, top_k, experts, dtype), experts, args.repeat)
             print(f"{name:16} {tokens:>7} {r:8.1f} {g:8.1f} {m:9.1f} {g / r:7.2f}x "
                   f"{r / m:8.2f}x", flush=True)
 
