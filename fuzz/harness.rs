@@ -626,7 +626,11 @@ pub fn proxy(data: &[u8]) {
     );
     // Arbitrary chunkings: lengths 1 to 64 drawn from the stream's own first bytes (so the
     // fuzzer steers where events, lines and escapes are cut), and one byte at a time.
-    let lengths: Vec<usize> = stream.iter().take(16).map(|&b| 1 + b as usize % 64).collect();
+    let lengths: Vec<usize> = stream
+        .iter()
+        .take(16)
+        .map(|&b| 1 + b as usize % 64)
+        .collect();
     if !lengths.is_empty() {
         let mut chunks = Vec::new();
         let mut rest = stream;
@@ -638,10 +642,18 @@ pub fn proxy(data: &[u8]) {
             chunks.push(head);
             rest = tail;
         }
-        assert_eq!(run(&chunks), whole, "a stream merged in chunks differs from the whole");
+        assert_eq!(
+            run(&chunks),
+            whole,
+            "a stream merged in chunks differs from the whole"
+        );
     }
     if stream.len() <= 2048 {
         let bytes: Vec<&[u8]> = stream.chunks(1).collect();
-        assert_eq!(run(&bytes), whole, "a stream merged a byte at a time differs from the whole");
+        assert_eq!(
+            run(&bytes),
+            whole,
+            "a stream merged a byte at a time differs from the whole"
+        );
     }
 }
