@@ -26,6 +26,7 @@ __all__ = [
     "_proxy_settings",
     "_proxy_text_settings",
     "_read_prefill",
+    "_replay_ids",
     "_trajectory_from_payload",
     "agreement",
     "decode",
