@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 import torch
-from trainer_models import EXPERTS, LAYERS, PATTERN, TOP_K
+from trainer_models import EXPERTS, LAYERS, PATTERN, TOP_K, megatron_config, megatron_model
 
 import routed_experts as rx
 
@@ -35,33 +35,19 @@ def main() -> None:
     rank, world, port, tp, cp, pp = (int(x) for x in sys.argv[1:7])
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     ps.initialize_model_parallel(tp, pp, context_parallel_size=cp,
                                  create_gloo_process_groups=False)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    torch.manual_seed(1234)
-    config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-        num_moe_experts=EXPERTS, moe_ffn_hidden_size=32, moe_router_topk=TOP_K,
-        moe_layer_freq=PATTERN, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
-        moe_enable_routing_replay=True, use_cpu_initialization=True,
-        params_dtype=torch.float32, add_bias_linear=False, hidden_dropout=0.0,
-        attention_dropout=0.0, transformer_impl="local", tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+    config = megatron_config(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
     )
-    RouterReplay.clear_global_router_replay_instances()
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
-        vocab_size=128, max_sequence_length=SEQ, position_embedding_type="rope",
-        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+    model = megatron_model(
+        config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage()
     )
     # Context parallel attention and sequence parallel norms are TransformerEngine's (no GPU
     # here): the model is built without them and told afterwards, as a TE build would be. The

@@ -120,6 +120,13 @@ def test_forced_routing_uses_the_replayed_experts_and_trains_the_router(model: A
     ids, recorded_loss = record(model)
     forced = forced_ids(ids)
     maps, hooks = routing_maps(model)
+    inputs: dict[int, Any] = {}
+    probs: dict[int, Any] = {}
+    for router, n, _ in rx.replay.megatron_routers(model):
+        hooks.append(router.register_forward_pre_hook(
+            lambda _m, a, n=n: inputs.__setitem__(n, a[0].detach())))
+        hooks.append(router.register_forward_hook(
+            lambda _m, _a, out, n=n: probs.__setitem__(n, out[0].detach())))
     model.zero_grad()
     with rx.replay.megatron(model, bshd(as_payloads(forced, BATCH)), layout="bshd"):
         loss = forward(model)
@@ -130,7 +137,13 @@ def test_forced_routing_uses_the_replayed_experts_and_trains_the_router(model: A
     for router, n, _ in rx.replay.megatron_routers(model):
         expect = torch.zeros(SEQ * BATCH, EXPERTS, dtype=torch.bool).scatter(1, forced[n], True)
         assert torch.equal(maps[n], expect), n
-        # The weights come from the router's live scores at the replayed ids: gradients flow.
+        # The weights follow the router's rule at the replayed ids (softmax after top-k, this
+        # config's: a softmax over the router's live logits at those ids)...
+        logits = torch.nn.functional.linear(inputs[n].reshape(-1, inputs[n].shape[-1]),
+                                            router.weight.detach())
+        want = torch.softmax(logits.gather(1, forced[n]), dim=-1)
+        torch.testing.assert_close(probs[n].gather(1, forced[n]), want)
+        # ...so gradients reach the router.
         assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
 
 

@@ -58,22 +58,28 @@ def megatron_world() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def megatron_model() -> Any:
-    """A seeded GPT with router replay on (inside `megatron_world`)."""
-    torch.manual_seed(1234)
-    config = TransformerConfig(
+def megatron_config(**parallel: Any) -> Any:
+    """The tiny GPT's config (`parallel`: Megatron's parallel sizes, as a rank builds it)."""
+    return TransformerConfig(
         num_layers=LAYERS, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
         num_moe_experts=EXPERTS, moe_ffn_hidden_size=32, moe_router_topk=TOP_K,
         moe_layer_freq=PATTERN, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
         moe_enable_routing_replay=True, use_cpu_initialization=True,
         params_dtype=torch.float32, add_bias_linear=False, hidden_dropout=0.0,
-        attention_dropout=0.0, transformer_impl="local",
+        attention_dropout=0.0, transformer_impl="local", **parallel,
     )
+
+
+def megatron_model(config: Any = None, **stage: Any) -> Any:
+    """A seeded GPT with router replay on (inside `megatron_world`, or a rank's own world;
+    `stage`: `pre_process` and `post_process` for a pipeline stage)."""
+    torch.manual_seed(1234)
+    config = megatron_config() if config is None else config
     RouterReplay.clear_global_router_replay_instances()
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
-        vocab_size=VOCAB, max_sequence_length=4 * SEQ, position_embedding_type="rope",
+        vocab_size=VOCAB, max_sequence_length=4 * SEQ, position_embedding_type="rope", **stage,
     )
     gpt.train()
     return gpt

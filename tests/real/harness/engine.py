@@ -183,14 +183,23 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> Server:
+    # The engine's name in messages; the command and environment that serve it (another
+    # engine's server overrides these three).
+    name = "vLLM"
+
+    def command(self) -> list[str]:
         server = "vllm.entrypoints.openai.api_server"
         where = ["--host", "127.0.0.1", "--port", str(self.port)]
-        cmd = [str(self.python), "-m", server, "--model", str(self.model), *where, *self.args]
+        return [str(self.python), "-m", server, "--model", str(self.model), *where, *self.args]
+
+    def environment(self) -> dict[str, str]:
+        return serve_env(self.release)
+
+    def start(self) -> Server:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         out = open(self.log, "ab")  # noqa: SIM115 (the child holds it)
         self.proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=serve_env(self.release),
+            self.command(), stdout=out, stderr=subprocess.STDOUT, env=self.environment(),
             start_new_session=True, cwd=str(self.log.parent),
         )  # fmt: skip
         out.close()
@@ -201,7 +210,7 @@ class Server:
         while time.monotonic() < end:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"vLLM {self.release} exited ({self.proc.returncode}); see {self.log}"
+                    f"{self.name} {self.release} exited ({self.proc.returncode}); see {self.log}"
                 )
             try:
                 with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
@@ -210,7 +219,9 @@ class Server:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(1)
-        raise TimeoutError(f"vLLM {self.release} not ready in {timeout:.0f} s; see {self.log}")
+        raise TimeoutError(
+            f"{self.name} {self.release} not ready in {timeout:.0f} s; see {self.log}"
+        )
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -10,7 +10,6 @@ Used by the recorder (`record_sglang.py`, in the engine environment) and by the 
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import engine
@@ -113,34 +112,15 @@ class Server(engine.Server):
         super().__init__(python, release, model, log, port=port)
         self.args = [*SERVE_FLAGS, *(extra or [])]
 
-    def start(self) -> Server:
-        where = ["--host", "127.0.0.1", "--port", str(self.port)]
-        cmd = [str(self.python), "-m", "sglang.launch_server", "--model-path", str(self.model),
-               *where, *self.args]  # fmt: skip
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        out = open(self.log, "ab")  # noqa: SIM115 (the child holds it)
-        self.proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=serve_env(self.release),
-            start_new_session=True, cwd=str(self.log.parent),
-        )  # fmt: skip
-        out.close()
-        return self
+    name = "SGLang"
 
-    def wait_ready(self, timeout: float = 600) -> None:
-        end = engine.time.monotonic() + timeout
-        while engine.time.monotonic() < end:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"SGLang {self.release} exited ({self.proc.returncode}); see {self.log}"
-                )
-            try:
-                with engine.urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (engine.urllib.error.URLError, OSError):
-                pass
-            engine.time.sleep(1)
-        raise TimeoutError(f"SGLang {self.release} not ready in {timeout:.0f} s; see {self.log}")
+    def command(self) -> list[str]:
+        where = ["--host", "127.0.0.1", "--port", str(self.port)]
+        return [str(self.python), "-m", "sglang.launch_server", "--model-path", str(self.model),
+                *where, *self.args]  # fmt: skip
+
+    def environment(self) -> dict[str, str]:
+        return serve_env(self.release)
 
 
 post = engine.post
