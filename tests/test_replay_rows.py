@@ -145,3 +145,23 @@ def test_a_bshd_batch_is_flattened_sequence_first_as_a_router_sees_it() -> None:
         local_rows(batch.reshape(8, 1, 1))
     with pytest.raises(rx.ConfigError, match="does not split into 6 context-parallel chunks"):
         local_rows(batch, layout="bshd", cp_size=3)
+    with pytest.raises(rx.ConfigError, match="a rank's share is \\[T, L, K\\]"):
+        local_rows(batch, layout="rank")
+    with pytest.raises(rx.ConfigError, match='`layout`: expected "thd", "bshd" or "rank"'):
+        local_rows(batch, layout="sbhd")  # type: ignore[arg-type]
+
+
+def test_a_rank_given_only_its_share_replays_the_same_rows() -> None:
+    # format.md §6.2: cut where the batch is (rx.shard), send the share, replay it as the rank's
+    # (layout="rank"): the same rows, in the same order, as the rank cutting the whole batch.
+    rng = np.random.default_rng(5)
+    batch = rng.integers(0, 8, size=(24, 3, 2), dtype=np.int32)
+    cu = np.array([0, 8, 24], dtype=np.int32)
+    mask = rng.random(24) < 0.8
+    place = {"cp_size": 2, "cp_rank": 1, "tp_size": 2, "tp_rank": 1}
+    whole, whole_mask = local_rows(batch, cu, mask, **place)
+    share, _, share_mask = rx.shard(batch, cu, mask, **place)  # type: ignore[arg-type]
+    given, given_mask = local_rows(share, None, share_mask, layout="rank")
+    np.testing.assert_array_equal(given, whole)
+    assert given_mask is not None and whole_mask is not None
+    np.testing.assert_array_equal(given_mask, whole_mask)

@@ -23,7 +23,7 @@ import numpy as np
 from .._core import ConfigError, shard
 from ._rows import check_layers, cp_sp_positions, moe_pattern, payload_layer, replay_ids
 
-Layout = Literal["thd", "bshd"]
+Layout = Literal["thd", "bshd", "rank"]
 
 
 def _megatron() -> tuple[Any, Any]:
@@ -80,7 +80,19 @@ def local_rows(
     """This rank's rows `[tokens, layers, top_k]` in the order its routers flatten them, and
     which hold routing. "thd": `routing` packed `[T, L, K]` with `cu_seqlens` (`rx.pack`), cut as
     TransformerEngine cuts packed sequences (`rx.shard`); "bshd": `[B, S, L, K]`, the sequence
-    cut the same way, then flattened sequence-first (a router's `[S, B, H]` input)."""
+    cut the same way, then flattened sequence-first (a router's `[S, B, H]` input); "rank":
+    `[T, L, K]` that is already this rank's share (`rx.shard` run where the batch is), taken as
+    it is."""
+    if layout == "rank":
+        rows = np.asarray(routing)
+        if rows.ndim != 3:
+            raise ConfigError(f"`routing`: a rank's share is [T, L, K], got shape {rows.shape}")
+        local_mask = None if mask is None else np.asarray(mask, dtype=bool)
+        if local_mask is not None and local_mask.shape != (rows.shape[0],):
+            raise ConfigError(
+                f"`mask`: expected shape {(rows.shape[0],)}, got {local_mask.shape}"
+            )
+        return rows, local_mask
     if layout == "thd":
         if cu_seqlens is None:
             raise ConfigError("`cu_seqlens`: a packed (thd) batch needs it (rx.pack returns it)")
@@ -90,7 +102,7 @@ def local_rows(
         )
         return rows, local_mask
     if layout != "bshd":
-        raise ConfigError(f'`layout`: expected "thd" or "bshd", got {layout!r}')
+        raise ConfigError(f'`layout`: expected "thd", "bshd" or "rank", got {layout!r}')
     batch = np.asarray(routing)
     if batch.ndim != 4:
         raise ConfigError(f"`routing`: a bshd batch is [B, S, L, K], got shape {batch.shape}")
