@@ -131,11 +131,12 @@ bench-proxy: build-dev $(VENV)/.test-deps
 # 0.44-0.50x since its fix, 0.98x on the regression; the margin is for a noisy 2-core VM).
 # vLLM 0.32's P/D bodies, where the proxy sends 14 times the bytes vllm-router relays: 1.25x
 # (measured 0.60-0.69x plain, 0.60-0.91x streamed, where one run of a clean clone gave 0.91x;
-# 0.73-0.83x before the .npy merge stopped joining and copying). About 5 minutes on 2 cores.
+# 0.73-0.83x before the .npy merge stopped joining and copying); plain only, for CI's time (the
+# streamed round is `bench-proxy --bodies vllm`'s). About 4 minutes on 2 cores.
 bench-proxy-ci: build-dev $(VENV)/.test-deps
 	routed-experts bench-proxy --only load stream --requests 300 --max-cpu-ratio 0.85 \
 		--json target/bench-proxy-ci.json
-	routed-experts bench-proxy --only load stream --requests 200 --bodies vllm \
+	routed-experts bench-proxy --only load --requests 200 --bodies vllm \
 		--max-cpu-ratio 1.25 --json target/bench-proxy-ci-vllm.json
 
 fuzz-build:

@@ -155,7 +155,7 @@ def main() -> None:
         routed-experts demo --tokens 1024
         cd /suite
         python -m pytest -q -m "not source_tree and not slow_under_emulation" -c pytest.ini \\
-            --rootdir /suite tests
+            --rootdir /suite --durations=15 tests
     """)
     print(f"emulated_wheel_check: {wheels[0].name} passed under qemu-aarch64 in "
           f"{time.monotonic() - began:.0f} s", flush=True)

@@ -75,7 +75,7 @@ def id_rows(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, int]:
     return ids.astype(np.int32), valid, experts
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)  # the profile's examples: fewer under emulation (tests/conftest.py)
 @given(case=id_rows())
 def test_rows_without_routing_get_distinct_ids_spread_over_the_experts(
     case: tuple[np.ndarray, np.ndarray, int],
@@ -105,7 +105,7 @@ def test_recorded_ids_out_of_range_or_repeated_are_refused() -> None:
     assert out.dtype == np.int32
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 @given(
     cp=st.integers(1, 4), tp=st.integers(1, 4), chunk=st.integers(1, 6),
     split=st.sampled_from(["zigzag", "contiguous"]),
