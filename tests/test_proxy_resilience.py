@@ -514,6 +514,7 @@ def test_a_prefill_body_with_two_kv_transfer_params_is_502_prefill() -> None:
         assert not decode.requests  # decode was never called with a guess
 
 
+@pytest.mark.slow_under_emulation  # 75 s under qemu-user (CI's critical path); natively seconds
 def test_bench_proxy_runs_every_part_small(tmp_path: Any) -> None:
     """The benchmark command end to end on a small shape: every part runs, bounded, and no 200
     carries wrong routing."""
