@@ -170,23 +170,29 @@ def test_generate_streamed(live: Live) -> None:
     alive(live)
 
 
+def openai_routing(live: Live, path: str, body: dict[str, Any]) -> rx.RoutedExperts:
+    """The one routing value of an OpenAI endpoint's reply: the body's, or the one event of
+    the stream that carries it."""
+    if body["stream"]:
+        with httpx.stream("POST", live.url + path, json=body, timeout=300) as r:
+            assert r.status_code == 200
+            events = sse(r)
+        got = [p for e in events if (p := rx.from_response(json.dumps(e), **SHAPE)) is not None]
+        assert len(got) == 1
+        return got[0]
+    r = httpx.post(live.url + path, json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    p = rx.from_response(r.content, **SHAPE)
+    assert p is not None
+    return p
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 def test_completions(live: Live, stream: bool) -> None:
     ids = [*PROMPT_IDS, 305]
     body = {"model": "tiny", "prompt": ids, "max_tokens": 5, "temperature": 0,
             "return_routed_experts": True, "stream": stream}  # fmt: skip
-    if stream:
-        with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=300) as r:
-            assert r.status_code == 200
-            events = sse(r)
-        got = [p for e in events if (p := rx.from_response(json.dumps(e), **SHAPE)) is not None]
-        assert len(got) == 1
-        p = got[0]
-    else:
-        r = httpx.post(live.url + "/v1/completions", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        p = rx.from_response(r.content, **SHAPE)
-    assert p is not None
+    p = openai_routing(live, "/v1/completions", body)
     seq = ids + live.greedy(ids, 5)
     np.testing.assert_array_equal(p.to_numpy(), live.truth([seq])[0])
     alive(live)
@@ -198,18 +204,7 @@ def test_chat(live: Live, stream: bool) -> None:
     messages = [{"role": "user", "content": SHORT}]
     body = {"model": "tiny", "messages": messages, "max_tokens": 5, "temperature": 0,
             "return_routed_experts": True, "stream": stream}  # fmt: skip
-    if stream:
-        with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=300) as r:
-            assert r.status_code == 200
-            events = sse(r)
-        got = [p for e in events if (p := rx.from_response(json.dumps(e), **SHAPE)) is not None]
-        assert len(got) == 1
-        p = got[0]
-    else:
-        r = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        p = rx.from_response(r.content, **SHAPE)
-    assert p is not None
+    p = openai_routing(live, "/v1/chat/completions", body)
     ids = live.chat_ids(messages)
     seq = ids + live.greedy(ids, 5)
     np.testing.assert_array_equal(p.to_numpy(), live.truth([seq])[0])
