@@ -20,7 +20,7 @@ WHEEL_TAG := manylinux2014
 AARCH64 := aarch64-unknown-linux-gnu
 DIST ?= dist
 
-.PHONY: run test test-wheel wheel build-dev lint bench bench-rust bench-python bench-table bench-proxy \
+.PHONY: run test test-wheel check-wheels wheel build-dev lint bench bench-rust bench-python bench-table bench-proxy \
 	bench-quality clean fuzz \
 	fuzz-build engine-vllm record-vllm test-engines bench-proxy-ci test-trainer bench-replay \
 	engine-sglang record-sglang
@@ -83,6 +83,11 @@ wheel: $(VENV)/.wheel-deps
 # aarch64 on Debian's arm64 CPython under qemu-user (root; tests/emulated_wheel_check.py).
 # The two run side by side (each keeps about one core busy); the emulated run's log follows.
 test-wheel: wheel
+	$(MAKE) --no-print-directory check-wheels
+
+# The checks of test-wheel on the wheels already in $(DIST) (CI builds them first, then runs the
+# fuzz build beside these checks).
+check-wheels: $(VENV)/.run-deps
 	$(PY) tests/emulated_wheel_check.py $(DIST) > $(DIST)/emulated.log 2>&1 & emulated=$$!; \
 	$(PY) tests/wheel_check.py $(DIST); native=$$?; \
 	wait $$emulated; arm=$$?; cat $(DIST)/emulated.log; \
