@@ -47,6 +47,9 @@ enum Seg {
 pub struct Str {
     pub content: Range<usize>,
     pub escaped: bool,
+    /// The content is base64 characters then at most two `=` (read by
+    /// [`Scanner::base64_text`]): valid base64 once its length and padding are.
+    pub base64: bool,
 }
 
 impl<'a> Scanner<'a> {
@@ -98,6 +101,7 @@ impl<'a> Scanner<'a> {
                     let raw = Str {
                         content: r.clone(),
                         escaped: self.buf[r.clone()].contains(&b'\\'),
+                        base64: false,
                     };
                     let key = self
                         .string_value(&raw)
@@ -179,6 +183,32 @@ impl<'a> Scanner<'a> {
         self.string_from(self.pos)
     }
 
+    /// A string (the opening quote is next) expected to hold base64 text, read as `string`
+    /// reads it, by a scan that checks the base64 alphabet as it looks for the end
+    /// (`strscan::base64_run`): when the content is base64 characters then at most two `=`,
+    /// [`Str::base64`] says so, and that text needs no second pass to be checked.
+    pub fn base64_text(&mut self) -> Result<Str> {
+        self.eat(b'"', "a string")?;
+        let start = self.pos;
+        let run = start + crate::strscan::base64_run(&self.buf[start..]);
+        let mut end = run;
+        while end - run < 2 && self.buf.get(end) == Some(&b'=') {
+            end += 1;
+        }
+        if self.buf.get(end) == Some(&b'"') {
+            self.pos = end + 1;
+            return Ok(Str {
+                content: start..end,
+                escaped: false,
+                base64: true,
+            });
+        }
+        // Base64 characters are printable ASCII, neither quotes nor escapes: `string_from`
+        // goes on from the end of the run.
+        self.pos = run;
+        self.string_from(start)
+    }
+
     /// A string (the opening quote is next) whose content is decoded as base64 into `out` in
     /// the same pass that finds its end (`b64::decode_string_content`): the string as `string`
     /// reads it, with the count of bytes written when all of its content was strict base64 and
@@ -195,6 +225,7 @@ impl<'a> Scanner<'a> {
                     Str {
                         content,
                         escaped: false,
+                        base64: false,
                     },
                     Some(written),
                 ))
@@ -233,7 +264,11 @@ impl<'a> Scanner<'a> {
                     if !plain {
                         self.check_text(content.clone())?;
                     }
-                    return Ok(Str { content, escaped });
+                    return Ok(Str {
+                        content,
+                        escaped,
+                        base64: false,
+                    });
                 }
                 b'\\' => {}
                 _ => {

@@ -295,7 +295,19 @@ enum Piece<'a> {
         last: bool,
         whole: &'a [u8],
         context: String,
+        /// `whole` was found to be base64 characters by the scan that read it
+        /// (`SidecarFields::data_base64`): only lengths and padding are left to check.
+        scanned: bool,
     },
+}
+
+/// Whether `text` (cut from `whole`) is valid on its own as whole base64 groups.
+fn groups_valid(text: &[u8], last: bool, scanned: bool) -> bool {
+    if scanned {
+        b64::groups_valid_scanned(text, last)
+    } else {
+        b64::groups_valid(text, last)
+    }
 }
 
 impl<'a> From<Cow<'a, [u8]>> for Piece<'a> {
@@ -322,17 +334,26 @@ impl Piece<'_> {
 
     /// Copy into the start of `out`, checking base64 on the way; return the rest of `out`.
     fn write<'o>(&self, out: &'o mut [MaybeUninit<u8>]) -> Result<&'o mut [MaybeUninit<u8>]> {
-        let (text, last, whole, context) = match self {
+        let (text, last, whole, context, scanned) = match self {
             Piece::Copy(b) => return Ok(b64::write_uninit(out, b)),
             Piece::Base64 {
                 text,
                 last,
                 whole,
                 context,
-            } => (*text, *last, *whole, context),
+                scanned,
+            } => (*text, *last, *whole, context, *scanned),
         };
         let (head, rest) = out.split_at_mut(text.len());
-        if !b64::copy_checked(text, head, last) {
+        let valid = if scanned {
+            b64::groups_valid_scanned(text, last) && {
+                b64::write_uninit(head, text);
+                true
+            }
+        } else {
+            b64::copy_checked(text, head, last)
+        };
+        if !valid {
             return Err(b64::error_in(whole, "data").context(context));
         }
         Ok(rest)
@@ -415,9 +436,10 @@ impl<'a> Spliced<'a> {
                 last,
                 whole,
                 context,
+                scanned,
             } = piece
             {
-                if !b64::groups_valid(text, *last) {
+                if !groups_valid(text, *last, *scanned) {
                     return Err(b64::error_in(whole, "data").context(context));
                 }
             }
@@ -676,19 +698,19 @@ fn splice_text<'a>(
         d.data.len()
     };
     let dropped = &d.data[..dropped_end];
-    if !b64::groups_valid(dropped, dropped.len() == d.data.len()) {
+    if !groups_valid(dropped, dropped.len() == d.data.len(), d.data_base64) {
         return Err(b64::error_in(&d.data, "data").context("decode"));
     }
     let mut head =
         b64::decode_range(&p.data, whole, prefill_len).map_err(|e| e.context("prefill"))?;
     head.extend(b64::decode_range(&d.data, skip, skip + fill).map_err(|e| e.context("decode"))?);
     let mut pieces = vec![
-        checked_copy(&p.data, 0, whole / 3 * 4, "prefill")?,
+        checked_copy(&p.data, 0, whole / 3 * 4, "prefill", p.data_base64)?,
         Piece::Copy(Cow::Owned(b64::encode(&head))),
     ];
     if rest < decode_len {
         pieces.push(if rest % 3 == 0 {
-            checked_copy(&d.data, rest / 3 * 4, d.data.len(), "decode")?
+            checked_copy(&d.data, rest / 3 * 4, d.data.len(), "decode", d.data_base64)?
         } else {
             // Decode's groups are misaligned with the output's (a delta decode): re-encode its
             // tail, which is then only the generated rows.
@@ -700,13 +722,16 @@ fn splice_text<'a>(
     Ok(sidecar::wrap_base64(&plan.header, pieces))
 }
 
-/// `text[from..to]` (whole groups) as a piece checked while it is copied; text that had escapes
-/// (so is owned, not borrowed from the body) is checked here and copied as it is.
+/// `text[from..to]` (whole groups) as a piece checked while it is copied (or, when the scan
+/// that read `text` found it to be base64 characters, `scanned`, only for its length and
+/// padding); text that had escapes (so is owned, not borrowed from the body) is checked here
+/// and copied as it is.
 fn checked_copy<'a>(
     text: &Cow<'a, [u8]>,
     from: usize,
     to: usize,
     side: &'static str,
+    scanned: bool,
 ) -> Result<Piece<'a>> {
     let last = to == text.len();
     match text {
@@ -715,6 +740,7 @@ fn checked_copy<'a>(
             last,
             whole: t,
             context: side.to_string(),
+            scanned,
         }),
         Cow::Owned(t) => {
             if !b64::groups_valid(&t[from..to], last) {

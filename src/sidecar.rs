@@ -46,6 +46,10 @@ pub struct SidecarFields<'a> {
     /// decoding `data` gives, used once the fields are validated. `None`: `data` is decoded
     /// after validation.
     pub decoded: Option<AlignedBytes>,
+    /// `data`'s text is base64 characters then at most two `=`, as the scan that found its end
+    /// saw ([`Scanner::base64_text`](crate::jsonscan::Scanner::base64_text)): a merge that copies
+    /// it as it is need not check it again. `false`: nothing is known of it.
+    pub data_base64: bool,
 }
 
 /// The keys a compact sidecar is made of, and the only ones a merge writes (format.md §3.1).
@@ -138,7 +142,11 @@ fn read_with<'a>(s: &mut Scanner<'a>, decode_up_to: Option<usize>) -> Result<Sid
                         fields.decoded = decoded;
                         st
                     }
-                    None => s.string()?,
+                    None => {
+                        let st = s.base64_text()?;
+                        fields.data_base64 = st.base64;
+                        st
+                    }
                 };
                 DataField::Base64(s.string_value(&st)?)
             } else {
@@ -256,6 +264,8 @@ pub struct SidecarText<'a> {
     pub data: Cow<'a, [u8]>,
     /// What `data` decodes to, when it was decoded as it was read (`SidecarFields::decoded`).
     decoded: Option<AlignedBytes>,
+    /// `data` is base64 characters then at most two `=` (`SidecarFields::data_base64`).
+    pub(crate) data_base64: bool,
 }
 
 impl SidecarText<'_> {
@@ -290,6 +300,7 @@ impl SidecarText<'_> {
 /// Check every field, the data length against the shape and the size limit; decode nothing.
 pub fn validate(mut fields: SidecarFields<'_>, max_bytes: usize) -> Result<SidecarText<'_>> {
     let decoded = fields.decoded.take();
+    let data_base64 = fields.data_base64;
     if let (Some(key), None, _) | (Some(key), _, None) =
         (fields.body_key, fields.data.as_ref(), fields.shape.as_ref())
     {
@@ -346,6 +357,7 @@ pub fn validate(mut fields: SidecarFields<'_>, max_bytes: usize) -> Result<Sidec
         header: Header::new(start, shape, dtype)?,
         data,
         decoded,
+        data_base64,
     })
 }
 

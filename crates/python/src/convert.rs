@@ -207,6 +207,7 @@ fn dict_fields<'a>(
         foreign_key,
         extra_key,
         decoded: None,
+        data_base64: false,
     })
 }
 
