@@ -11,7 +11,7 @@
 use std::io::Write;
 use std::process::ExitCode;
 
-use routed_experts::{merge_response, Error, MergeOptions, DEFAULT_MAX_BYTES};
+use routed_experts::{merge_response, ErrorKind, MergeOptions, DEFAULT_MAX_BYTES};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -40,7 +40,12 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Err(e @ Error::Merge(_)) => {
+        // The kind says which rule was broken; the message names the values.
+        Err(e) if matches!(e.kind(), ErrorKind::Gap { .. }) => {
+            eprintln!("merge: rows missing between the halves: {e}");
+            ExitCode::from(1)
+        }
+        Err(e) if !e.kind().is_malformed_input() => {
             eprintln!("merge: inconsistent halves: {e}");
             ExitCode::from(1)
         }

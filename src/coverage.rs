@@ -5,7 +5,7 @@
 
 use crate::body::{Counts, Place};
 use crate::dtype::with_element;
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::formats::Format;
 use crate::merge;
 use crate::payload::{DTypeChoice, Header, Payload, Shape};
@@ -142,11 +142,18 @@ pub fn check(
          ({generated_at})"
     );
     let name = format.name();
+    let counts = ErrorKind::Counts {
+        rows: rows as u64,
+        start,
+    };
     let contradiction = |expected: String| {
-        Error::payload(format!(
+        Error::new(
+            counts.clone(),
+            format!(
             "routing rows contradict the body's token counts: the {name} value holds {rows} rows \
              from position {start}, so they end at {stop}, but {said}, so {expected}"
-        ))
+        ),
+        )
     };
     match rule {
         Rule::EndsBeforeLastToken => {
@@ -179,7 +186,7 @@ pub fn check(
                     end - rows as u64
                 ));
             }
-            Err(Error::payload(msg))
+            Err(Error::new(counts, msg))
         }
         Rule::WholeWithFiller
             if start != 0 || (stop != tokens && stop != tokens.saturating_sub(1)) =>

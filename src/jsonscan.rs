@@ -11,7 +11,7 @@ use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use crate::b64::Streamed;
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 
 /// Deeper nesting is refused rather than risking the stack.
 const MAX_DEPTH: usize = 128;
@@ -140,10 +140,17 @@ impl<'a> Scanner<'a> {
             Some(c) if c.is_ascii_graphic() => format!("{:?}", *c as char),
             Some(c) => format!("byte 0x{c:02x}"),
         };
-        Error::payload(format!(
-            "{}: invalid JSON at byte {}: expected {expected}, got {found}",
-            self.what, self.pos
-        ))
+        let kind = ErrorKind::Json {
+            at: self.pos,
+            expected: expected.to_string(),
+        };
+        Error::new(
+            kind,
+            format!(
+                "{}: invalid JSON at byte {}: expected {expected}, got {found}",
+                self.what, self.pos
+            ),
+        )
     }
 
     pub fn ws(&mut self) {

@@ -14,8 +14,9 @@
 //! [`merge_response`] returns the decode body with every routing value replaced by its merge
 //! with the prefill routing of the same choice, by absolute position: prefill's rows, then
 //! decode's rows from prefill's end on, whatever `start` decode's delta has. Every other byte of
-//! the decode body is unchanged. Inconsistent halves (a gap, other layers or top_k) are an
-//! [`Error::Merge`]; malformed input an [`Error::Payload`]: never a guess.
+//! the decode body is unchanged. Inconsistent halves are an [`Error`] whose [`kind`](Error::kind)
+//! says which rule they broke ([`ErrorKind::Gap`], [`ErrorKind::Shape`], ...), as is malformed
+//! input ([`ErrorKind::Field`], [`ErrorKind::Json`], ...): never a guess.
 //!
 //! ```
 //! use routed_experts::{from_response, merge_response, Hints, MergeOptions, DEFAULT_MAX_BYTES};
@@ -143,7 +144,7 @@ pub use body::{
 };
 pub use buffer::AlignedBytes;
 pub use dtype::{DType, Element};
-pub use error::{Error, Half, Result};
+pub use error::{Error, ErrorKind, Half, Result};
 pub use expert_load::ExpertLoad;
 pub use formats::{Format, Hints};
 pub use limits::DEFAULT_MAX_BYTES;

@@ -3,7 +3,7 @@
 
 use crate::dtype::with_element;
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::payload::{Header, Payload, Shape};
 
 /// How two halves combine: all of prefill's rows, then decode's rows from `skip` on.
@@ -20,7 +20,11 @@ pub struct Plan {
 pub fn plan(prefill: &Header, decode: &Header) -> Result<Plan> {
     check_same_rows(prefill.shape, decode.shape, "prefill", "decode")?;
     if decode.start > prefill.stop() {
-        return Err(Error::merge(format!(
+        let kind = ErrorKind::Gap {
+            stop: prefill.stop(),
+            start: decode.start,
+        };
+        return Err(Error::new(kind, format!(
             "gap: prefill covers positions [{}, {}) but decode starts at {}, so rows [{}, {}) are missing",
             prefill.start,
             prefill.stop(),
@@ -59,7 +63,11 @@ pub fn plan(prefill: &Header, decode: &Header) -> Result<Plan> {
 /// `num_layers` and `top_k` must agree for rows of two payloads to be joined.
 pub fn check_same_rows(a: Shape, b: Shape, a_name: &str, b_name: &str) -> Result<()> {
     if (a.layers, a.top_k) != (b.layers, b.top_k) {
-        return Err(Error::merge(format!(
+        let kind = ErrorKind::Shape {
+            first: (a.layers, a.top_k),
+            second: (b.layers, b.top_k),
+        };
+        return Err(Error::new(kind, format!(
             "{a_name} has {} layers x top_k {} but {b_name} has {} layers x top_k {}: they must match",
             a.layers, a.top_k, b.layers, b.top_k
         )));
@@ -148,6 +156,7 @@ mod tests {
         let prefill = rows(0, &[1, 2, 3]);
         let gap = merge(&prefill, &rows(4, &[5])).unwrap_err();
         assert!(gap.to_string().contains("rows [3, 4) are missing"), "{gap}");
+        assert_eq!(gap.kind(), &ErrorKind::Gap { stop: 3, start: 4 });
         let short = merge(&prefill, &rows(0, &[0, 0])).unwrap_err();
         assert!(
             short
@@ -156,7 +165,13 @@ mod tests {
             "{short}"
         );
         let wide = Payload::zeros(3, Shape::new(1, 2, 1), DType::U8).unwrap();
-        assert!(matches!(merge(&prefill, &wide), Err(Error::Merge(_))));
+        let e = merge(&prefill, &wide).unwrap_err();
+        let want = ErrorKind::Shape {
+            first: (1, 1),
+            second: (2, 1),
+        };
+        assert_eq!(e.kind(), &want);
+        assert_eq!(short.kind(), &ErrorKind::Inconsistent);
     }
 
     #[test]

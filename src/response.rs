@@ -497,7 +497,7 @@ fn merge_pieces<'a>(
         if opts.require_routing {
             let prefill = prefill_found()?;
             if !prefill.is_empty() {
-                return Err(Error::MissingRouting(
+                return Err(Error::missing_routing(
                     Half::Decode,
                     format!(
                         "missing routing on the decode side: the prefill body carries routing \
@@ -554,7 +554,7 @@ fn merge_pieces<'a>(
             .find(|p| p.index == d.index)
             .or_else(|| one_choice(prefill))
             .ok_or_else(|| {
-                Error::MissingRouting(
+                Error::missing_routing(
                     Half::Prefill,
                     format!(
                     "missing routing on the prefill side: decode choice {} carries routed_experts \
@@ -820,7 +820,7 @@ mod tests {
         let decode = body(r#"{"data":"Hh8oKQ==","shape":[2,1,2],"start":2}"#);
         let err = merge_response(plain.as_bytes(), decode.as_bytes(), OPTS).unwrap_err();
         assert!(
-            matches!(err, Error::MissingRouting(Half::Prefill, _)),
+            matches!(err.kind(), crate::ErrorKind::MissingRouting(Half::Prefill)),
             "{err}"
         );
     }

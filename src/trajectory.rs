@@ -4,7 +4,7 @@
 use crate::buffer::AlignedBytes;
 use crate::dtype::with_element;
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::merge::check_same_rows;
 use crate::payload::{Payload, Shape};
 
@@ -123,7 +123,11 @@ impl Trajectory {
             )));
         }
         if p.start() > held.stop() {
-            return Err(Error::merge(format!(
+            let kind = ErrorKind::Gap {
+                stop: held.stop(),
+                start: p.start(),
+            };
+            return Err(Error::new(kind, format!(
                 "gap: the trajectory covers positions [{}, {}) but the payload starts at {}, so rows [{}, {}) are missing",
                 held.start(),
                 held.stop(),

@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use routed_experts::{Error, Half};
+use routed_experts::{Error, ErrorKind, Half};
 
 use super::pool::Side;
 use super::stream::StreamError;
@@ -153,18 +153,18 @@ pub fn push_json_string(out: &mut String, text: &str) {
 /// else the pair's routing.
 pub fn merge_fault(e: Error) -> Fault {
     let text = e.to_string();
-    match e {
-        Error::MissingRouting(Half::Prefill, _) => Fault::new(Blame::Prefill, 502, text),
-        Error::MissingRouting(Half::Decode, _) => Fault::new(Blame::Decode, 502, text),
-        Error::Merge(_) => Fault::new(
-            Blame::Merge,
-            502,
-            format!("prefill and decode routing do not merge: {text}"),
-        ),
-        Error::Payload(_) => Fault::new(
+    match e.kind() {
+        ErrorKind::MissingRouting(Half::Prefill) => Fault::new(Blame::Prefill, 502, text),
+        ErrorKind::MissingRouting(Half::Decode) => Fault::new(Blame::Decode, 502, text),
+        kind if kind.is_malformed_input() => Fault::new(
             Blame::Merge,
             502,
             format!("malformed routing from an upstream: {text}"),
+        ),
+        _ => Fault::new(
+            Blame::Merge,
+            502,
+            format!("prefill and decode routing do not merge: {text}"),
         ),
     }
 }

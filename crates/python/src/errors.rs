@@ -77,12 +77,13 @@ impl From<Failure> for PyErr {
     }
 }
 
-/// The core's error as the exception of ours that says what kind it is.
+/// The core's error as the exception of ours that says what kind it is: the one place its
+/// kinds meet Python's classes (malformed input is a `PayloadError`; parts that do not fit
+/// together, a missing half among them, a `MergeError`). The message is the core's.
 pub fn py_err(e: routed_experts::Error) -> PyErr {
-    match e {
-        routed_experts::Error::Payload(m) => PayloadError::new_err(m),
-        routed_experts::Error::Merge(m) | routed_experts::Error::MissingRouting(_, m) => {
-            MergeError::new_err(m)
-        }
+    if e.kind().is_malformed_input() {
+        PayloadError::new_err(e.to_string())
+    } else {
+        MergeError::new_err(e.to_string())
     }
 }
