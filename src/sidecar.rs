@@ -47,7 +47,7 @@ pub struct SidecarFields<'a> {
     /// after validation.
     pub decoded: Option<AlignedBytes>,
     /// `data`'s text is base64 characters then at most two `=`, as the scan that found its end
-    /// saw ([`Scanner::base64_text`](crate::jsonscan::Scanner::base64_text)): a merge that copies
+    /// saw (`jsonscan::Scanner::base64_text`): a merge that copies
     /// it as it is need not check it again. `false`: nothing is known of it.
     pub data_base64: bool,
 }
