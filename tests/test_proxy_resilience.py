@@ -430,7 +430,7 @@ def test_config_refuses_limits_that_serve_nothing(field: str, value: Any, messag
 def test_every_proxy_setting_is_declared_once_and_each_copy_follows_it() -> None:
     """The declaration in Rust (routed_experts_proxy::config) is the one list: the Python
     config's fields and defaults, the command's flags, their defaults and help are all held to
-    it (the README's table: the next test)."""
+    it (the table of docs/proxy.md: the next test)."""
     import dataclasses
 
     from routed_experts.proxy.config import settings_declared
@@ -463,18 +463,18 @@ def test_every_proxy_setting_is_declared_once_and_each_copy_follows_it() -> None
 
 
 @pytest.mark.source_tree
-def test_the_readme_table_lists_every_proxy_setting_with_its_default() -> None:
+def test_the_proxy_manual_table_lists_every_proxy_setting_with_its_default() -> None:
     import re
     from pathlib import Path
 
     from routed_experts.cli import size_text
     from routed_experts.proxy.config import settings_declared
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    manual = (Path(__file__).resolve().parents[1] / "docs" / "proxy.md").read_text()
     for s in settings_declared():
         flag = "--" + s.name.replace("_", "-")
         shown = size_text(s.default) if s.unit == "bytes" else str(s.default)
-        assert re.search(rf"^\| `{flag}` \| {re.escape(shown)} \|", readme, re.M), (flag, shown)
+        assert re.search(rf"^\| `{flag}` \| {re.escape(shown)} \|", manual, re.M), (flag, shown)
 
 
 @pytest.mark.parametrize("value", [-3, 2**70, "x", object(), True])

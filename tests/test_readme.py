@@ -1,4 +1,5 @@
-"""The README's Python blocks run as written, in order, in one namespace (a user copies them)."""
+"""The Python blocks of the README and of the library guide (docs/usage.md) run as written, in
+order, in one namespace per file (a user copies them)."""
 
 from __future__ import annotations
 
@@ -10,24 +11,32 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+# Every page whose Python blocks a user copies: each page's blocks run on their own.
+PAGES = ["README.md", "docs/usage.md"]
 QUICKSTART = "# quickstart: needs the three commands above running"
 # A trainer step needs torch and a model: the last test runs those blocks where they are.
 TRAINER_STEP = "# trainer step"
 
 
+def python_blocks(page: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", (REPO / page).read_text(), re.M | re.S)
+
+
 @pytest.mark.source_tree
-def test_every_python_block_of_the_readme_runs() -> None:
-    blocks = re.findall(r"^```python\n(.*?)^```", README.read_text(), re.M | re.S)
+@pytest.mark.parametrize("page", PAGES)
+def test_every_python_block_of_the_page_runs(page: str) -> None:
+    blocks = python_blocks(page)
     assert len(blocks) >= 3
     # The quickstart's block needs servers: the next test runs it with them.
     blocks = [b for b in blocks if not b.startswith((QUICKSTART, TRAINER_STEP))]
     namespace: dict[str, object] = {}
     for i, block in enumerate(blocks):
         try:
-            exec(compile(block, f"README.md python block {i + 1}", "exec"), namespace)  # noqa: S102
+            exec(compile(block, f"{page} python block {i + 1}", "exec"), namespace)  # noqa: S102
         except Exception as e:  # pragma: no cover - the failure names the block
-            raise AssertionError(f"README.md python block {i + 1} fails: {e!r}") from e
+            raise AssertionError(f"{page} python block {i + 1} fails: {e!r}") from e
 
 
 @pytest.mark.source_tree
@@ -104,7 +113,7 @@ def _end(proc: subprocess.Popen[str]) -> None:
     reason="make test-trainer runs it (torch, megatron-core and transformers are there)",
 )
 def test_the_trainer_steps_run_on_real_models() -> None:
-    """The README's two trainer steps as written, on the trainer tests' tiny models, with
+    """The library guide's two trainer steps as written, on the trainer tests' tiny models, with
     payloads recorded from the models themselves: the step replays them (the loss is the one
     the model gives on its own)."""
     import numpy as np
@@ -116,9 +125,7 @@ def test_the_trainer_steps_run_on_real_models() -> None:
 
     import routed_experts as rx
 
-    text = README.read_text()
-    steps = [b for b in re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
-             if b.startswith(TRAINER_STEP)]
+    steps = [b for page in PAGES for b in python_blocks(page) if b.startswith(TRAINER_STEP)]
     assert [s.splitlines()[0].split("(")[1].split(")")[0] for s in steps] == [
         "Megatron", "transformers"]
     megatron_step, hf_step = steps
@@ -142,7 +149,7 @@ def test_the_trainer_steps_run_on_real_models() -> None:
                     rx.RoutedExperts.from_array(rows[half:], num_experts=tm.EXPERTS)]
         ns: dict[str, object] = {"rx": rx, "model": model, "payloads": payloads,
                                  "forward": lambda m: tm.megatron_forward(m, 1)}
-        exec(compile(megatron_step, "README.md trainer step (Megatron)", "exec"), ns)  # noqa: S102
+        exec(compile(megatron_step, "docs/usage.md trainer step (Megatron)", "exec"), ns)  # noqa: S102
         assert torch.equal(ns["loss"].detach(), own)  # type: ignore[union-attr]
 
     model = tm.hf_model("qwen3_moe")
@@ -161,7 +168,7 @@ def test_the_trainer_steps_run_on_real_models() -> None:
     payloads = [rx.RoutedExperts.from_array(rows[k, : s - 1], num_experts=tm.EXPERTS)
                 for k in range(b)]
     ns = {"rx": rx, "model": model, "input_ids": input_ids, "payloads": payloads}
-    exec(compile(hf_step, "README.md trainer step (transformers)", "exec"), ns)  # noqa: S102
+    exec(compile(hf_step, "docs/usage.md trainer step (transformers)", "exec"), ns)  # noqa: S102
     # The last token of each sample had no row and was filled; its logits predict nothing (a
     # causal LM's loss ends at the token before), so the loss is the model's own, bit for bit.
     assert torch.equal(ns["loss"].detach(), own)  # type: ignore[attr-defined]
