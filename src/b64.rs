@@ -337,7 +337,7 @@ pub fn decode_range(text: &[u8], start: usize, end: usize) -> Result<Vec<u8>> {
 
 /// A character of the standard base64 alphabet (padding `=` aside).
 pub fn is_alphabet(c: u8) -> bool {
-    c.is_ascii_alphanumeric() || c == b'+' || c == b'/'
+    crate::strscan::is_base64(c)
 }
 
 /// Standard padded base64 of `bytes`.

@@ -102,7 +102,7 @@ impl Counts {
 }
 
 /// Where routing sits in response bodies (format.md §3.2), and who puts it there: the one table the
-/// walker below follows, docs/format.md and the README repeat, and error messages quote.
+/// walker below follows, docs/format.md repeats, and error messages quote.
 pub const LOCATIONS: &[(&str, &str)] = &[
     (
         "choices[i].routed_experts",

@@ -54,7 +54,7 @@ def test_the_benchmarked_recompute_differs_in_one_expert_of_a_tenth_of_the_route
 
 
 def test_the_cpu_ratio_bound_fails_a_run_over_it(capsys: pytest.CaptureFixture[str]) -> None:
-    from routed_experts._bench.proxy import _within_cpu_ratio
+    from routed_experts._bench.proxy_command import _within_cpu_ratio
 
     run = {"load": {"vs_vllm_router": {"cpu_per_request": 0.45}},
            "stream": {"vs_vllm_router": {"cpu_per_request": 0.81}}}

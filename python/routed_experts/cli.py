@@ -309,7 +309,7 @@ def cmd_bench_proxy(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401  (the pass-through baseline, run in a child process)
 
-        from routed_experts._bench.proxy import run_bench
+        from routed_experts._bench.proxy_command import run_bench
     except ImportError as e:
         return _needs_extras("bench-proxy", "bench", e)
     return run_bench(args)

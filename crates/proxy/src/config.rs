@@ -1,6 +1,6 @@
 //! What an operator sets: every proxy setting declared once, here, with its name, unit,
 //! default, bound and help. The struct [`Config`], its defaults, its check and [`SETTINGS`] (what
-//! the Python config, the command's flags and the README's table are made from or checked
+//! the Python config, the command's flags and docs/proxy.md's table are made from or checked
 //! against) all come from the one list below.
 
 use std::path::PathBuf;

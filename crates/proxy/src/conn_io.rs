@@ -10,8 +10,6 @@ use std::time::Duration;
 use hyper::rt::{Read, ReadBufCursor, Write};
 use tokio::net::TcpStream;
 
-use super::server::shutdown_write;
-
 /// A client socket as hyper reads and writes it. Shared (`Arc`), so the server can still
 /// answer 408 after hyper gives up on a head; a write that cannot proceed for `write_timeout`
 /// fails the connection (a client that stopped reading cannot hold a reply in memory).
@@ -125,5 +123,15 @@ impl Write for ConnIo {
     fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
         shutdown_write(&self.stream);
         Poll::Ready(Ok(()))
+    }
+}
+
+/// Close the writing half of a client socket: the client reads the end of what was sent.
+pub(crate) fn shutdown_write(stream: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: the descriptor belongs to `stream`, which is alive for this call; shutdown(2)
+    // only changes the socket's state and touches no memory.
+    unsafe {
+        libc::shutdown(stream.as_raw_fd(), libc::SHUT_WR);
     }
 }

@@ -28,6 +28,7 @@ mod call;
 pub mod config;
 mod conn_io;
 mod fault;
+mod inbound;
 mod membership;
 mod memory;
 mod metrics;

@@ -12,13 +12,23 @@ use super::fault::{push_json_string, Fault};
 use super::parts::Outgoing;
 use super::pool::{Outcome, Side};
 use super::request::Api;
-use super::server::Routes;
 
 use super::call::upstream_headers;
 use super::fault::Blame;
 use super::record::{request_id, tag};
 use super::responses::{fault_response, json_response, response, Body};
 use super::shared::{Proxy, Slot};
+
+/// Which routes a listener serves.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Routes {
+    /// Completions and the operator endpoints.
+    All,
+    /// Completions only (the operator endpoints are on the admin port).
+    Service,
+    /// The operator endpoints only.
+    Admin,
+}
 
 impl Proxy {
     /// `GET /v1/models`, relayed from a decode server (clients call it first).

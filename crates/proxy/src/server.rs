@@ -18,11 +18,11 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use super::config::Config;
-use super::conn_io::ConnIo;
+use super::conn_io::{shutdown_write, ConnIo};
 use super::fault::Blame;
 use super::fault::Fault;
 use super::memory::{give_back_memory, map_large_buffers};
-use super::routes::route;
+use super::routes::{route, Routes};
 use super::shared::Proxy;
 
 /// How a running server is asked to stop: `Graceful` drains (within the shutdown timeout),
@@ -215,17 +215,6 @@ fn bind(addr: SocketAddr) -> io::Result<StdListener> {
     Ok(l)
 }
 
-/// Which routes a listener serves.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Routes {
-    /// Completions and the operator endpoints.
-    All,
-    /// Completions only (the operator endpoints are on the admin port).
-    Service,
-    /// The operator endpoints only.
-    Admin,
-}
-
 async fn accept_loop(
     listener: TcpListener,
     proxy: Arc<Proxy>,
@@ -351,15 +340,6 @@ async fn write_raw(stream: &TcpStream, fault: &Fault, reason: &str) {
     };
     let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
     shutdown_write(stream);
-}
-
-pub(crate) fn shutdown_write(stream: &TcpStream) {
-    use std::os::fd::AsRawFd;
-    // SAFETY: the descriptor belongs to `stream`, which is alive for this call; shutdown(2)
-    // only changes the socket's state and touches no memory.
-    unsafe {
-        libc::shutdown(stream.as_raw_fd(), libc::SHUT_WR);
-    }
 }
 
 /// SIGTERM or SIGINT: a graceful stop; a second one: stop at once. SIGHUP: the upstreams file

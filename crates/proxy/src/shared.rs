@@ -1,28 +1,20 @@
 //! What the requests of one proxy share: settings, server pools, the body budget, metrics,
-//! completion slots; and a request's way in: its body received, a server leased.
+//! completion slots, and a server leased from a pool (a request's way in is `inbound.rs`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::BodyExt;
-use hyper::body::Incoming;
-use hyper::header::{HeaderName, HeaderValue, AUTHORIZATION, CONTENT_LENGTH};
-use hyper::{Method, Request, Response, StatusCode};
+use hyper::header::HeaderName;
+use hyper::{Method, StatusCode};
 
-use super::budget::{Budget, Share};
+use super::budget::Budget;
 use super::config::Config;
-use super::fault::Fault;
+use super::fault::{Blame, Fault};
 use super::metrics::Metrics;
-use super::pool::{session_key, Lease, Outcome, Pool, Side, Upstream};
-use super::request::{Api, ClientBody};
+use super::pool::{Lease, Outcome, Pool, Side, Upstream};
 use super::upstream::{CallError, Upstreams};
-
-use super::call::{upstream_headers, Call};
-use super::fault::Blame;
-use super::record::{request_id, Exchange};
-use super::responses::{fault_response, Body};
 
 /// Bodies at least this large are read or merged with the runtime told the thread blocks
 /// (`block_in_place`), so other connections move to the other workers meanwhile.
@@ -124,67 +116,6 @@ impl Proxy {
         Some(lease)
     }
 
-    /// A completion request (`endpoint` is its exact path).
-    pub async fn completion(
-        self: &Arc<Self>,
-        req: Request<Incoming>,
-        endpoint: &'static str,
-        api: Api,
-    ) -> Response<Body> {
-        let began = Instant::now();
-        let mut ex = Exchange::new(Arc::clone(self), request_id(&req), endpoint);
-        let deadline = tokio::time::Instant::from_std(began + self.config.request_timeout);
-        let auth = self.upstream_auth(&req);
-        let session_header = self
-            .session_header
-            .as_ref()
-            .and_then(|h| req.headers().get(h))
-            .map(|v| session_key(v.as_bytes()));
-        // The body first, within its limits: a request takes a completion slot only once its
-        // body is whole, so clients that drip their bodies cannot hold the slots.
-        let raw = match self.receive_body(req).await {
-            Ok(raw) => raw,
-            Err(None) => {
-                // Nobody reads this; it says what the log says, never a 200.
-                ex.status(499, Some(Blame::Client));
-                return fault_response(
-                    &Fault::new(Blame::Client, 499, "the client left").closing(),
-                );
-            }
-            Err(Some(fault)) => return ex.fail(fault),
-        };
-        let Some(slot) = Slot::take(self) else {
-            return ex.fail(self.in_flight_fault());
-        };
-        let mut body = match ClientBody::parse(&raw.0, api) {
-            Ok(b) => b,
-            Err(fault) => return ex.fail(fault),
-        };
-        body.session = session_header.or(body.session);
-        drop(raw); // its bytes go back to the budget; the parsed fields hold their own copy
-        ex.stream = body.stream;
-        let call = Call {
-            proxy: Arc::clone(self),
-            endpoint,
-            headers: upstream_headers(&ex.request_id, auth),
-            deadline,
-        };
-        match tokio::time::timeout_at(deadline, call.run(&mut ex, body, slot)).await {
-            Ok(Ok(response)) => response,
-            Ok(Err(fault)) => ex.fail(fault),
-            Err(_) => ex.fail(self.request_timeout_fault()),
-        }
-    }
-
-    /// What the upstreams are sent as `Authorization`: `--upstream-api-key` when set, else the
-    /// client's own header.
-    pub(crate) fn upstream_auth(&self, req: &Request<Incoming>) -> Option<HeaderValue> {
-        match &self.config.upstream_api_key {
-            Some(key) => HeaderValue::from_str(&format!("Bearer {key}")).ok(),
-            None => req.headers().get(AUTHORIZATION).cloned(),
-        }
-    }
-
     /// Every slot of `--max-in-flight` taken.
     pub(crate) fn in_flight_fault(&self) -> Fault {
         self.metrics.rejected("in_flight");
@@ -211,89 +142,6 @@ impl Proxy {
     /// upstream may stay silent, within the request's own `deadline`.
     pub(crate) fn wait_deadline(&self, deadline: tokio::time::Instant) -> tokio::time::Instant {
         (tokio::time::Instant::now() + self.config.read_timeout).min(deadline)
-    }
-
-    /// The client's whole body, or the fault to answer with (`None`: the client left).
-    pub(crate) async fn receive_body(
-        &self,
-        req: Request<Incoming>,
-    ) -> Result<(Bytes, Share), Option<Fault>> {
-        let c = &self.config;
-        let too_large = |size: u64| {
-            Fault::new(
-                Blame::Client,
-                413,
-                format!(
-                    "the request body is {size} bytes, over the limit of {}",
-                    c.max_request_bytes
-                ),
-            )
-            .closing()
-        };
-        let declared = req
-            .headers()
-            .get(CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
-        if let Some(n) = declared.filter(|&n| n > c.max_request_bytes as u64) {
-            return Err(Some(too_large(n)));
-        }
-        let mut share = self.budget.share();
-        let over_budget = || {
-            self.metrics.rejected("buffered_bytes");
-            Fault::new(
-                Blame::Proxy,
-                503,
-                format!(
-                    "the proxy is receiving its limit of {} bytes of request bodies",
-                    self.budget.limit()
-                ),
-            )
-            .retry_after(1)
-            .closing()
-        };
-        let mut body = req.into_body();
-        let mut out = Vec::with_capacity(declared.unwrap_or(0).min(1 << 20) as usize);
-        let read = async {
-            while let Some(frame) = body.frame().await {
-                let data = match frame {
-                    Ok(frame) => frame.into_data(),
-                    // Gone before the body ended: nobody to answer.
-                    Err(e) if e.is_canceled() || e.is_closed() => return Err(None),
-                    // Broken framing, or a half-close mid-body: answered, then closed.
-                    Err(e) => {
-                        let why = format!("the request body could not be read: {e}");
-                        return Err(Some(Fault::new(Blame::Client, 400, why).closing()));
-                    }
-                };
-                let Ok(data) = data else { continue };
-                let size = out.len() + data.len();
-                if size > c.max_request_bytes {
-                    return Err(Some(too_large(size as u64)));
-                }
-                if !share.grow(data.len()) {
-                    return Err(Some(over_budget()));
-                }
-                out.extend_from_slice(&data);
-            }
-            Ok(())
-        };
-        match tokio::time::timeout(c.body_timeout, read).await {
-            Ok(Ok(())) => Ok((Bytes::from(out), share)),
-            Ok(Err(e)) => Err(e),
-            Err(_) => {
-                self.metrics.rejected("body_timeout");
-                let t = c.body_timeout.as_secs_f64();
-                Err(Some(
-                    Fault::new(
-                        Blame::Client,
-                        408,
-                        format!("the request body did not arrive within {t} s"),
-                    )
-                    .closing(),
-                ))
-            }
-        }
     }
 
     /// The next server of `side`; when every one is out of rotation, the one due first is

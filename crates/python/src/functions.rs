@@ -7,18 +7,10 @@ use crate::errors::PyResult;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use super::convert::{self, text_arg};
-use super::payload::{decode_sidecar_obj, RoutedExperts};
+use super::payload::{payload_arg, RoutedExperts};
 use routed_experts::formats::{self, Format, Hints};
 use routed_experts::response::{self, MergeOptions};
 use routed_experts::{merge as core_merge, DTypeChoice, Payload};
-
-/// A payload argument: a `RoutedExperts`, or a compact sidecar (bytes, str or dict).
-pub fn payload_arg(value: &Bound<'_, PyAny>, name: &str) -> PyResult<Payload> {
-    match value.cast::<RoutedExperts>() {
-        Ok(p) => Ok(p.get().inner.clone()),
-        Err(_) => decode_sidecar_obj(value, name, None),
-    }
-}
 
 /// A payload argument that must be a `RoutedExperts` (borrowed, never copied); anything else is a
 /// `PayloadError` naming the argument.

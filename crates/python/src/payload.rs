@@ -33,6 +33,14 @@ impl RoutedExperts {
     }
 }
 
+/// A payload argument: a `RoutedExperts`, or a compact sidecar (bytes, str or dict).
+pub fn payload_arg(value: &Bound<'_, PyAny>, name: &str) -> PyResult<Payload> {
+    match value.cast::<RoutedExperts>() {
+        Ok(p) => Ok(p.get().inner.clone()),
+        Err(_) => decode_sidecar_obj(value, name, None),
+    }
+}
+
 /// Decode a compact sidecar given as bytes, str or dict, with the GIL released.
 pub fn decode_sidecar_obj(
     value: &Bound<'_, PyAny>,

@@ -111,7 +111,7 @@ fn apply(c: &mut Config, settings: &Bound<'_, PyDict>) -> PyResult<()> {
 }
 
 /// Every proxy setting as declared once in Rust: (name, unit, default, minimum, help), in the
-/// order the command lists them. What `ProxyConfig`, the command's flags and the README's table
+/// order the command lists them. What `ProxyConfig`, the command's flags and docs/proxy.md's table
 /// are checked against or made from.
 #[pyfunction]
 pub fn _proxy_settings() -> Vec<(&'static str, &'static str, u64, u64, &'static str)> {

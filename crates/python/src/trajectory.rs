@@ -8,8 +8,7 @@ use crate::errors::PyResult;
 
 use pyo3::types::PyTuple;
 
-use super::functions::payload_arg;
-use super::payload::{new_numpy, RoutedExperts};
+use super::payload::{new_numpy, payload_arg, RoutedExperts};
 use routed_experts::trajectory::{Overlap, Pad, Trajectory as Core};
 
 /// The routing of one rollout, turn after turn, by absolute position.

@@ -5,7 +5,7 @@ beside vllm-router on the same stand-in engines (loopback only, every round boun
   reading at full speed; each stream must end merged or with a clean error within its deadline,
   small requests sent meanwhile must be served, and afterwards the budget must read 0.
 - slow: clients reading 16 KiB/s from large replies, plain and streamed; the proxy's resident
-  memory must stay within the bound the README states (idle + budget + a constant a connection).
+  memory must stay within the bound docs/proxy.md states (idle + budget + a constant a connection).
 - split: a stream whose routing event comes one byte per HTTP chunk; the memory it costs beside
   the same event in one piece.
 """
