@@ -89,53 +89,38 @@
 #![allow(clippy::useless_conversion)]
 #![warn(missing_docs)]
 
-/// Agreement between two routings of the same positions (rollout against recompute).
-pub mod agreement;
-mod b64;
-/// Where routing sits in a response body, and the token counts the body states.
+// Folders by concern (docs/architecture.md draws them):
+/// Where routing sits in a response body, and what else the body says of it (token counts,
+/// vLLM 0.21's split rows).
 pub mod body;
-/// Aligned byte buffers that payloads live in, and pre-faulting of large outputs.
-pub mod buffer;
-/// Which positions a routing value covers, checked against its body's token counts (format.md §3.3).
-pub mod coverage;
-/// The integer dtypes a payload may carry, their ranges and promotion.
-pub mod dtype;
 mod error;
-/// Expert load: how often each layer picked each expert, and how evenly.
-pub mod expert_load;
 /// Every routing format in the wild (format.md §3.2): detection, decoding, encoding.
 pub mod formats;
-mod jsonscan;
+/// The text and memory kernels under everything: base64, the JSON scan, aligned buffers, the
+/// split of one pass among the cores.
+mod kernels;
 /// The size limit on decoded payloads.
 pub mod limits;
-/// Prefill/decode merge by absolute position (format.md §4).
-pub mod merge;
-mod not_routing;
-/// The `.npy` header (vLLM's format): parsing and writing.
-pub mod npy;
-/// Packing samples into one batch for the trainer (format.md §6).
-pub mod pack;
-mod parallel;
+/// The payload (format.md §2), its dtypes, and the merge of two by absolute position (§4).
 mod payload;
-/// A router's replay ids from a batch of routing rows: checked, in an index dtype, missing rows
-/// spread over the experts (the trainer's end, format.md §6.2).
-pub mod replay;
-/// Routing inside whole response bodies: finding it, and merging bodies (format.md §3.2, §4).
+/// Replay quality (format.md §7): agreement, expert load, the checks before a step.
+mod quality;
+/// Routing inside whole response bodies: reading it, sampling suspect rows, merging bodies
+/// (format.md §3.2, §4).
 pub mod response;
-/// One rank's share of a packed batch: context and sequence parallelism, pipeline stages
-/// (format.md §6.1).
-pub mod shard;
-/// The compact sidecar (format.md §3.1).
-pub mod sidecar;
-/// vLLM 0.21's split routing: prompt rows at the top of the body, generated rows per choice.
-pub mod split;
-mod strscan;
 #[cfg(test)]
 mod test_rng;
-/// Multi-turn stitching and the trainer handoff (format.md §5).
-pub mod trajectory;
-/// Opt-in checks a trainer wants before a step (format.md §7).
-pub mod validate;
+/// The trainer's end (format.md §5, §6): multi-turn stitching, packing, a rank's share, the
+/// routers' replay ids.
+mod trainer;
+
+// The modules by the paths users know (each folder above holds them).
+pub use body::{coverage, split};
+pub use formats::{npy, sidecar};
+pub use kernels::buffer;
+pub use payload::{dtype, merge};
+pub use quality::{agreement, expert_load, validate};
+pub use trainer::{pack, replay, shard, trajectory};
 
 pub use agreement::{agreement, Agreement};
 pub use body::{
@@ -148,7 +133,7 @@ pub use error::{Error, ErrorKind, Half, Result};
 pub use expert_load::ExpertLoad;
 pub use formats::{Format, Hints};
 pub use limits::DEFAULT_MAX_BYTES;
-pub use merge::merge;
+pub use payload::merge::merge;
 pub use payload::{DTypeChoice, Header, Payload, Shape, MAX_DECLARED_BYTES};
 pub use response::{from_response, merge_response, routing_rows, MergeOptions};
 pub use sidecar::{decode as decode_sidecar, encode as encode_sidecar};

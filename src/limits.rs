@@ -2,7 +2,7 @@
 //! value every decoding call takes (`max_bytes`); the core keeps no process-wide state, so each
 //! caller (the Python binding, a proxy, a Rust router) holds its own.
 
-use crate::dtype::DType;
+use crate::payload::dtype::DType;
 use crate::payload::Shape;
 
 /// 1 GiB: far above the largest real rollout (Kimi K2 at 128k tokens is 126 MB as uint16),

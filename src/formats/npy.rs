@@ -1,8 +1,8 @@
 //! The `.npy` file format (what vLLM base64-encodes): header parsing and writing, in Rust.
 //! Versions 1, 2 and 3; little-endian integer dtypes; C order; no pickled objects.
 
-use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::payload::dtype::DType;
 use crate::payload::Shape;
 
 const MAGIC: &[u8] = b"\x93NUMPY";

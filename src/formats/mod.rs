@@ -1,19 +1,22 @@
 //! Every routing format in the wild (format.md §3.2), detected and decoded to one payload type, and
 //! encoded back byte-compatibly with each producer.
 
+mod not_routing;
+pub mod npy;
+pub mod sidecar;
+
 use std::borrow::Cow;
 
 use serde_json::Value;
 
-use crate::b64;
-use crate::buffer::AlignedBytes;
-use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::jsonscan::Scanner;
-use crate::not_routing;
-use crate::npy;
+use crate::kernels::b64;
+use crate::kernels::buffer::AlignedBytes;
+use crate::kernels::jsonscan::Scanner;
+use crate::payload::dtype::DType;
+
+use crate::formats::sidecar::SidecarFields;
 use crate::payload::{DTypeChoice, Header, Payload, Shape};
-use crate::sidecar::{self, SidecarFields};
 
 /// A routing format of the wild (format.md §3).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -5,13 +5,13 @@
 //! Each router's top_k is compared as a multiset: order inside a row does not matter. Valid
 //! routing never repeats an expert in one top_k, and then this is set comparison; a repeated
 //! id counts as often as it appears, so a routing agrees with itself exactly whatever it holds
-//! (as sorting each row and comparing does). Rows marked missing (all `-1`, see [`crate::validate::is_missing`])
+//! (as sorting each row and comparing does). Rows marked missing (all `-1`, see [`crate::quality::validate::is_missing`])
 //! on either side are excluded and counted.
 
-use crate::dtype::{with_element, Element};
 use crate::error::{Error, Result};
+use crate::payload::dtype::{with_element, Element};
 use crate::payload::Payload;
-use crate::validate::is_missing;
+use crate::quality::validate::is_missing;
 
 /// The counts two routings agree by, over the positions both cover. The fractions are methods;
 /// each is NaN when no row was compared (every shared position missing on one side).
@@ -260,7 +260,7 @@ fn count_parts<A: Element, B: Element, C: GroupCompare>(
 ) -> std::result::Result<Counts, Refused> {
     let row = layers * k;
     let bytes = std::mem::size_of_val(va) + std::mem::size_of_val(vb);
-    let parts = crate::parallel::over_rows(va.len() / row, bytes, |r| {
+    let parts = crate::kernels::parallel::over_rows(va.len() / row, bytes, |r| {
         let (from, to) = (r.start * row, r.end * row);
         count_with::<A, B, C>(&va[from..to], &vb[from..to], k, layers).map_err(|e| match e {
             Refused::Negative(side, at, v) => Refused::Negative(side, from + at, v),

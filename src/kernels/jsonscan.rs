@@ -10,8 +10,8 @@ use std::borrow::Cow;
 use std::mem::MaybeUninit;
 use std::ops::Range;
 
-use crate::b64::Streamed;
 use crate::error::{Error, ErrorKind, Result};
+use crate::kernels::b64::Streamed;
 
 /// Deeper nesting is refused rather than risking the stack.
 const MAX_DEPTH: usize = 128;
@@ -197,7 +197,7 @@ impl<'a> Scanner<'a> {
     pub fn base64_text(&mut self) -> Result<Str> {
         self.eat(b'"', "a string")?;
         let start = self.pos;
-        let run = start + crate::strscan::base64_run(&self.buf[start..]);
+        let run = start + crate::kernels::strscan::base64_run(&self.buf[start..]);
         let mut end = run;
         while end - run < 2 && self.buf.get(end) == Some(&b'=') {
             end += 1;
@@ -224,7 +224,7 @@ impl<'a> Scanner<'a> {
     pub fn base64_string(&mut self, out: &mut [MaybeUninit<u8>]) -> Result<(Str, Option<usize>)> {
         self.eat(b'"', "a string")?;
         let start = self.pos;
-        match crate::b64::decode_string_content(&self.buf[start..], out) {
+        match crate::kernels::b64::decode_string_content(&self.buf[start..], out) {
             Streamed::Decoded { end, written } => {
                 self.pos = start + end + 1;
                 let content = start..start + end;
@@ -255,7 +255,7 @@ impl<'a> Scanner<'a> {
             let rest = &self.buf[self.pos..];
             // Once the content needs the full check anyway, only quotes and escapes matter.
             let next = if plain {
-                crate::strscan::find_special(rest)
+                crate::kernels::strscan::find_special(rest)
             } else {
                 memchr::memchr2(b'"', b'\\', rest)
             };

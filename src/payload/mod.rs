@@ -1,10 +1,13 @@
 //! The payload model (format.md §2): the routing of a contiguous run of token positions, as an
 //! array of shape `(num_tokens, num_layers, top_k)` whose row 0 sits at absolute position `start`.
 
-use crate::buffer::AlignedBytes;
-use crate::dtype::with_element;
-use crate::dtype::{DType, Element};
+pub mod dtype;
+pub mod merge;
+
 use crate::error::{Error, Result};
+use crate::kernels::buffer::AlignedBytes;
+use crate::payload::dtype::with_element;
+use crate::payload::dtype::{DType, Element};
 
 /// An array shape `(num_tokens, num_layers, top_k)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -54,7 +54,7 @@ pub fn describe(text: &[u8]) -> String {
     }
     if trimmed
         .iter()
-        .all(|&c| crate::b64::is_alphabet(c) || c == b'=')
+        .all(|&c| crate::kernels::b64::is_alphabet(c) || c == b'=')
     {
         let n = s.len();
         let plural = if n == 1 { "" } else { "s" };

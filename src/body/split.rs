@@ -6,10 +6,10 @@
 use std::ops::Range;
 
 use crate::body::{BodyRouting, Counts, Found};
-use crate::dtype::with_element;
 use crate::error::{Error, Result};
 use crate::formats::{self, Format, Hints};
-use crate::merge;
+use crate::payload::dtype::with_element;
+use crate::payload::merge;
 use crate::payload::{DTypeChoice, Payload};
 
 /// The release that writes this shape, for messages.

@@ -1,9 +1,9 @@
 //! Prefill/decode merge by absolute position (format.md §4), and the row concatenation it shares with
 //! multi-turn stitching.
 
-use crate::dtype::with_element;
-use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
+use crate::payload::dtype::with_element;
+use crate::payload::dtype::DType;
 use crate::payload::{Header, Payload, Shape};
 
 /// How two halves combine: all of prefill's rows, then decode's rows from `skip` on.

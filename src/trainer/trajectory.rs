@@ -1,11 +1,11 @@
 //! Multi-turn stitching (format.md §5): payloads of successive turns accumulated by absolute position,
 //! and the handoff to the trainer (alignment to the sample's token count).
 
-use crate::buffer::AlignedBytes;
-use crate::dtype::with_element;
-use crate::dtype::DType;
 use crate::error::{Error, ErrorKind, Result};
-use crate::merge::check_same_rows;
+use crate::kernels::buffer::AlignedBytes;
+use crate::payload::dtype::with_element;
+use crate::payload::dtype::DType;
+use crate::payload::merge::check_same_rows;
 use crate::payload::{Payload, Shape};
 
 /// What to do with rows the trajectory already holds when a payload covers them again.

@@ -5,12 +5,12 @@ use std::mem::MaybeUninit;
 
 use serde_json::Value;
 
-use crate::b64;
-use crate::buffer::AlignedBytes;
-use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::jsonscan::{Scanner, Str};
+use crate::kernels::b64;
+use crate::kernels::buffer::AlignedBytes;
+use crate::kernels::jsonscan::{Scanner, Str};
 use crate::limits;
+use crate::payload::dtype::DType;
 use crate::payload::{Header, Payload, Shape};
 
 /// The `data` field as found: base64 text, or the JSON type it had instead.

@@ -2,9 +2,9 @@
 //! where its tokens are, cumulative sequence lengths, a mask of the rows that carry routing,
 //! optional padding of each sample and of the batch.
 
-use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use crate::merge::check_same_rows;
+use crate::payload::dtype::{DType, Element};
+use crate::payload::merge::check_same_rows;
 use crate::payload::{Payload, Shape};
 
 /// How samples are laid out in the batch.

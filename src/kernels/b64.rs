@@ -56,7 +56,7 @@ pub fn decode_uninit(text: &[u8], out: &mut [MaybeUninit<u8>]) -> bool {
     if out.is_empty() || text.is_empty() {
         return out.is_empty() && text.is_empty();
     }
-    crate::parallel::over_pairs(text, out, (4, 3), |_, t, o| {
+    crate::kernels::parallel::over_pairs(text, out, (4, 3), |_, t, o| {
         decode_piece(t, o) == Some(o.len())
     })
 }
@@ -136,13 +136,13 @@ type Numbered<'t, 'o> = (usize, &'t [u8], &'o mut [MaybeUninit<u8>]);
 /// return the number of the first one refused, or the one after the last.
 fn decode_spread(chunks: Vec<(&[u8], &mut [MaybeUninit<u8>])>, first: usize) -> usize {
     let end = first + chunks.len();
-    let threads = crate::parallel::threads_for(chunks.len() * STREAM_CHUNK);
+    let threads = crate::kernels::parallel::threads_for(chunks.len() * STREAM_CHUNK);
     let mut dealt: Vec<Vec<Numbered>> = (0..threads).map(|_| Vec::new()).collect();
     for (i, (t, o)) in chunks.into_iter().enumerate() {
         dealt[i % threads].push((first + i, t, o));
     }
     let refused = AtomicUsize::new(end);
-    crate::parallel::each(dealt, |mine| {
+    crate::kernels::parallel::each(dealt, |mine| {
         for (n, t, o) in mine {
             if n >= refused.load(Ordering::Relaxed) {
                 break;
@@ -166,7 +166,7 @@ fn last_piece(text: &[u8], out: &mut [MaybeUninit<u8>], n: usize) -> Streamed {
     let chunk = &text[plain..text.len().min(plain + STREAM_CHUNK + 1)];
     let from = (n * STREAM_OUT).min(out.len());
     let room = &mut out[from..];
-    let Some(i) = crate::strscan::find_special(chunk) else {
+    let Some(i) = crate::kernels::strscan::find_special(chunk) else {
         return Streamed::Stopped { plain };
     };
     let last = &chunk[..i];
@@ -253,7 +253,7 @@ const CHECK_CHUNK: usize = 16 * 1024;
 pub fn copy_checked(text: &[u8], out: &mut [MaybeUninit<u8>], last: bool) -> bool {
     assert_eq!(text.len(), out.len(), "copy_checked: unequal lengths");
     let unit = (CHECK_CHUNK, CHECK_CHUNK);
-    crate::parallel::over_pairs(text, out, unit, |last_part, t, o| {
+    crate::kernels::parallel::over_pairs(text, out, unit, |last_part, t, o| {
         let chunks = t.len().div_ceil(CHECK_CHUNK);
         t.chunks(CHECK_CHUNK)
             .zip(o.chunks_mut(CHECK_CHUNK))
@@ -337,7 +337,7 @@ pub fn decode_range(text: &[u8], start: usize, end: usize) -> Result<Vec<u8>> {
 
 /// A character of the standard base64 alphabet (padding `=` aside).
 pub fn is_alphabet(c: u8) -> bool {
-    crate::strscan::is_base64(c)
+    crate::kernels::strscan::is_base64(c)
 }
 
 /// Standard padded base64 of `bytes`.
@@ -378,7 +378,7 @@ pub fn encode_into(bytes: &[u8], out: &mut [MaybeUninit<u8>]) {
         encoded_len(bytes.len()),
         "base64 output of the wrong length"
     );
-    let split = crate::parallel::over_pairs(bytes, out, (3, 4), |_, b, o| {
+    let split = crate::kernels::parallel::over_pairs(bytes, out, (3, 4), |_, b, o| {
         encode_part(b, o);
         true
     });
@@ -489,7 +489,7 @@ mod tests {
 
     /// What `decode_string_content` must agree with: find the string's end, then decode it.
     fn scan_then_decode(text: &[u8], room: usize) -> Option<(usize, Vec<u8>)> {
-        let end = crate::strscan::find_special(text).filter(|&i| text[i] == b'"')?;
+        let end = crate::kernels::strscan::find_special(text).filter(|&i| text[i] == b'"')?;
         let content = &text[..end];
         if !content.iter().all(|&c| is_alphabet(c) || c == b'=') {
             return None;

@@ -4,10 +4,10 @@
 //! positions.
 
 use crate::body::{Counts, Place};
-use crate::dtype::with_element;
 use crate::error::{Error, ErrorKind, Result};
 use crate::formats::Format;
-use crate::merge;
+use crate::payload::dtype::with_element;
+use crate::payload::merge;
 use crate::payload::{DTypeChoice, Header, Payload, Shape};
 
 /// What a format's producers promise about the rows they send, for a sequence of `P` prompt
@@ -219,7 +219,7 @@ pub fn check(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dtype::DType;
+    use crate::payload::dtype::DType;
     use crate::payload::Shape;
 
     fn header(start: u64, rows: usize) -> Header {

@@ -2,13 +2,16 @@
 //! each routing value (format.md §3.2), vLLM 0.21's separate prompt rows, the token counts the
 //! rows are checked against (§3.3), and any routing-like key at a place no producer uses.
 
+pub mod coverage;
+pub mod split;
+
 use std::ops::Range;
 
-use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::formats::sidecar::{self, SidecarFields};
 use crate::formats::Format;
-use crate::jsonscan::{Scanner, Watch};
-use crate::sidecar::{self, SidecarFields};
+use crate::kernels::jsonscan::{Scanner, Watch};
+use crate::payload::dtype::DType;
 
 /// One routing value found in a body: the choice it belongs to and where its bytes are.
 #[derive(Debug, Clone)]

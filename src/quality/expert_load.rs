@@ -1,16 +1,16 @@
 //! Expert load: how often each layer's router picked each expert, over one payload or a batch,
 //! with the per-layer balance figures derived from it.
 
-use crate::dtype::{with_element, Element};
 use crate::error::{Error, Result};
+use crate::payload::dtype::{with_element, Element};
 use crate::payload::Payload;
-use crate::validate::is_missing;
+use crate::quality::validate::is_missing;
 
 /// A `(num_layers, num_experts)` table of how many times each layer picked each expert, and
 /// the token rows it was counted over. Rows marked missing (all `-1`) are skipped and counted.
 /// A layer whose top_k is zero throughout a payload (every counted row, with `top_k > 1`: a
 /// router never picks one expert twice) is a layer with no router, as
-/// [`validate`](crate::validate) reads it: vLLM 0.22+ and SGLang write dense layers so. It is
+/// [`validate`](crate::quality::validate) reads it: vLLM 0.22+ and SGLang write dense layers so. It is
 /// not counted as picks of expert 0, so a dense layer's figures are NaN (it counted nothing),
 /// never a false imbalance.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -77,8 +77,10 @@ impl ExpertLoad {
         // anything is counted, so the counting loop has no checks; a refused payload counts
         // nothing (the parts' tables are added only when every part passed).
         let cells = self.counts.len();
-        let parts =
-            crate::parallel::over_rows(values.len() / row, std::mem::size_of_val(values), |r| {
+        let parts = crate::kernels::parallel::over_rows(
+            values.len() / row,
+            std::mem::size_of_val(values),
+            |r| {
                 let part = &values[r.start * row..r.end * row];
                 // Unsigned dtypes have no missing rows: one max, in the element type itself so it
                 // vectorises (in i64 it was a scalar loop, 11 ms on 24.6 MB), decides.
@@ -92,7 +94,8 @@ impl ExpertLoad {
                 let mut table = vec![0u64; cells];
                 let (rows, missing) = count(part, row, k, &mut table, experts);
                 Ok((table, rows, missing))
-            });
+            },
+        );
         let mut counted = Vec::with_capacity(parts.len());
         for part in parts {
             match part {

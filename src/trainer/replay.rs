@@ -131,7 +131,7 @@ pub fn router_ids<T: BatchId, O: IndexId>(
         return Ok(());
     }
     // Rows split among the cores (contiguous runs): each part writes its rows of every router.
-    let threads = crate::parallel::threads_for(std::mem::size_of_val(batch)).min(tokens);
+    let threads = crate::kernels::parallel::threads_for(std::mem::size_of_val(batch)).min(tokens);
     let per_part = tokens.div_ceil(threads);
     let mut parts: Vec<Part<'_, O>> = (0..threads)
         .map(|t| Part {
@@ -162,7 +162,7 @@ pub fn router_ids<T: BatchId, O: IndexId>(
         places,
     };
     // Parts come back in row order: the first error is the first bad row, as on one thread.
-    crate::parallel::each(parts, |part| check.fill(batch, part))
+    crate::kernels::parallel::each(parts, |part| check.fill(batch, part))
         .into_iter()
         .collect()
 }

@@ -1,8 +1,8 @@
 //! Opt-in checks a trainer runs before a step (format.md §7): ids out of range, duplicate experts in
 //! one token's top_k, all-zero token rows (the signature of lost prompt rows in P/D serving).
 
-use crate::dtype::{with_element, Element};
 use crate::error::{Error, Result};
+use crate::payload::dtype::{with_element, Element};
 use crate::payload::Payload;
 
 /// Whether a token row is marked missing: every id `-1`, the sentinel NeMo-RL and tunix write
@@ -116,7 +116,7 @@ pub fn validate(p: &Payload, checks: &Checks) -> Result<()> {
     report(p, checks).into_result(checks)
 }
 
-fn scan<T: crate::dtype::Element>(p: &Payload, values: &[T], checks: &Checks) -> Report {
+fn scan<T: crate::payload::dtype::Element>(p: &Payload, values: &[T], checks: &Checks) -> Report {
     let (k, row) = (p.top_k(), p.num_layers() * p.top_k());
     let limit = checks
         .num_experts

@@ -1,0 +1,9 @@
+//! The kernels every reader and writer runs on: standard base64 (`b64`), the one-pass JSON
+//! scanner (`jsonscan`) and the SIMD search inside its strings (`strscan`), buffers aligned for
+//! any element type (`buffer`), and the split of one pass among the cores (`parallel`).
+
+pub(crate) mod b64;
+pub mod buffer;
+pub(crate) mod jsonscan;
+pub(crate) mod parallel;
+pub(crate) mod strscan;
