@@ -3,51 +3,13 @@
 //! tokens, or a start that its counts contradict, is refused, never read as routing of other
 //! positions.
 
-use crate::body::{Counts, Place};
+use crate::body::Counts;
 use crate::error::{Error, ErrorKind, Result};
 use crate::formats::Format;
+pub use crate::formats::{Place, Rule};
 use crate::payload::dtype::with_element;
 use crate::payload::merge;
 use crate::payload::{DTypeChoice, Header, Payload, Shape};
-
-/// What a format's producers promise about the rows they send, for a sequence of `P` prompt
-/// and `G` generated tokens and a requested start `S`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Rule {
-    /// Rows `[S, P + G - 1)`: every position but the last sampled token's (vLLM 0.22+'s `.npy`,
-    /// SGLang's flat values). The start is not in the value: the counts fix where it ends.
-    EndsBeforeLastToken,
-    /// Rows `[0, P + G)`, the last a filler (`0, 1, ..., top_k - 1` in every layer), not
-    /// routing: NeMo-RL's values (`nrlre1` strings, nested lists before its PR #3292).
-    WholeWithFiller,
-    /// Rows from 0, ending anywhere up to `P + G` (lmdeploy's nested lists drop the last row
-    /// after a stop string).
-    FromZero,
-    /// Nested lists at `choices[i].routed_experts`: lmdeploy's rows from 0 ([`Rule::FromZero`]),
-    /// unless they number what vLLM 0.21 writes there (its generated rows, `G - 1` or `G`,
-    /// whose prompt rows sit in a top-level `prompt_routed_experts` a router may have dropped):
-    /// those cannot be told apart, and are refused with both readings named.
-    ListsAtChoice,
-    /// The value states its own start and shape (the compact sidecar): its positions are never
-    /// guessed, and the body around it may have been rewritten by a router that kept another
-    /// body's counts, so they are not held against it.
-    SelfPlaced,
-}
-
-impl Rule {
-    /// The rule of a value in `format` found at `place`: who wrote it decides (NeMo-RL writes
-    /// its filler row in either of its formats, at its own place).
-    pub fn of(format: Format, place: Place) -> Rule {
-        match format {
-            Format::Compact => Rule::SelfPlaced,
-            Format::Nemo => Rule::WholeWithFiller,
-            Format::Lists if place == Place::Message => Rule::WholeWithFiller,
-            Format::Lists if place == Place::Choice => Rule::ListsAtChoice,
-            Format::Lists => Rule::FromZero,
-            Format::VllmNpy | Format::Sglang => Rule::EndsBeforeLastToken,
-        }
-    }
-}
 
 /// A NeMo-RL value without its filler last row, so that it covers what every other producer's
 /// does (`[0, P + G - 1)`) and a prefill half's filler never stands in for decode's real row.

@@ -9,7 +9,7 @@ use std::ops::Range;
 
 use crate::error::{Error, Result};
 use crate::formats::sidecar::{self, SidecarFields};
-use crate::formats::Format;
+pub use crate::formats::Place;
 use crate::kernels::jsonscan::{Scanner, Watch};
 use crate::payload::dtype::DType;
 
@@ -35,52 +35,6 @@ pub struct Found<'a> {
     pub counts: Counts,
     /// The kind of place it was found at.
     pub place: Place,
-}
-
-/// The kind of place a routing value was found at, which fixes the formats its producers write
-/// there (format.md §3.2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Place {
-    /// `choices[i].routed_experts`: vLLM's `.npy` (0.22+), nested lists (vLLM 0.21's generated
-    /// rows, lmdeploy's chat).
-    Choice,
-    /// Top-level `prompt_routed_experts`: nested lists (vLLM 0.21).
-    Prompt,
-    /// `choices[i].message.routed_experts`: NeMo-RL's `nrlre1` (nested lists before its PR #3292).
-    Message,
-    /// `sglext`, `meta_info` or `choices[i].meta_info`: SGLang's flat values, lmdeploy's nested
-    /// lists.
-    Sglang,
-    /// `nvext` or `nvext.engine_data`: Dynamo's compact sidecar, or the backend's own value
-    /// passed through (SGLang's flat values, vLLM's `.npy`).
-    Nvext,
-}
-
-impl Place {
-    /// Whether producers write `format` here. A compact sidecar is allowed everywhere: it places
-    /// itself, and it is what a merge writes back by default.
-    pub fn allows(self, format: Format) -> bool {
-        use Format::*;
-        format == Compact
-            || match self {
-                Place::Choice => matches!(format, VllmNpy | Lists),
-                Place::Prompt => format == Lists,
-                Place::Message => matches!(format, Nemo | Lists),
-                Place::Sglang => matches!(format, Sglang | Lists),
-                Place::Nvext => matches!(format, Sglang | VllmNpy),
-            }
-    }
-
-    /// The formats written here, for messages.
-    pub fn formats(self) -> &'static str {
-        match self {
-            Place::Choice => "vLLM's .npy, nested lists or a compact sidecar",
-            Place::Prompt => "nested lists",
-            Place::Message => "NeMo-RL's nrlre1 string, nested lists or a compact sidecar",
-            Place::Sglang => "SGLang's flat base64 values, nested lists or a compact sidecar",
-            Place::Nvext => "a compact sidecar, SGLang's flat values or vLLM's .npy",
-        }
-    }
 }
 
 /// Token counts a body states for one choice's sequence: the prompt's length and the number of
