@@ -135,3 +135,30 @@ pub(crate) fn shutdown_write(stream: &TcpStream) {
         libc::shutdown(stream.as_raw_fd(), libc::SHUT_WR);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    #[tokio::test]
+    async fn shutting_the_write_half_ends_what_the_peer_reads_and_keeps_reading_open() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut client = TcpStream::connect(addr).await.unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        server.try_write(b"bye").unwrap();
+        shutdown_write(&server);
+        let mut got = Vec::new();
+        client.read_to_end(&mut got).await.unwrap(); // ends: the proxy's side closed writing
+        assert_eq!(got, b"bye");
+        // The proxy's side can still read what the client sends.
+        tokio::io::AsyncWriteExt::write_all(&mut client, b"more")
+            .await
+            .unwrap();
+        server.readable().await.unwrap();
+        let mut buf = [0u8; 8];
+        let n = server.try_read(&mut buf).unwrap();
+        assert_eq!(&buf[..n], b"more");
+    }
+}

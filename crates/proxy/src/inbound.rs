@@ -165,3 +165,59 @@ impl Proxy {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+    use crate::server::{Server, Stop};
+    use std::io::{Read, Write};
+    use std::net::SocketAddr;
+
+    /// A raw HTTP/1.1 exchange with a proxy whose upstreams are never reached: the status
+    /// line and body of its answer to `request`.
+    fn exchange(request: &[u8], config: Config) -> String {
+        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let server = Server::bind(config, any, None).unwrap();
+        let (addr, stopper) = (server.local_addr().unwrap(), server.stopper());
+        let running = std::thread::spawn(move || server.run(false));
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        s.write_all(request).unwrap();
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        stopper.stop(Stop::Now);
+        running.join().unwrap().unwrap();
+        out
+    }
+
+    fn config() -> Config {
+        Config {
+            prefill: vec!["http://127.0.0.1:9".into()],
+            decode: vec!["http://127.0.0.1:9".into()],
+            max_request_bytes: 1000,
+            ..Config::default()
+        }
+    }
+
+    #[test]
+    fn a_body_declared_past_the_limit_is_refused_before_it_is_read() {
+        let req = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 5000\r\n\r\n";
+        let out = exchange(req, config());
+        assert!(out.starts_with("HTTP/1.1 413"), "{out}");
+        assert!(out.contains("5000 bytes, over the limit of 1000"), "{out}");
+    }
+
+    #[test]
+    fn a_body_that_is_not_a_json_object_is_the_clients_fault() {
+        let body = b"[1, 2]";
+        let mut req = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        )
+        .into_bytes();
+        req.extend_from_slice(body);
+        let out = exchange(&req, config());
+        assert!(out.starts_with("HTTP/1.1 400"), "{out}");
+    }
+}

@@ -141,3 +141,55 @@ impl Proxy {
 fn shorten(text: &str) -> String {
     text.chars().take(80).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn with_file(text: &str) -> (Proxy, std::path::PathBuf) {
+        let path = std::env::temp_dir().join(format!(
+            "rx-upstreams-{}-{:p}.txt",
+            std::process::id(),
+            &text
+        ));
+        std::fs::write(&path, text).unwrap();
+        let config = Config {
+            upstreams_file: Some(path.clone()),
+            ..Config::default()
+        };
+        (Proxy::new(config).unwrap(), path)
+    }
+
+    #[test]
+    fn a_reload_takes_the_files_lists_whole_or_changes_nothing() {
+        let (p, path) = with_file("prefill http://127.0.0.1:1\ndecode http://127.0.0.1:2\n");
+        std::fs::write(
+            &path,
+            "prefill http://127.0.0.1:1\nprefill http://127.0.0.1:3 # new\ndecode http://127.0.0.1:4\n",
+        )
+        .unwrap();
+        let [prefill, decode] = p.reload_upstreams_file().unwrap().unwrap();
+        assert_eq!(prefill.added, ["http://127.0.0.1:3"]);
+        assert!(prefill.removed.is_empty());
+        assert_eq!(
+            (decode.added, decode.removed),
+            (
+                vec!["http://127.0.0.1:4".to_string()],
+                vec!["http://127.0.0.1:2".to_string()]
+            )
+        );
+        // A file with a bad line, or a side without servers, changes nothing.
+        for bad in [
+            "prefill http://127.0.0.1:1\ndecode nonsense\n",
+            "prefill http://127.0.0.1:1\n",
+        ] {
+            std::fs::write(&path, bad).unwrap();
+            let e = p.reload_upstreams_file().unwrap_err();
+            assert!(e.contains("upstreams") || e.contains("line 2"), "{e}");
+            assert_eq!(p.decode.urls(), ["http://127.0.0.1:4"]);
+        }
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(shorten(&"x".repeat(200)).len(), 80);
+    }
+}

@@ -135,3 +135,42 @@ impl hyper::body::Body for PartsBody {
         hyper::body::SizeHint::with_exact(self.remaining)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hyper::body::Body as _;
+    use routed_experts::response::merge_response_pieces;
+    use routed_experts::{MergeOptions, DEFAULT_MAX_BYTES};
+
+    const PREFILL: &[u8] = br#"{"choices":[{"index":0,"routed_experts":{"data":"CgsUFR4f","shape":[3,1,2],"start":0,"dtype":"uint8"}}]}"#;
+    const DECODE: &[u8] = br#"{"choices":[{"index":0,"text":"hi","routed_experts":{"data":"Hh8oKQ==","shape":[2,1,2],"start":2,"dtype":"uint8"}}]}"#;
+
+    #[test]
+    fn a_merged_body_goes_out_as_slices_of_its_sources_in_order() {
+        let (p, d) = (Bytes::from_static(PREFILL), Bytes::from_static(DECODE));
+        let opts = MergeOptions::new(DEFAULT_MAX_BYTES);
+        let mut spliced = merge_response_pieces(&p, &d, opts).unwrap();
+        let want = spliced.to_vec().unwrap();
+        let parts = shared_slices(&mut spliced, &[&p, &d]).unwrap();
+        assert_eq!(parts.concat(), want);
+        // The decode body's text before its routing is a slice of it, not a copy.
+        let first = &parts[0];
+        let within = |b: &Bytes| {
+            let (s, f) = (b.as_ptr() as usize, first.as_ptr() as usize);
+            f >= s && f + first.len() <= s + b.len()
+        };
+        assert!(within(&d), "the first part was copied");
+        // As a body: the exact size up front, then the parts in order.
+        let body = PartsBody::new(parts, Arc::new(()));
+        assert_eq!(body.size_hint().exact(), Some(want.len() as u64));
+    }
+
+    #[test]
+    fn outgoing_bytes_are_read_and_advanced_as_a_buf() {
+        let mut o = Outgoing::from(Bytes::from_static(b"abcdef"));
+        assert_eq!((o.remaining(), o.chunk()), (6, &b"abcdef"[..]));
+        o.advance(4);
+        assert_eq!(o.chunk(), b"ef");
+    }
+}

@@ -129,3 +129,29 @@ pub fn request_id<B>(req: &Request<B>) -> String {
     b.write_u8(2);
     format!("rx-{:016x}{:016x}", a.finish(), b.finish())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_id(id: &[u8]) -> Request<()> {
+        let mut r = Request::new(());
+        if let Ok(v) = HeaderValue::from_bytes(id) {
+            r.headers_mut().insert("x-request-id", v);
+        }
+        r
+    }
+
+    #[test]
+    fn a_clients_request_id_is_kept_else_a_new_one_is_made() {
+        assert_eq!(request_id(&with_id(b"trace-42")), "trace-42");
+        let (a, b) = (request_id(&Request::new(())), request_id(&Request::new(())));
+        assert!(a.starts_with("rx-") && a.len() == 35, "{a}");
+        assert_ne!(a, b, "two requests, one id");
+        // An id a log line or a header could be broken by is replaced, not passed on.
+        let long = vec![b'a'; 300];
+        for bad in [&b"two words"[..], b"", &long] {
+            assert!(request_id(&with_id(bad)).starts_with("rx-"), "{bad:?}");
+        }
+    }
+}

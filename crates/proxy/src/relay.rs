@@ -344,3 +344,38 @@ impl hyper::body::Body for ChannelBody {
             .map(|piece| piece.map(|b| Ok(Frame::data(b))))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hyper::body::Body as _;
+
+    #[tokio::test]
+    async fn a_channel_body_yields_the_pieces_in_order_then_ends() {
+        let (tx, rx) = mpsc::channel(STREAM_QUEUE);
+        let mut body = ChannelBody(rx);
+        for piece in ["data: 1\n\n", "data: [DONE]\n\n"] {
+            tx.send(Outgoing::from(Bytes::from_static(piece.as_bytes())))
+                .await
+                .unwrap();
+        }
+        drop(tx);
+        let mut got = Vec::new();
+        while let Some(frame) =
+            std::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx)).await
+        {
+            let mut data = frame.unwrap().into_data().ok().unwrap();
+            use bytes::Buf;
+            got.extend_from_slice(&data.copy_to_bytes(data.remaining()));
+        }
+        assert_eq!(got, b"data: 1\n\ndata: [DONE]\n\n");
+    }
+
+    #[tokio::test]
+    async fn dropping_the_guard_aborts_the_stream_task() {
+        let task = tokio::spawn(std::future::pending::<()>());
+        let guard = AbortOnDrop(Some(task.abort_handle()));
+        drop(guard); // the request was dropped: its client left
+        assert!(task.await.unwrap_err().is_cancelled());
+    }
+}

@@ -48,3 +48,26 @@ pub fn fault_response(fault: &Fault) -> Response<Body> {
     }
     r
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fault::Blame;
+
+    #[test]
+    fn a_faults_answer_carries_its_status_and_headers() {
+        let f = Fault::new(Blame::Proxy, 503, "busy")
+            .retry_after(2)
+            .closing();
+        let r = fault_response(&f);
+        assert_eq!(r.status(), 503);
+        let h = r.headers();
+        assert_eq!(h["content-type"], "application/json");
+        assert_eq!(h["retry-after"], "2");
+        assert_eq!(h["connection"], "close");
+        let plain = fault_response(&Fault::new(Blame::Client, 400, "bad"));
+        assert!(plain.headers().get("retry-after").is_none());
+        // A status no HTTP status can be is sent as a 502, never a panic.
+        assert_eq!(json_response(1000, Bytes::new()).status(), 502);
+    }
+}

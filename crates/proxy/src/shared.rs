@@ -265,3 +265,97 @@ impl Drop for Slot {
         self.0.metrics.in_flight(-1);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn proxy(max_in_flight: usize) -> Arc<Proxy> {
+        let config = Config {
+            prefill: vec!["http://127.0.0.1:9".into()],
+            decode: vec!["http://127.0.0.1:9".into()],
+            max_in_flight,
+            ..Config::default()
+        };
+        Arc::new(Proxy::new(config).unwrap())
+    }
+
+    #[test]
+    fn slots_stop_at_max_in_flight_and_come_back_on_drop() {
+        let p = proxy(2);
+        let (a, b) = (Slot::take(&p), Slot::take(&p));
+        assert!(a.is_some() && b.is_some());
+        assert!(
+            Slot::take(&p).is_none(),
+            "a third slot past --max-in-flight 2"
+        );
+        assert_eq!(p.in_flight.load(Ordering::Relaxed), 2);
+        drop(a);
+        assert_eq!(p.in_flight.load(Ordering::Relaxed), 1);
+        assert!(Slot::take(&p).is_some());
+        let f = p.in_flight_fault();
+        assert_eq!((f.status, f.retry_after), (503, Some(1)));
+        assert!(
+            f.message.contains("its limit of 2 requests"),
+            "{}",
+            f.message
+        );
+    }
+
+    #[test]
+    fn a_failed_call_is_answered_by_its_kind_never_with_the_servers_address() {
+        let p = proxy(4);
+        let url = "http://10.1.2.3:8000";
+        let cases = [
+            (
+                CallError::Connect("refused".into()),
+                502,
+                true,
+                "could not be reached",
+            ),
+            (CallError::Timeout, 504, false, "did not answer in time"),
+            (
+                CallError::Broken("eof".into()),
+                502,
+                false,
+                "the connection broke",
+            ),
+            (
+                CallError::TooLarge(10, true),
+                502,
+                false,
+                "at least 10 bytes",
+            ),
+            (CallError::Budget, 503, false, "bytes of bodies"),
+        ];
+        for (e, status, retryable, says) in cases {
+            let f = p.call_fault(Side::Decode, url, e);
+            assert_eq!(
+                (f.status, f.retryable),
+                (status, retryable),
+                "{}",
+                f.message
+            );
+            assert!(f.message.contains(says), "{}", f.message);
+            assert!(!f.message.contains("10.1.2.3"), "{}", f.message);
+        }
+        assert_eq!(p.request_timeout_fault().status, 504);
+    }
+
+    #[test]
+    fn a_proxy_is_refused_what_cannot_serve() {
+        let no_decode = Config {
+            prefill: vec!["http://127.0.0.1:9".into()],
+            ..Config::default()
+        };
+        assert!(Proxy::new(no_decode).is_err());
+        let bad_header = Config {
+            prefill: vec!["http://127.0.0.1:9".into()],
+            decode: vec!["http://127.0.0.1:9".into()],
+            session_header: Some("not a header".into()),
+            ..Config::default()
+        };
+        let e = Proxy::new(bad_header).err().unwrap_or_default();
+        assert!(e.contains("session_header"), "{e}");
+    }
+}
