@@ -1,5 +1,7 @@
 //! The proxy's Prometheus metrics, kept in memory and written as the text exposition format at
-//! `GET /metrics`. Names and labels are the Python data plane's, so dashboards carry over.
+//! `GET /metrics`: each declared once ([`DECLARED`]: name, type, help), its samples from one
+//! place, written by one writer. Names and labels are the Python data plane's, so dashboards
+//! carry over.
 
 use super::pool::{Choice, Side};
 use std::collections::BTreeMap;
@@ -173,196 +175,221 @@ impl Metrics {
         }
     }
 
-    /// The text exposition format.
+    /// The text exposition format: every metric of [`DECLARED`], in its order, each with its
+    /// help and type, then its samples (labels in name order), then the process's own.
     pub fn render(&self) -> String {
         let mut o = String::with_capacity(4096);
-        let head = |o: &mut String, name: &str, kind: &str, help: &str| {
-            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        };
-        head(
-            &mut o,
-            "routed_experts_proxy_build_info",
-            "gauge",
-            "The proxy's version (the value is always 1)",
-        );
-        let _ = writeln!(
-            o,
-            "routed_experts_proxy_build_info{{version=\"{}\"}} 1",
-            env!("CARGO_PKG_VERSION")
-        );
-        head(
-            &mut o,
-            "routed_experts_proxy_requests_total",
-            "counter",
-            "Requests answered, by endpoint (\"other\": a path the proxy does not serve, or the \
-             wrong method), HTTP status and the side at fault (none, client, prefill, decode, \
-             merge, proxy); 499: the client left first",
-        );
-        for ((endpoint, status, side), n) in lock(&self.requests).iter() {
+        for d in DECLARED {
             let _ = writeln!(
                 o,
-                "routed_experts_proxy_requests_total{{endpoint=\"{endpoint}\",side=\"{side}\",\
-                 status=\"{status}\"}} {}",
-                num(*n as f64)
+                "# HELP {} {}\n# TYPE {} {}",
+                d.name, d.help, d.name, d.kind
             );
-        }
-        head(
-            &mut o,
-            "routed_experts_proxy_phase_seconds",
-            "histogram",
-            "Time of each phase of a request: prefill call, decode call (to the end of a \
-             stream), merge, and the whole request",
-        );
-        let phases = lock(&self.phases);
-        for (phase, h) in Phase::ALL.iter().map(|p| p.name()).zip(phases.iter()) {
-            let name = "routed_experts_proxy_phase_seconds";
-            for (bound, count) in BUCKETS.iter().zip(h.counts.iter()) {
-                let _ = writeln!(
-                    o,
-                    "{name}_bucket{{le=\"{}\",phase=\"{phase}\"}} {}",
-                    num(*bound),
-                    num(*count as f64)
-                );
+            for (suffix, labels, value) in self.samples(d.name) {
+                let _ = write!(o, "{}{suffix}", d.name);
+                if !labels.is_empty() {
+                    let shown: Vec<String> =
+                        labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
+                    let _ = write!(o, "{{{}}}", shown.join(","));
+                }
+                let _ = writeln!(o, " {}", num(value));
             }
-            let count = num(h.count as f64);
-            let _ = writeln!(o, "{name}_bucket{{le=\"+Inf\",phase=\"{phase}\"}} {count}");
-            let _ = writeln!(o, "{name}_count{{phase=\"{phase}\"}} {count}");
-            let _ = writeln!(o, "{name}_sum{{phase=\"{phase}\"}} {}", num(h.sum));
-        }
-        drop(phases);
-        head(
-            &mut o,
-            "routed_experts_proxy_merged_bytes_total",
-            "counter",
-            "Bytes of merged response bodies and merged stream events sent to clients",
-        );
-        let merged = self.merged_bytes.load(Ordering::Relaxed) as f64;
-        let _ = writeln!(o, "routed_experts_proxy_merged_bytes_total {}", num(merged));
-        head(
-            &mut o,
-            "routed_experts_proxy_requests_in_flight",
-            "gauge",
-            "Completion requests being served",
-        );
-        let in_flight = self.in_flight.load(Ordering::Relaxed) as f64;
-        let _ = writeln!(
-            o,
-            "routed_experts_proxy_requests_in_flight {}",
-            num(in_flight)
-        );
-        head(
-            &mut o,
-            "routed_experts_proxy_connections",
-            "gauge",
-            "Client connections open",
-        );
-        let conns = self.connections.load(Ordering::Relaxed) as f64;
-        let _ = writeln!(o, "routed_experts_proxy_connections {}", num(conns));
-        head(
-            &mut o,
-            "routed_experts_proxy_rejected_total",
-            "counter",
-            "Requests or connections refused before any upstream was called, by reason \
-             (in_flight, no_upstream, body_timeout, buffered_bytes, connections, header_timeout)",
-        );
-        for (reason, n) in lock(&self.rejected).iter() {
-            let _ = writeln!(
-                o,
-                "routed_experts_proxy_rejected_total{{reason=\"{reason}\"}} {}",
-                num(*n as f64)
-            );
-        }
-        head(
-            &mut o,
-            "routed_experts_proxy_upstream_healthy",
-            "gauge",
-            "1 while an upstream is in rotation, 0 while it is ejected by passive health checks",
-        );
-        for ((side, url), up) in lock(&self.upstream_healthy).iter() {
-            let v = if *up { "1.0" } else { "0.0" };
-            let _ = writeln!(
-                o,
-                "routed_experts_proxy_upstream_healthy{{side=\"{side}\",upstream=\"{url}\"}} {v}"
-            );
-        }
-        head(
-            &mut o,
-            "routed_experts_proxy_upstream_picks_total",
-            "counter",
-            "Requests sent to each upstream, by why it was picked (turn, least_load, session: the \
-             server the session ranks first, session_moved: another, as its first was out of \
-             rotation or over the load bound, trial: a trial after ejection)",
-        );
-        for ((side, url, choice), n) in lock(&self.picks).iter() {
-            let _ = writeln!(
-                o,
-                "routed_experts_proxy_upstream_picks_total{{choice=\"{choice}\",side=\"{side}\",upstream=\"{url}\"}} {}",
-                num(*n as f64)
-            );
-        }
-        head(
-            &mut o,
-            "routed_experts_proxy_upstream_list_changes_total",
-            "counter",
-            "Servers added to or removed from a side's list while running (admin endpoint, SIGHUP)",
-        );
-        for ((side, change), n) in lock(&self.list_changes).iter() {
-            let _ = writeln!(
-                o,
-                "routed_experts_proxy_upstream_list_changes_total{{change=\"{change}\",side=\"{side}\"}} {}",
-                num(*n as f64)
-            );
-        }
-        head(
-            &mut o,
-            "routed_experts_proxy_routing_rows_checked_total",
-            "counter",
-            "Routing rows sampled from each upstream's replies (up to 64 a value; decode's from \
-             the end of prefill's rows on) for the marks of a broken engine",
-        );
-        let rows = lock(&self.routing_rows);
-        for ((side, url), seen) in rows.iter() {
-            let _ = writeln!(
-                o,
-                "routed_experts_proxy_routing_rows_checked_total{{side=\"{side}\",upstream=\"{url}\"}} {}",
-                num(seen.checked as f64)
-            );
-        }
-        head(
-            &mut o,
-            "routed_experts_proxy_suspect_routing_rows_total",
-            "counter",
-            "Of the rows sampled, those zero in every id (kind zero) or with an expert twice in \
-             one layer's top_k (kind duplicate): routing no router made",
-        );
-        for ((side, url), seen) in rows.iter() {
-            for (kind, n) in [("duplicate", seen.duplicate_rows), ("zero", seen.zero_rows)] {
-                let _ = writeln!(
-                    o,
-                    "routed_experts_proxy_suspect_routing_rows_total{{kind=\"{kind}\",side=\"{side}\",\
-                     upstream=\"{url}\"}} {}",
-                    num(n as f64)
-                );
-            }
-        }
-        drop(rows);
-        head(
-            &mut o,
-            "routed_experts_proxy_upstream_failures_total",
-            "counter",
-            "Failed requests to an upstream (no connection, timeout, broken reply, 5xx)",
-        );
-        for ((side, url), n) in lock(&self.upstream_failures).iter() {
-            let _ = writeln!(
-                o,
-                "routed_experts_proxy_upstream_failures_total{{side=\"{side}\",upstream=\"{url}\"}} {}",
-                num(*n as f64)
-            );
         }
         super::process::render(&mut o);
         o
     }
+
+    /// The samples of the metric `name`: a suffix (a histogram's `_bucket`, `_count`, `_sum`),
+    /// its labels sorted by name, and its value.
+    fn samples(&self, name: &str) -> Vec<Sample> {
+        let count = |n: u64| n as f64;
+        let mut out: Vec<Sample> = Vec::new();
+        let mut push = |suffix: &'static str, mut labels: Vec<(&'static str, String)>, v: f64| {
+            labels.sort_by_key(|(k, _)| *k);
+            out.push((suffix, labels, v));
+        };
+        let side_url =
+            |side: &str, url: &str| vec![("side", side.to_string()), ("upstream", url.to_string())];
+        match name {
+            "routed_experts_proxy_build_info" => push(
+                "",
+                vec![("version", env!("CARGO_PKG_VERSION").to_string())],
+                1.0,
+            ),
+            "routed_experts_proxy_requests_total" => {
+                for ((endpoint, status, side), n) in lock(&self.requests).iter() {
+                    let labels = vec![
+                        ("endpoint", endpoint.clone()),
+                        ("side", side.to_string()),
+                        ("status", status.to_string()),
+                    ];
+                    push("", labels, count(*n));
+                }
+            }
+            "routed_experts_proxy_phase_seconds" => {
+                let phases = lock(&self.phases);
+                for (phase, h) in Phase::ALL.iter().map(|p| p.name()).zip(phases.iter()) {
+                    let at = |le: String| vec![("le", le), ("phase", phase.to_string())];
+                    for (bound, n) in BUCKETS.iter().zip(h.counts.iter()) {
+                        push("_bucket", at(num(*bound)), count(*n));
+                    }
+                    push("_bucket", at("+Inf".into()), count(h.count));
+                    push("_count", vec![("phase", phase.to_string())], count(h.count));
+                    push("_sum", vec![("phase", phase.to_string())], h.sum);
+                }
+            }
+            "routed_experts_proxy_merged_bytes_total" => {
+                push("", vec![], count(self.merged_bytes.load(Ordering::Relaxed)));
+            }
+            "routed_experts_proxy_requests_in_flight" => {
+                push("", vec![], self.in_flight.load(Ordering::Relaxed) as f64);
+            }
+            "routed_experts_proxy_connections" => {
+                push("", vec![], self.connections.load(Ordering::Relaxed) as f64);
+            }
+            "routed_experts_proxy_rejected_total" => {
+                for (reason, n) in lock(&self.rejected).iter() {
+                    push("", vec![("reason", reason.to_string())], count(*n));
+                }
+            }
+            "routed_experts_proxy_upstream_healthy" => {
+                for ((side, url), up) in lock(&self.upstream_healthy).iter() {
+                    push("", side_url(side, url), f64::from(u8::from(*up)));
+                }
+            }
+            "routed_experts_proxy_upstream_picks_total" => {
+                for ((side, url, choice), n) in lock(&self.picks).iter() {
+                    let mut labels = side_url(side, url);
+                    labels.push(("choice", choice.to_string()));
+                    push("", labels, count(*n));
+                }
+            }
+            "routed_experts_proxy_upstream_list_changes_total" => {
+                for ((side, change), n) in lock(&self.list_changes).iter() {
+                    let labels = vec![("change", change.to_string()), ("side", side.to_string())];
+                    push("", labels, count(*n));
+                }
+            }
+            "routed_experts_proxy_routing_rows_checked_total" => {
+                for ((side, url), seen) in lock(&self.routing_rows).iter() {
+                    push("", side_url(side, url), count(seen.checked));
+                }
+            }
+            "routed_experts_proxy_suspect_routing_rows_total" => {
+                for ((side, url), seen) in lock(&self.routing_rows).iter() {
+                    for (kind, n) in [("duplicate", seen.duplicate_rows), ("zero", seen.zero_rows)]
+                    {
+                        let mut labels = side_url(side, url);
+                        labels.push(("kind", kind.to_string()));
+                        push("", labels, count(n));
+                    }
+                }
+            }
+            "routed_experts_proxy_upstream_failures_total" => {
+                for ((side, url), n) in lock(&self.upstream_failures).iter() {
+                    push("", side_url(side, url), count(*n));
+                }
+            }
+            _ => {}
+        }
+        out
+    }
 }
+
+/// A sample of a metric: its name's suffix, its labels (sorted by name), its value.
+type Sample = (&'static str, Vec<(&'static str, String)>, f64);
+
+/// A metric `/metrics` exports: its name, type and help.
+pub struct Declared {
+    /// The metric's name.
+    pub name: &'static str,
+    /// `counter`, `gauge` or `histogram`.
+    pub kind: &'static str,
+    /// What it counts.
+    pub help: &'static str,
+}
+
+/// Every metric of the proxy, declared once, in the order `/metrics` lists them
+/// (docs/proxy.md's list is checked against it).
+pub const DECLARED: &[Declared] = &[
+    Declared {
+        name: "routed_experts_proxy_build_info",
+        kind: "gauge",
+        help: "The proxy's version (the value is always 1)",
+    },
+    Declared {
+        name: "routed_experts_proxy_requests_total",
+        kind: "counter",
+        help: "Requests answered, by endpoint (\"other\": a path the proxy does not serve, or \
+               the wrong method), HTTP status and the side at fault (none, client, prefill, \
+               decode, merge, proxy); 499: the client left first",
+    },
+    Declared {
+        name: "routed_experts_proxy_phase_seconds",
+        kind: "histogram",
+        help: "Time of each phase of a request: prefill call, decode call (to the end of a \
+               stream), merge, and the whole request",
+    },
+    Declared {
+        name: "routed_experts_proxy_merged_bytes_total",
+        kind: "counter",
+        help: "Bytes of merged response bodies and merged stream events sent to clients",
+    },
+    Declared {
+        name: "routed_experts_proxy_requests_in_flight",
+        kind: "gauge",
+        help: "Completion requests being served",
+    },
+    Declared {
+        name: "routed_experts_proxy_connections",
+        kind: "gauge",
+        help: "Client connections open",
+    },
+    Declared {
+        name: "routed_experts_proxy_rejected_total",
+        kind: "counter",
+        help: "Requests or connections refused before any upstream was called, by reason \
+               (in_flight, no_upstream, body_timeout, buffered_bytes, connections, \
+               header_timeout)",
+    },
+    Declared {
+        name: "routed_experts_proxy_upstream_healthy",
+        kind: "gauge",
+        help: "1 while an upstream is in rotation, 0 while it is ejected by passive health \
+               checks",
+    },
+    Declared {
+        name: "routed_experts_proxy_upstream_picks_total",
+        kind: "counter",
+        help: "Requests sent to each upstream, by why it was picked (turn, least_load, \
+               session: the server the session ranks first, session_moved: another, as its \
+               first was out of rotation or over the load bound, trial: a trial after \
+               ejection)",
+    },
+    Declared {
+        name: "routed_experts_proxy_upstream_list_changes_total",
+        kind: "counter",
+        help: "Servers added to or removed from a side's list while running (admin endpoint, \
+               SIGHUP)",
+    },
+    Declared {
+        name: "routed_experts_proxy_routing_rows_checked_total",
+        kind: "counter",
+        help: "Routing rows sampled from each upstream's replies (up to 64 a value; decode's \
+               from the end of prefill's rows on) for the marks of a broken engine",
+    },
+    Declared {
+        name: "routed_experts_proxy_suspect_routing_rows_total",
+        kind: "counter",
+        help: "Of the rows sampled, those zero in every id (kind zero) or with an expert twice \
+               in one layer's top_k (kind duplicate): routing no router made",
+    },
+    Declared {
+        name: "routed_experts_proxy_upstream_failures_total",
+        kind: "counter",
+        help: "Failed requests to an upstream (no connection, timeout, broken reply, 5xx)",
+    },
+];
 
 #[cfg(test)]
 mod tests {
@@ -393,5 +420,27 @@ mod tests {
         assert!(text.contains("routed_experts_proxy_rejected_total{reason=\"body_timeout\"} 1.0"));
         assert!(text.contains("routed_experts_proxy_requests_in_flight 0.0"));
         assert!(text.contains("upstream=\"http://d:1\"} 0.0"));
+    }
+
+    #[test]
+    fn every_declared_metric_is_rendered_once_and_documented() {
+        let text = Metrics::default().render();
+        let manual = include_str!("../../../docs/proxy.md");
+        for d in DECLARED {
+            assert_eq!(
+                text.matches(&format!("# TYPE {} ", d.name)).count(),
+                1,
+                "{}",
+                d.name
+            );
+            assert!(
+                manual.contains(d.name),
+                "docs/proxy.md does not list {}",
+                d.name
+            );
+        }
+        let mut names: Vec<_> = DECLARED.iter().map(|d| d.name).collect();
+        names.dedup();
+        assert_eq!(names.len(), DECLARED.len());
     }
 }
