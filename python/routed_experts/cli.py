@@ -9,8 +9,9 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -446,216 +447,6 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(**kw)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="routed-experts", description="MoE routed-experts payload tools.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {rx.__version__}")
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
-    demo = sub.add_parser("demo", help="encode, decode and verify a synthetic rollout (default)")
-    demo.add_argument(
-        "--model", choices=sorted(MODELS), default="qwen3-30b-a3b", help="model geometry"
-    )
-    demo.add_argument("--tokens", type=_count(1), default=4096, help="tokens in the rollout")
-    demo.set_defaults(func=cmd_demo)
-    inspect = sub.add_parser(
-        "inspect", help="print a payload's format, shape, dtype, positions, size"
-    )
-    inspect.add_argument("file", help="a routing value or response body file, or - for stdin")
-    inspect.add_argument(
-        "--choice", type=_count(0), default=0, help="choice index in a response body"
-    )
-    inspect.add_argument(
-        "--stats", action="store_true", help="print per-layer expert load and imbalance"
-    )
-    _add_num_experts(inspect)
-    _add_hints(inspect)
-    inspect.set_defaults(func=cmd_inspect)
-    compare = sub.add_parser(
-        "compare", help="agreement of two routings of the same positions, overall and per layer"
-    )
-    compare.add_argument("a", help="a routing value or response body file (e.g. the rollout's)")
-    compare.add_argument("b", help="the other (e.g. the trainer's recompute)")
-    compare.add_argument("--choice", type=_count(0), default=0, help="choice in response bodies")
-    _add_hints(compare)
-    compare.set_defaults(func=cmd_compare)
-    plot = sub.add_parser(
-        "plot",
-        help="draw expert load (layers x experts) and, given two, agreement per layer "
-        "(needs matplotlib)",
-    )
-    plot.add_argument("file", help="a routing value or response body file")
-    plot.add_argument("other", nargs="?", help="a second routing of the same positions")
-    plot.add_argument("-o", "--output", required=True, help="the PNG (or PDF, SVG) to write")
-    plot.add_argument("--choice", type=_count(0), default=0, help="choice in response bodies")
-    _add_num_experts(plot)
-    _add_hints(plot)
-    plot.set_defaults(func=cmd_plot)
-    merge = sub.add_parser(
-        "merge", help="merge prefill and decode routing (sidecars or response bodies)"
-    )
-    merge.add_argument("prefill", help="prefill sidecar or response body file, or - for stdin")
-    merge.add_argument("decode", help="decode sidecar or response body file")
-    merge.add_argument("-o", "--output", help="output file (default: stdout)")
-    _add_hints(merge)
-    merge.set_defaults(func=cmd_merge)
-    convert = sub.add_parser("convert", help="convert a routing value to another format")
-    convert.add_argument("file", help="a routing value or response body file, or - for stdin")
-    convert.add_argument(
-        "--to",
-        required=True,
-        choices=["compact", "vllm_npy", "sglang", "nemo", "lists"],
-        help="the format to write",
-    )
-    convert.add_argument("--choice", type=_count(0), default=0, help="choice in a response body")
-    convert.add_argument("-o", "--output", help="output file (default: stdout)")
-    _add_hints(convert)
-    convert.set_defaults(func=cmd_convert)
-    bench = sub.add_parser("bench", help="side-by-side timings against the Python alternatives")
-    bench.add_argument(
-        "--model",
-        nargs="+",
-        choices=sorted(MODELS),
-        default=["qwen3-235b-a22b"],
-        help="model geometries to measure",
-    )
-    bench.add_argument(
-        "--tokens", nargs="+", type=_count(1), default=[32768], help="rollout lengths to measure"
-    )
-    bench.add_argument(
-        "--repeat", type=_count(1), default=7, help="runs per measurement (best is kept)"
-    )
-    bench.add_argument("--json", help="also write the measurements to this JSON file")
-    bench.add_argument(
-        "--quality",
-        action="store_true",
-        help="measure agreement and expert_load beside numpy instead of the codec",
-    )
-    bench.set_defaults(func=cmd_bench)
-    proxy = sub.add_parser("proxy", help="P/D proxy that merges routed experts")
-    proxy.add_argument(
-        "--prefill", nargs="+", action="extend", default=[], type=_url,
-        help="prefill server URL(s): several after one flag, or the flag repeated "
-        "(or --upstreams-file)",
-    )
-    proxy.add_argument(
-        "--decode", nargs="+", action="extend", default=[], type=_url,
-        help="decode server URL(s): several after one flag, or the flag repeated",
-    )
-    proxy.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    proxy.add_argument(
-        "--port", type=_count(0), default=8000, help="port to listen on (0: a free one, logged)"
-    )
-    _add_proxy_limits(proxy)
-    _add_proxy_choices(proxy)
-    proxy.add_argument(
-        "--admin-port",
-        type=_count(1),
-        help="serve /health and /metrics on this port only (default: on --port)",
-    )
-    proxy.add_argument(
-        "--upstream-api-key",
-        help="API key sent to the servers instead of the client's Authorization "
-        "(or ROUTED_EXPERTS_UPSTREAM_API_KEY)",
-    )
-    proxy.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="info logs one line per request",
-    )
-    proxy.set_defaults(func=cmd_proxy)
-    engine = sub.add_parser(
-        "engine",
-        help="a stand-in prefill or decode engine (vLLM's P/D protocol, synthetic routing; no "
-        "GPU) to try the proxy with",
-    )
-    engine.add_argument("--role", required=True, choices=["prefill", "decode"])
-    engine.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    engine.add_argument(
-        "--port", type=_count(0), default=8100, help="port to listen on (0: a free one, printed)"
-    )
-    engine.add_argument(
-        "--model", choices=sorted(MODELS), default="qwen3-30b-a3b", help="routing geometry"
-    )
-    engine.add_argument(
-        "--prefill-us-per-token", type=_seconds_or_zero, default=0.0,
-        help="prefill: microseconds of compute per prompt token not in the prefix cache "
-        "(one prompt at a time)",
-    )
-    engine.add_argument(
-        "--cache-blocks", type=_count(0), default=0,
-        help="prefill: a prefix cache of this many 16-token blocks (LRU; 0: none)",
-    )
-    engine.add_argument(
-        "--decode-ms", type=_seconds_or_zero, default=0.0,
-        help="decode: milliseconds each request takes",
-    )
-    engine.add_argument(
-        "--uncomputed-rows", choices=("error", "zeros"), default="error",
-        help="decode asked for routing of prompt positions whose KV it received: answer 500 "
-        "(error, where vLLM 0.32 dies) or send those rows zeroed (zeros, as vLLM before 0.32)",
-    )
-    engine.set_defaults(func=cmd_engine)
-    bench_proxy = sub.add_parser(
-        "bench-proxy",
-        help="bounded loopback load and fault benchmark of the proxy beside a pass-through relay",
-    )
-    bench_proxy.add_argument(
-        "--requests", type=_count(1), default=500, help="requests per load round"
-    )
-    bench_proxy.add_argument(
-        "--concurrency", type=_count(1), default=32, help="requests in flight in a load round"
-    )
-    bench_proxy.add_argument(
-        "--memory-concurrency", type=_count(1), default=64, help="in flight in the memory rounds"
-    )
-    bench_proxy.add_argument(
-        "--tokens", type=_count(2), default=8192, help="rows of routing per response"
-    )
-    bench_proxy.add_argument("--layers", type=_count(1), default=48, help="MoE layers")
-    bench_proxy.add_argument("--top-k", type=_count(1), default=8, help="experts per token")
-    bench_proxy.add_argument(
-        "--bodies", choices=["sidecar", "vllm"], default="sidecar",
-        help="the bodies' shape in the load, stream, memory and fault parts: compact sidecars "
-        "(decode sends zeroed prompt rows), or vLLM 0.32's P/D bodies (.npy text; decode's "
-        "rows from P - 1, the start the proxy must ask)",
-    )
-    bench_proxy.add_argument(
-        "--only",
-        nargs="+",
-        choices=["load", "stream", "memory", "faults", "lockup", "slow", "split", "sessions"],
-        help="run only these parts (default: load, stream, memory, faults; lockup, slow and "
-        "split, the long-context reliability rounds, and sessions, the multi-turn policies, run "
-        "apart at their own sizes)",
-    )
-    bench_proxy.add_argument(
-        "--sessions", type=_count(1), default=64, help="sessions in the sessions part"
-    )
-    bench_proxy.add_argument(
-        "--turns", type=_count(1), default=8, help="turns of each session in the sessions part"
-    )
-    bench_proxy.add_argument(
-        "--memory-budget",
-        type=_size(0),
-        default="128MiB",
-        help="the proxy's --max-buffered-bytes in the memory rounds (what "
-        "keeps 64 requests of 8192 x 48 x 8 under 300 MB; 0 keeps ProxyConfig's)",
-    )
-    bench_proxy.add_argument(
-        "--idle-wait",
-        type=_seconds,
-        default=60.0,
-        help="seconds to wait after the memory rounds for the proxy to give memory back",
-    )
-    bench_proxy.add_argument("--json", help="also write the results to this JSON file")
-    bench_proxy.add_argument(
-        "--max-cpu-ratio", type=float,
-        help="exit 1 when the proxy's CPU per request passes this many times vllm-router's "
-        "in the same run (load and stream parts; CI's regression check)",
-    )
-    bench_proxy.set_defaults(func=cmd_bench_proxy)
-    return parser
-
-
 def _add_proxy_limits(p: argparse.ArgumentParser) -> None:
     """The proxy's timeouts and limits: one flag per setting Rust declares, with its default,
     bound and help from that declaration (`routed_experts_proxy::config`)."""
@@ -703,6 +494,317 @@ def proxy_settings() -> list[str]:
 
     text = [name for name, _, _ in text_settings_declared() if name != "upstream_api_key"]
     return [s.name for s in settings_declared()] + text
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One argument of a subcommand: `add_argument`'s flags and options."""
+
+    flags: tuple[str, ...]
+    options: dict[str, Any]
+
+
+def arg(*flags: str, **options: Any) -> Arg:
+    return Arg(flags, options)
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its name, what it does, the function that runs it, and its arguments (an
+    `arg(...)`, or a shared group such as `_add_hints`)."""
+
+    name: str
+    help: str
+    func: Callable[[argparse.Namespace], int]
+    args: list[Arg | Callable[[argparse.ArgumentParser], None]]
+
+
+# Every subcommand, declared once: `build_parser` makes the parser from this list.
+COMMANDS: list[Command] = [
+    Command(
+        "demo",
+        "encode, decode and verify a synthetic rollout (default)",
+        cmd_demo,
+        [
+            arg("--model", choices=sorted(MODELS), default="qwen3-30b-a3b", help="model geometry"),
+            arg("--tokens", type=_count(1), default=4096, help="tokens in the rollout"),
+        ],
+    ),
+    Command(
+        "inspect",
+        "print a payload's format, shape, dtype, positions, size",
+        cmd_inspect,
+        [
+            arg("file", help="a routing value or response body file, or - for stdin"),
+            arg("--choice", type=_count(0), default=0, help="choice index in a response body"),
+            arg("--stats", action="store_true", help="print per-layer expert load and imbalance"),
+            _add_num_experts,
+            _add_hints,
+        ],
+    ),
+    Command(
+        "compare",
+        "agreement of two routings of the same positions, overall and per layer",
+        cmd_compare,
+        [
+            arg("a", help="a routing value or response body file (e.g. the rollout's)"),
+            arg("b", help="the other (e.g. the trainer's recompute)"),
+            arg("--choice", type=_count(0), default=0, help="choice in response bodies"),
+            _add_hints,
+        ],
+    ),
+    Command(
+        "plot",
+        "draw expert load (layers x experts) and, given two, agreement per layer "
+        "(needs matplotlib)",
+        cmd_plot,
+        [
+            arg("file", help="a routing value or response body file"),
+            arg("other", nargs="?", help="a second routing of the same positions"),
+            arg("-o", "--output", required=True, help="the PNG (or PDF, SVG) to write"),
+            arg("--choice", type=_count(0), default=0, help="choice in response bodies"),
+            _add_num_experts,
+            _add_hints,
+        ],
+    ),
+    Command(
+        "merge",
+        "merge prefill and decode routing (sidecars or response bodies)",
+        cmd_merge,
+        [
+            arg("prefill", help="prefill sidecar or response body file, or - for stdin"),
+            arg("decode", help="decode sidecar or response body file"),
+            arg("-o", "--output", help="output file (default: stdout)"),
+            _add_hints,
+        ],
+    ),
+    Command(
+        "convert",
+        "convert a routing value to another format",
+        cmd_convert,
+        [
+            arg("file", help="a routing value or response body file, or - for stdin"),
+            arg(
+                "--to",
+                required=True,
+                choices=["compact", "vllm_npy", "sglang", "nemo", "lists"],
+                help="the format to write",
+            ),
+            arg("--choice", type=_count(0), default=0, help="choice in a response body"),
+            arg("-o", "--output", help="output file (default: stdout)"),
+            _add_hints,
+        ],
+    ),
+    Command(
+        "bench",
+        "side-by-side timings against the Python alternatives",
+        cmd_bench,
+        [
+            arg(
+                "--model",
+                nargs="+",
+                choices=sorted(MODELS),
+                default=["qwen3-235b-a22b"],
+                help="model geometries to measure",
+            ),
+            arg(
+                "--tokens",
+                nargs="+",
+                type=_count(1),
+                default=[32768],
+                help="rollout lengths to measure",
+            ),
+            arg("--repeat", type=_count(1), default=7, help="runs per measurement (best is kept)"),
+            arg("--json", help="also write the measurements to this JSON file"),
+            arg(
+                "--quality",
+                action="store_true",
+                help="measure agreement and expert_load beside numpy instead of the codec",
+            ),
+        ],
+    ),
+    Command(
+        "proxy",
+        "P/D proxy that merges routed experts",
+        cmd_proxy,
+        [
+            arg(
+                "--prefill",
+                nargs="+",
+                action="extend",
+                default=[],
+                type=_url,
+                help="prefill server URL(s): several after one flag, or the flag repeated (or "
+                     "--upstreams-file)",
+            ),
+            arg(
+                "--decode",
+                nargs="+",
+                action="extend",
+                default=[],
+                type=_url,
+                help="decode server URL(s): several after one flag, or the flag repeated",
+            ),
+            arg("--host", default="127.0.0.1", help="address to listen on"),
+            arg(
+                "--port",
+                type=_count(0),
+                default=8000,
+                help="port to listen on (0: a free one, logged)",
+            ),
+            _add_proxy_limits,
+            _add_proxy_choices,
+            arg(
+                "--admin-port",
+                type=_count(1),
+                help="serve /health and /metrics on this port only (default: on --port)",
+            ),
+            arg(
+                "--upstream-api-key",
+                help="API key sent to the servers instead of the client's Authorization (or "
+                     "ROUTED_EXPERTS_UPSTREAM_API_KEY)",
+            ),
+            arg(
+                "--log-level",
+                default="info",
+                choices=["debug", "info", "warning", "error"],
+                help="info logs one line per request",
+            ),
+        ],
+    ),
+    Command(
+        "engine",
+        "a stand-in prefill or decode engine (vLLM's P/D protocol, synthetic routing; no "
+        "GPU) to try the proxy with",
+        cmd_engine,
+        [
+            arg("--role", required=True, choices=["prefill", "decode"]),
+            arg("--host", default="127.0.0.1", help="address to listen on"),
+            arg(
+                "--port",
+                type=_count(0),
+                default=8100,
+                help="port to listen on (0: a free one, printed)",
+            ),
+            arg(
+                "--model",
+                choices=sorted(MODELS),
+                default="qwen3-30b-a3b",
+                help="routing geometry",
+            ),
+            arg(
+                "--prefill-us-per-token",
+                type=_seconds_or_zero,
+                default=0.0,
+                help="prefill: microseconds of compute per prompt token not in the prefix cache "
+                     "(one prompt at a time)",
+            ),
+            arg(
+                "--cache-blocks",
+                type=_count(0),
+                default=0,
+                help="prefill: a prefix cache of this many 16-token blocks (LRU; 0: none)",
+            ),
+            arg(
+                "--decode-ms",
+                type=_seconds_or_zero,
+                default=0.0,
+                help="decode: milliseconds each request takes",
+            ),
+            arg(
+                "--uncomputed-rows",
+                choices=("error", "zeros"),
+                default="error",
+                help="decode asked for routing of prompt positions whose KV it received: answer "
+                     "500 (error, where vLLM 0.32 dies) or send those rows zeroed (zeros, as vLLM "
+                     "before 0.32)",
+            ),
+        ],
+    ),
+    Command(
+        "bench-proxy",
+        "bounded loopback load and fault benchmark of the proxy beside a pass-through relay",
+        cmd_bench_proxy,
+        [
+            arg("--requests", type=_count(1), default=500, help="requests per load round"),
+            arg(
+                "--concurrency",
+                type=_count(1),
+                default=32,
+                help="requests in flight in a load round",
+            ),
+            arg(
+                "--memory-concurrency",
+                type=_count(1),
+                default=64,
+                help="in flight in the memory rounds",
+            ),
+            arg("--tokens", type=_count(2), default=8192, help="rows of routing per response"),
+            arg("--layers", type=_count(1), default=48, help="MoE layers"),
+            arg("--top-k", type=_count(1), default=8, help="experts per token"),
+            arg(
+                "--bodies",
+                choices=["sidecar", "vllm"],
+                default="sidecar",
+                help="the bodies' shape in the load, stream, memory and fault parts: compact "
+                     "sidecars (decode sends zeroed prompt rows), or vLLM 0.32's P/D bodies (.npy "
+                     "text; decode's rows from P - 1, the start the proxy must ask)",
+            ),
+            arg(
+                "--only",
+                nargs="+",
+                choices=[
+                    "load", "stream", "memory", "faults", "lockup", "slow", "split", "sessions",
+                ],
+                help="run only these parts (default: load, stream, memory, faults; lockup, slow "
+                     "and split, the long-context reliability rounds, and sessions, the multi-turn "
+                     "policies, run apart at their own sizes)",
+            ),
+            arg("--sessions", type=_count(1), default=64, help="sessions in the sessions part"),
+            arg(
+                "--turns",
+                type=_count(1),
+                default=8,
+                help="turns of each session in the sessions part",
+            ),
+            arg(
+                "--memory-budget",
+                type=_size(0),
+                default="128MiB",
+                help="the proxy's --max-buffered-bytes in the memory rounds (what keeps 64 "
+                     "requests of 8192 x 48 x 8 under 300 MB; 0 keeps ProxyConfig's)",
+            ),
+            arg(
+                "--idle-wait",
+                type=_seconds,
+                default=60.0,
+                help="seconds to wait after the memory rounds for the proxy to give memory back",
+            ),
+            arg("--json", help="also write the results to this JSON file"),
+            arg(
+                "--max-cpu-ratio",
+                type=float,
+                help="exit 1 when the proxy's CPU per request passes this many times vllm-router's "
+                     "in the same run (load and stream parts; CI's regression check)",
+            ),
+        ],
+    ),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="routed-experts", description="MoE routed-experts payload tools.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {rx.__version__}")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    for command in COMMANDS:
+        p = sub.add_parser(command.name, help=command.help)
+        for a in command.args:
+            if isinstance(a, Arg):
+                p.add_argument(*a.flags, **a.options)
+            else:
+                a(p)
+        p.set_defaults(func=command.func)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
