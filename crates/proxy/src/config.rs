@@ -118,7 +118,7 @@ macro_rules! settings {
         impl Config {
             /// Set the setting `name` (as [`SETTINGS`] names it) to `value`, checked against its
             /// unit and bound; `Err` says which and why.
-            pub fn set(&mut self, name: &str, value: Value) -> Result<(), String> {
+            pub fn set(&mut self, name: &str, value: Value) -> Result<(), ConfigError> {
                 let setting = setting(name)?;
                 match (setting.unit, value) {
                     (Unit::Seconds, Value::Seconds(s)) => {
@@ -136,7 +136,8 @@ macro_rules! settings {
                         self.set_whole(name, n);
                     }
                     (unit, _) => {
-                        return Err(format!("{name}: expected {}, got {value:?}", unit.name()))
+                        let message = format!("{name}: expected {}, got {value:?}", unit.name());
+                        return Err(ConfigError::new(name, message));
                     }
                 }
                 Ok(())
@@ -152,14 +153,14 @@ macro_rules! settings {
 
             /// `Err(message)` naming the first setting that cannot serve (a zero limit or
             /// timeout, a value below its bound, a bad upstream URL); `Ok(())` otherwise.
-            pub fn check(&self) -> Result<(), String> {
+            pub fn check(&self) -> Result<(), ConfigError> {
                 self.check_settings()?;
                 self.check_upstreams()
             }
 
             /// The timeouts and limits alone (what [`Config::check`] checks before the
             /// servers).
-            pub(crate) fn check_settings(&self) -> Result<(), String> {
+            pub(crate) fn check_settings(&self) -> Result<(), ConfigError> {
                 $(
                     if !settings!(@ok $unit, self.$name, $min) {
                         return Err(below(setting(stringify!($name))?, &format!("{:?}", self.$name)));
@@ -221,19 +222,49 @@ settings! {
 /// hyper's smallest read buffer, which bounds the smallest header limit it can apply.
 pub const MIN_HEADER_BYTES: usize = 8192;
 
+/// A setting or a server list that cannot serve: `setting` names it (a setting's name as
+/// [`SETTINGS`] and [`TEXT_SETTINGS`] name them, or `prefill`, `decode`, `upstreams_file` for the
+/// servers), `message` says what was expected and what was given (its `Display`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// The setting at fault.
+    pub setting: String,
+    /// What was wrong with it.
+    pub message: String,
+}
+
+impl ConfigError {
+    /// The error of `setting` with `message`.
+    pub fn new(setting: impl Into<String>, message: impl Into<String>) -> Self {
+        ConfigError {
+            setting: setting.into(),
+            message: message.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
 /// The declaration of `name`, or an error naming it.
-pub fn setting(name: &str) -> Result<&'static Setting, String> {
+pub fn setting(name: &str) -> Result<&'static Setting, ConfigError> {
     SETTINGS
         .iter()
         .find(|s| s.name == name)
-        .ok_or_else(|| format!("unknown proxy setting {name:?}"))
+        .ok_or_else(|| ConfigError::new(name, format!("unknown proxy setting {name:?}")))
 }
 
-fn below(s: &Setting, got: &str) -> String {
-    match s.unit {
+fn below(s: &Setting, got: &str) -> ConfigError {
+    let message = match s.unit {
         Unit::Seconds => format!("{} must be a positive number of seconds, got {got}", s.name),
         _ => format!("{} must be at least {}, got {got}", s.name, s.minimum),
-    }
+    };
+    ConfigError::new(s.name, message)
 }
 
 /// The settings that take text, beside [`SETTINGS`]: `(name, default, help)`.
@@ -272,51 +303,66 @@ pub const TEXT_SETTINGS: &[(&str, Option<&str>, &str)] = &[
 impl Config {
     /// Set the text setting `name` (one of [`TEXT_SETTINGS`]), checked; `Err` says which and
     /// why.
-    pub fn set_text(&mut self, name: &str, value: &str) -> Result<(), String> {
+    pub fn set_text(&mut self, name: &str, value: &str) -> Result<(), ConfigError> {
         match name {
             "upstream_api_key" => self.upstream_api_key = Some(value.to_string()),
             "prefill_policy" => {
-                self.prefill_policy = Policy::parse(value).map_err(|e| format!("{name}: {e}"))?
+                self.prefill_policy = Policy::parse(value)
+                    .map_err(|e| ConfigError::new(name, format!("{name}: {e}")))?
             }
             "decode_policy" => {
-                self.decode_policy = Policy::parse(value).map_err(|e| format!("{name}: {e}"))?
+                self.decode_policy = Policy::parse(value)
+                    .map_err(|e| ConfigError::new(name, format!("{name}: {e}")))?
             }
             "session_header" => {
                 hyper::header::HeaderName::from_bytes(value.as_bytes()).map_err(|_| {
-                    format!("{name}: expected a header name like X-Session-Id, got {value:?}")
+                    let m =
+                        format!("{name}: expected a header name like X-Session-Id, got {value:?}");
+                    ConfigError::new(name, m)
                 })?;
                 self.session_header = Some(value.to_string());
             }
             "upstreams_file" => self.upstreams_file = Some(PathBuf::from(value)),
-            _ => return Err(format!("unknown proxy setting {name:?}")),
+            _ => {
+                let message = format!("unknown proxy setting {name:?}");
+                return Err(ConfigError::new(name, message));
+            }
         }
         Ok(())
     }
 
     /// The prefill and decode servers: `prefill` and `decode`, or the upstreams file's.
-    pub fn upstream_lists(&self) -> Result<(Vec<String>, Vec<String>), String> {
+    pub fn upstream_lists(&self) -> Result<(Vec<String>, Vec<String>), ConfigError> {
         let Some(path) = &self.upstreams_file else {
             return Ok((self.prefill.clone(), self.decode.clone()));
         };
+        let file = |e: String| {
+            ConfigError::new(
+                "upstreams_file",
+                format!("upstreams_file {}: {e}", path.display()),
+            )
+        };
         if !self.prefill.is_empty() || !self.decode.is_empty() {
-            return Err(
-                "give the servers either in upstreams_file or as prefill and decode, not both"
-                    .into(),
-            );
+            let message = "give the servers either in upstreams_file or as prefill and decode, \
+                           not both";
+            return Err(ConfigError::new("upstreams_file", message));
         }
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("upstreams_file {}: {e}", path.display()))?;
-        read_upstreams(&text).map_err(|e| format!("upstreams_file {}: {e}", path.display()))
+        let text = std::fs::read_to_string(path).map_err(|e| file(e.to_string()))?;
+        read_upstreams(&text).map_err(|e| file(e.message))
     }
 
-    fn check_upstreams(&self) -> Result<(), String> {
+    fn check_upstreams(&self) -> Result<(), ConfigError> {
         let (prefill, decode) = self.upstream_lists()?;
         for (side, urls) in [("prefill", &prefill), ("decode", &decode)] {
             if urls.is_empty() {
-                return Err(format!("give at least one {side} server"));
+                return Err(ConfigError::new(
+                    side,
+                    format!("give at least one {side} server"),
+                ));
             }
             for url in urls {
-                super::upstream::Target::parse(url).map_err(|e| format!("{side}: {e}"))?;
+                super::upstream::Target::parse(url)
+                    .map_err(|e| ConfigError::new(side, format!("{side}: {e}")))?;
             }
         }
         Ok(())
@@ -325,7 +371,7 @@ impl Config {
 
 /// The servers an upstreams file lists: a line is `prefill URL` or `decode URL`; blank lines
 /// and `#` comments are skipped. `Err` names the line.
-pub fn read_upstreams(text: &str) -> Result<(Vec<String>, Vec<String>), String> {
+pub fn read_upstreams(text: &str) -> Result<(Vec<String>, Vec<String>), ConfigError> {
     let (mut prefill, mut decode) = (Vec::new(), Vec::new());
     for (n, line) in text.lines().enumerate() {
         let line = line.split('#').next().unwrap_or("").trim();
@@ -339,14 +385,16 @@ pub fn read_upstreams(text: &str) -> Result<(Vec<String>, Vec<String>), String> 
             ("decode", Some(_), None) => &mut decode,
             _ => {
                 let shown: String = line.chars().take(80).collect();
-                return Err(format!(
+                let message = format!(
                     "line {}: expected `prefill URL` or `decode URL`, got {shown:?}",
                     n + 1
-                ));
+                );
+                return Err(ConfigError::new("upstreams_file", message));
             }
         };
         let url = url.unwrap_or_default();
-        super::upstream::Target::parse(url).map_err(|e| format!("line {}: {e}", n + 1))?;
+        super::upstream::Target::parse(url)
+            .map_err(|e| ConfigError::new(side, format!("line {}: {e}", n + 1)))?;
         list.push(url.to_string());
     }
     Ok((prefill, decode))
@@ -372,19 +420,19 @@ mod tests {
             ..config()
         };
         assert_eq!(
-            c.check().unwrap_err(),
+            c.check().unwrap_err().message,
             "max_in_flight must be at least 1, got 0"
         );
         let c = Config {
             write_timeout: Duration::ZERO,
             ..config()
         };
-        assert!(c.check().unwrap_err().starts_with("write_timeout"));
+        assert!(c.check().unwrap_err().message.starts_with("write_timeout"));
         let c = Config {
             max_header_bytes: 100,
             ..config()
         };
-        assert!(c.check().unwrap_err().contains("at least 8192"));
+        assert!(c.check().unwrap_err().message.contains("at least 8192"));
     }
 
     #[test]
@@ -401,7 +449,7 @@ mod tests {
                 _ => Value::Whole(s.minimum - 1),
             };
             assert!(
-                c.set(s.name, bad).unwrap_err().starts_with(s.name),
+                c.set(s.name, bad).unwrap_err().message.starts_with(s.name),
                 "{}",
                 s.name
             );
@@ -410,7 +458,10 @@ mod tests {
                 _ => Value::Seconds(3.0),
             };
             assert!(
-                c.set(s.name, wrong).unwrap_err().contains("expected"),
+                c.set(s.name, wrong)
+                    .unwrap_err()
+                    .message
+                    .contains("expected"),
                 "{}",
                 s.name
             );
@@ -421,6 +472,7 @@ mod tests {
         assert!(c
             .set("max_bogus", Value::Whole(1))
             .unwrap_err()
+            .message
             .contains("unknown"));
         // The defaults are the declared ones.
         let d = Config::default();
@@ -447,12 +499,18 @@ mod tests {
         assert!(c
             .set_text("prefill_policy", "cache_aware")
             .unwrap_err()
+            .message
             .starts_with("prefill_policy: expected one of"));
         assert!(c
             .set_text("session_header", "x y")
             .unwrap_err()
+            .message
             .starts_with("session_header"));
-        assert!(c.set_text("bogus", "1").unwrap_err().contains("unknown"));
+        assert!(c
+            .set_text("bogus", "1")
+            .unwrap_err()
+            .message
+            .contains("unknown"));
         let text = "# servers\nprefill http://a:1\n\ndecode  http://b:2/v  # the big one\nprefill http://c:3\n";
         assert_eq!(
             read_upstreams(text),
@@ -462,23 +520,26 @@ mod tests {
             ))
         );
         assert_eq!(
-            read_upstreams("prefill\n").unwrap_err(),
+            read_upstreams("prefill\n").unwrap_err().message,
             "line 1: expected `prefill URL` or `decode URL`, got \"prefill\""
         );
         assert!(read_upstreams("decode http://a:1 x\n")
             .unwrap_err()
+            .message
             .starts_with("line 1"));
         assert!(read_upstreams("\ndecode a:1\n")
             .unwrap_err()
+            .message
             .starts_with("line 2: expected a URL"));
         // Either the file or the lists.
         c.upstreams_file = Some("/nonexistent/upstreams".into());
-        assert!(c.check().unwrap_err().contains("not both"));
+        assert!(c.check().unwrap_err().message.contains("not both"));
         c.prefill.clear();
         c.decode.clear();
         assert!(c
             .check()
             .unwrap_err()
+            .message
             .starts_with("upstreams_file /nonexistent/upstreams: "));
     }
 
@@ -488,11 +549,14 @@ mod tests {
             decode: vec!["localhost:8000".into()],
             ..config()
         };
-        assert!(c.check().unwrap_err().starts_with("decode: "));
+        assert!(c.check().unwrap_err().message.starts_with("decode: "));
         let c = Config {
             prefill: vec![],
             ..config()
         };
-        assert_eq!(c.check().unwrap_err(), "give at least one prefill server");
+        assert_eq!(
+            c.check().unwrap_err().message,
+            "give at least one prefill server"
+        );
     }
 }

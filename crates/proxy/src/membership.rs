@@ -9,6 +9,7 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::Request;
 
+use super::config::ConfigError;
 use super::fault::{Blame, Fault};
 use super::pool::{Changed, Side};
 use super::responses::{fault_response, json_response, Body};
@@ -50,7 +51,7 @@ impl Proxy {
             };
             let changed = changed.map_err(|e| {
                 let status = if add { 400 } else { 409 };
-                Fault::new(Blame::Client, status, e)
+                Fault::new(Blame::Client, status, e.message)
             })?;
             if changed {
                 let url = url.trim_end_matches('/');
@@ -105,11 +106,16 @@ impl Proxy {
 
     /// Make both lists the upstreams file's (what SIGHUP does): all or nothing, so a file
     /// half-written or with one bad line changes nothing. `Ok(None)` without a file.
-    pub fn reload_upstreams_file(&self) -> Result<Option<[Changed; 2]>, String> {
+    pub fn reload_upstreams_file(&self) -> Result<Option<[Changed; 2]>, ConfigError> {
         let Some(path) = &self.config.upstreams_file else {
             return Ok(None);
         };
-        let at = |e: String| format!("upstreams_file {}: {e}", path.display());
+        let at = |e: String| {
+            ConfigError::new(
+                "upstreams_file",
+                format!("upstreams_file {}: {e}", path.display()),
+            )
+        };
         let (prefill, decode) = self.config.upstream_lists()?;
         for (side, urls) in [(Side::Prefill, &prefill), (Side::Decode, &decode)] {
             if urls.is_empty() {
@@ -125,7 +131,7 @@ impl Proxy {
             .enumerate()
         {
             // Cannot fail: every URL parsed and the list is not empty.
-            let changed = self.pool(side).replace(&urls).map_err(at)?;
+            let changed = self.pool(side).replace(&urls).map_err(|e| at(e.message))?;
             for (urls, added) in [(&changed.added, true), (&changed.removed, false)] {
                 for url in urls {
                     self.metrics.list_changed(side, url, added);
@@ -186,7 +192,11 @@ mod tests {
         ] {
             std::fs::write(&path, bad).unwrap();
             let e = p.reload_upstreams_file().unwrap_err();
-            assert!(e.contains("upstreams") || e.contains("line 2"), "{e}");
+            assert_eq!(e.setting, "upstreams_file");
+            assert!(
+                e.message.contains("line 2") || e.message.contains("no decode"),
+                "{e}"
+            );
             assert_eq!(p.decode.urls(), ["http://127.0.0.1:4"]);
         }
         std::fs::remove_file(&path).unwrap();

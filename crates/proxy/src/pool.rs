@@ -8,6 +8,7 @@
 //! side out. A server removed while requests are under way keeps serving them: each request
 //! holds its server ([`Lease`]), not a position in the list.
 
+use super::config::ConfigError;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -297,7 +298,7 @@ impl Pool {
         policy: Policy,
         eject_after: u32,
         eject_for: Duration,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, ConfigError> {
         let pool = Pool {
             side,
             policy,
@@ -473,8 +474,8 @@ impl Pool {
     }
 
     /// Add the server at `url`, in rotation; `Ok(false)` when it is already there.
-    pub fn add(&self, url: &str) -> Result<bool, String> {
-        let upstream = Upstream::new(url)?;
+    pub fn add(&self, url: &str) -> Result<bool, ConfigError> {
+        let upstream = Upstream::new(url).map_err(|e| ConfigError::new(self.side.name(), e))?;
         let mut s = self.lock();
         if s.members.iter().any(|m| m.upstream.url == upstream.url) {
             return Ok(false);
@@ -488,17 +489,16 @@ impl Pool {
 
     /// Take the server at `url` out of the list (requests it is serving finish there);
     /// `Ok(false)` when it is not there; `Err` when it is the side's last server.
-    pub fn remove(&self, url: &str) -> Result<bool, String> {
+    pub fn remove(&self, url: &str) -> Result<bool, ConfigError> {
         let url = url.trim_end_matches('/');
         let mut s = self.lock();
         let Some(i) = s.members.iter().position(|m| m.upstream.url == url) else {
             return Ok(false);
         };
         if s.members.len() == 1 {
-            return Err(format!(
-                "{url} is the last {} server: add another first",
-                self.side.name()
-            ));
+            let side = self.side.name();
+            let message = format!("{url} is the last {side} server: add another first");
+            return Err(ConfigError::new(side, message));
         }
         s.members.remove(i);
         let n = s.members.len();
@@ -508,13 +508,18 @@ impl Pool {
 
     /// Make the list `urls` (in that order): servers that stay keep their health, those not in
     /// it are removed. All or nothing: `Err` names a URL that is not one, or says it is empty.
-    pub fn replace(&self, urls: &[String]) -> Result<Changed, String> {
+    pub fn replace(&self, urls: &[String]) -> Result<Changed, ConfigError> {
+        let side = self.side.name();
         if urls.is_empty() {
-            return Err(format!("give at least one {} server", self.side.name()));
+            return Err(ConfigError::new(
+                side,
+                format!("give at least one {side} server"),
+            ));
         }
         let mut wanted: Vec<Arc<Upstream>> = Vec::with_capacity(urls.len());
         for url in urls {
-            let u = Upstream::new(url).map_err(|e| format!("{}: {e}", self.side.name()))?;
+            let u =
+                Upstream::new(url).map_err(|e| ConfigError::new(side, format!("{side}: {e}")))?;
             if !wanted.iter().any(|w| w.url == u.url) {
                 wanted.push(u);
             }
@@ -751,11 +756,12 @@ mod tests {
         assert!(p
             .remove(&urls(2)[1])
             .unwrap_err()
+            .message
             .contains("last decode server"));
         assert!(p.add("localhost:1").is_err());
         let bad = vec![urls(3)[2].clone(), "ftp://x".to_string()];
         assert!(p.replace(&bad).is_err());
-        assert!(p.replace(&[]).unwrap_err().contains("at least one"));
+        assert!(p.replace(&[]).unwrap_err().message.contains("at least one"));
         assert_eq!(p.urls(), [urls(2)[1].clone()]);
         let changed = p.replace(&urls(3)).unwrap();
         assert_eq!(changed.added, [urls(3)[0].clone(), urls(3)[2].clone()]);

@@ -10,7 +10,7 @@ use hyper::header::HeaderName;
 use hyper::{Method, StatusCode};
 
 use super::budget::Budget;
-use super::config::Config;
+use super::config::{Config, ConfigError};
 use super::fault::{Blame, Fault};
 use super::metrics::Metrics;
 use super::pool::{Lease, Outcome, Pool, Side, Upstream};
@@ -46,7 +46,7 @@ pub struct Proxy {
 impl Proxy {
     /// A proxy serving `config`; `Err` says what cannot serve, as [`Config::check`] does (the
     /// servers are read once, from the lists or the file, and checked as the pools take them).
-    pub fn new(config: Config) -> Result<Self, String> {
+    pub fn new(config: Config) -> Result<Self, ConfigError> {
         config.check_settings()?;
         let (prefill, decode) = config.upstream_lists()?;
         let eject_after = u32::try_from(config.eject_after).unwrap_or(u32::MAX);
@@ -61,12 +61,13 @@ impl Proxy {
                 metrics.upstream_healthy(pool.side, &url, true);
             }
         }
-        let session_header = match &config.session_header {
-            Some(h) => Some(
-                HeaderName::from_bytes(h.as_bytes()).map_err(|e| format!("session_header: {e}"))?,
-            ),
-            None => None,
-        };
+        let session_header =
+            match &config.session_header {
+                Some(h) => Some(HeaderName::from_bytes(h.as_bytes()).map_err(|e| {
+                    ConfigError::new("session_header", format!("session_header: {e}"))
+                })?),
+                None => None,
+            };
         Ok(Proxy {
             upstreams: Upstreams::new(
                 config.connect_timeout,
@@ -348,14 +349,20 @@ mod tests {
             prefill: vec!["http://127.0.0.1:9".into()],
             ..Config::default()
         };
-        assert!(Proxy::new(no_decode).is_err());
+        let e = Proxy::new(no_decode)
+            .err()
+            .expect("no decode server refused");
+        assert_eq!(
+            (e.setting.as_str(), e.message.as_str()),
+            ("decode", "give at least one decode server")
+        );
         let bad_header = Config {
             prefill: vec!["http://127.0.0.1:9".into()],
             decode: vec!["http://127.0.0.1:9".into()],
             session_header: Some("not a header".into()),
             ..Config::default()
         };
-        let e = Proxy::new(bad_header).err().unwrap_or_default();
-        assert!(e.contains("session_header"), "{e}");
+        let e = Proxy::new(bad_header).err().expect("a bad header refused");
+        assert_eq!(e.setting, "session_header", "{e}");
     }
 }

@@ -41,7 +41,8 @@ fn resolve(host: &str, port: u16) -> PyResult<SocketAddr> {
 /// One setting's value from Python, read as its declared unit says (a bool, a str or a
 /// negative number is a `ConfigError` naming the setting).
 fn setting_value(name: &str, v: &Bound<'_, PyAny>) -> PyResult<Value> {
-    let s = routed_experts_proxy::config::setting(name).map_err(ConfigError::new_err)?;
+    let s =
+        routed_experts_proxy::config::setting(name).map_err(|e| ConfigError::new_err(e.message))?;
     let wrong = || {
         ConfigError::new_err(format!(
             "{name}: expected {}, got {}",
@@ -85,7 +86,7 @@ fn config(
         ..Config::default()
     };
     apply(&mut c, settings)?;
-    c.check().map_err(ConfigError::new_err)?;
+    c.check().map_err(|e| ConfigError::new_err(e.message))?;
     Ok(c)
 }
 
@@ -101,11 +102,12 @@ fn apply(c: &mut Config, settings: &Bound<'_, PyDict>) -> PyResult<()> {
                 let got = crate::convert::a_value_of(&value);
                 ConfigError::new_err(format!("{name}: expected a str, got {got}"))
             })?;
-            c.set_text(&name, &text).map_err(ConfigError::new_err)?;
+            c.set_text(&name, &text)
+                .map_err(|e| ConfigError::new_err(e.message))?;
             continue;
         }
         c.set(&name, setting_value(&name, &value)?)
-            .map_err(ConfigError::new_err)?;
+            .map_err(|e| ConfigError::new_err(e.message))?;
     }
     Ok(())
 }
