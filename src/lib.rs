@@ -115,7 +115,7 @@ mod test_rng;
 mod trainer;
 
 // The modules by the paths users know (each folder above holds them).
-pub use body::{coverage, split};
+
 pub use formats::{npy, sidecar};
 pub use kernels::buffer;
 pub use payload::{dtype, merge};

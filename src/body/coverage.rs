@@ -6,7 +6,7 @@
 use crate::body::Counts;
 use crate::error::{Error, ErrorKind, Result};
 use crate::formats::Format;
-pub use crate::formats::{Place, Rule};
+use crate::formats::Rule;
 use crate::payload::dtype::with_element;
 use crate::payload::merge;
 use crate::payload::{DTypeChoice, Header, Payload, Shape};
@@ -181,6 +181,7 @@ pub fn check(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::formats::Place;
     use crate::payload::dtype::DType;
     use crate::payload::Shape;
 

@@ -2,8 +2,8 @@
 //! each routing value (format.md §3.2), vLLM 0.21's separate prompt rows, the token counts the
 //! rows are checked against (§3.3), and any routing-like key at a place no producer uses.
 
-pub mod coverage;
-pub mod split;
+pub(crate) mod coverage;
+pub(crate) mod split;
 
 use std::ops::Range;
 

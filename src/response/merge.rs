@@ -13,7 +13,8 @@ use crate::formats::{self, Format, Hints};
 use crate::kernels::b64;
 use crate::payload::merge;
 
-use crate::body::coverage::{self, Rule};
+use crate::body::coverage;
+use crate::formats::Rule;
 use crate::body::split;
 use crate::body::{read_body, BodyRouting, Found};
 

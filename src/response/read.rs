@@ -8,7 +8,8 @@ use crate::formats::sidecar::{self, SidecarFields};
 use crate::formats::{self, Format, Hints};
 use crate::payload::Payload;
 
-use crate::body::coverage::{self, Rule};
+use crate::body::coverage;
+use crate::formats::Rule;
 use crate::body::split;
 use crate::body::{read_body_decoding, Found};
 
