@@ -242,6 +242,21 @@ pub fn groups_valid_scanned(text: &[u8], last: bool) -> bool {
     }
 }
 
+/// Copy base64 `text` (whole groups, cut from a value the scan found to be base64 characters:
+/// [`groups_valid_scanned`]) into `out`, of the same length, split among the machine's cores as
+/// [`copy_checked`] is: only its length and padding are checked. `false`: not valid there, and
+/// nothing is written.
+pub fn copy_scanned(text: &[u8], out: &mut [MaybeUninit<u8>], last: bool) -> bool {
+    assert_eq!(text.len(), out.len(), "copy_scanned: unequal lengths");
+    if !groups_valid_scanned(text, last) {
+        return false;
+    }
+    crate::kernels::parallel::over_pairs(text, out, (CHECK_CHUNK, CHECK_CHUNK), |_, t, o| {
+        write_uninit(o, t);
+        true
+    })
+}
+
 /// Base64 is checked this many characters at a time as it is copied (a multiple of 4, small
 /// enough to stay in L1 between the check and the copy).
 const CHECK_CHUNK: usize = 16 * 1024;

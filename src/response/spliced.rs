@@ -82,10 +82,7 @@ impl Piece<'_> {
         };
         let (head, rest) = out.split_at_mut(text.len());
         let valid = if scanned {
-            b64::groups_valid_scanned(text, last) && {
-                b64::write_uninit(head, text);
-                true
-            }
+            b64::copy_scanned(text, head, last)
         } else {
             b64::copy_checked(text, head, last)
         };
