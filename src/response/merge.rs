@@ -14,9 +14,9 @@ use crate::kernels::b64;
 use crate::payload::merge;
 
 use crate::body::coverage;
-use crate::formats::Rule;
 use crate::body::split;
 use crate::body::{read_body, BodyRouting, Found};
+use crate::formats::Rule;
 
 /// How [`merge_response`] works.
 #[derive(Clone, Copy, Debug)]

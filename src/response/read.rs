@@ -9,9 +9,9 @@ use crate::formats::{self, Format, Hints};
 use crate::payload::Payload;
 
 use crate::body::coverage;
-use crate::formats::Rule;
 use crate::body::split;
 use crate::body::{read_body_decoding, Found};
+use crate::formats::Rule;
 
 /// Decode one routing value, whatever its format, and check its rows against the token counts
 /// its body states (format.md §3.3).
