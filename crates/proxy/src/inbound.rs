@@ -169,34 +169,22 @@ impl Proxy {
 #[cfg(test)]
 mod tests {
     use crate::config::Config;
-    use crate::server::{Server, Stop};
-    use std::io::{Read, Write};
-    use std::net::SocketAddr;
+    use crate::server::Stop;
+    use crate::test_server::{self, unreachable_config, Running};
 
     /// A raw HTTP/1.1 exchange with a proxy whose upstreams are never reached: the status
     /// line and body of its answer to `request`.
     fn exchange(request: &[u8], config: Config) -> String {
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let server = Server::bind(config, any, None).unwrap();
-        let (addr, stopper) = (server.local_addr().unwrap(), server.stopper());
-        let running = std::thread::spawn(move || server.run(false));
-        let mut s = std::net::TcpStream::connect(addr).unwrap();
-        s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
-            .unwrap();
-        s.write_all(request).unwrap();
-        let mut out = String::new();
-        let _ = s.read_to_string(&mut out);
-        stopper.stop(Stop::Now);
-        running.join().unwrap().unwrap();
+        let proxy = Running::start(config, false);
+        let out = test_server::exchange(proxy.addr, request);
+        proxy.stop(Stop::Now).unwrap();
         out
     }
 
     fn config() -> Config {
         Config {
-            prefill: vec!["http://127.0.0.1:9".into()],
-            decode: vec!["http://127.0.0.1:9".into()],
             max_request_bytes: 1000,
-            ..Config::default()
+            ..unreachable_config()
         }
     }
 

@@ -43,6 +43,8 @@ mod routes;
 mod server;
 mod shared;
 mod stream;
+#[cfg(test)]
+mod test_server;
 mod upstream;
 
 pub use config::Config;

@@ -209,41 +209,18 @@ pub(crate) fn health(proxy: &Proxy) -> Response<Body> {
 
 #[cfg(test)]
 mod tests {
-    use crate::config::Config;
-    use crate::server::{Server, Stop};
-    use std::io::{Read, Write};
-    use std::net::SocketAddr;
+    use crate::server::Stop;
+    use crate::test_server::{status, unreachable_config, Running};
 
     /// The status line of each `(method, path)` asked of a proxy on one port (no admin port:
     /// every route there).
     fn statuses(asks: &[(&str, &str)]) -> Vec<String> {
-        let config = Config {
-            prefill: vec!["http://127.0.0.1:9".into()],
-            decode: vec!["http://127.0.0.1:9".into()],
-            ..Config::default()
-        };
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let server = Server::bind(config, any, None).unwrap();
-        let (addr, stopper) = (server.local_addr().unwrap(), server.stopper());
-        let running = std::thread::spawn(move || server.run(false));
+        let proxy = Running::start(unreachable_config(), false);
         let out = asks
             .iter()
-            .map(|(method, path)| {
-                let mut s = std::net::TcpStream::connect(addr).unwrap();
-                s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
-                    .unwrap();
-                write!(
-                    s,
-                    "{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 0\r\n\r\n"
-                )
-                .unwrap();
-                let mut text = String::new();
-                let _ = s.read_to_string(&mut text);
-                text.lines().next().unwrap_or_default().to_string()
-            })
+            .map(|(method, path)| status(proxy.addr, method, path))
             .collect();
-        stopper.stop(Stop::Now);
-        running.join().unwrap().unwrap();
+        proxy.stop(Stop::Now).unwrap();
         out
     }
 

@@ -404,30 +404,7 @@ fn raise_file_limit() {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::{Read, Write};
-
-    fn config(max_connections: usize) -> Config {
-        Config {
-            prefill: vec!["http://127.0.0.1:9".into()],
-            decode: vec!["http://127.0.0.1:9".into()],
-            max_connections,
-            ..Config::default()
-        }
-    }
-
-    /// A raw HTTP/1.1 GET and the status line of its answer.
-    fn get(addr: SocketAddr, path: &str) -> String {
-        let mut s = std::net::TcpStream::connect(addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
-        )
-        .unwrap();
-        let mut out = String::new();
-        let _ = s.read_to_string(&mut out);
-        out.lines().next().unwrap_or_default().to_string()
-    }
+    use crate::test_server::{status, unreachable_config, Running};
 
     #[test]
     fn a_second_graceful_stop_is_a_stop_now() {
@@ -442,22 +419,18 @@ mod tests {
 
     #[test]
     fn it_serves_on_the_port_it_says_until_stopped_and_the_admin_port_alone_serves_health() {
-        let any = "127.0.0.1:0".parse().unwrap();
-        let server = Server::bind(config(64), any, Some(any)).unwrap();
-        let (addr, admin) = (server.local_addr().unwrap(), server.admin_addr().unwrap());
-        let stopper = server.stopper();
-        let running = std::thread::spawn(move || server.run(false));
+        let proxy = Running::start(unreachable_config(), true);
+        let (addr, admin) = (proxy.addr, proxy.admin.unwrap());
         assert!(
-            get(admin, "/health").contains(" 200"),
+            status(admin, "GET", "/health").contains(" 200"),
             "the admin port serves /health"
         );
         assert!(
-            get(addr, "/health").contains(" 404"),
+            status(addr, "GET", "/health").contains(" 404"),
             "the main port leaves it to the admin"
         );
-        assert!(get(addr, "/nowhere").contains(" 404"));
-        stopper.stop(Stop::Graceful);
-        running.join().unwrap().unwrap();
+        assert!(status(addr, "GET", "/nowhere").contains(" 404"));
+        proxy.stop(Stop::Graceful).unwrap();
         assert!(
             std::net::TcpStream::connect(addr).is_err(),
             "still listening after a stop"
@@ -466,7 +439,7 @@ mod tests {
 
     #[test]
     fn a_config_that_cannot_serve_is_refused_at_bind() {
-        let mut bad = config(64);
+        let mut bad = unreachable_config();
         bad.decode.clear();
         let any = "127.0.0.1:0".parse().unwrap();
         let e = Server::bind(bad, any, None).err().unwrap();

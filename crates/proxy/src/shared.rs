@@ -273,10 +273,8 @@ mod tests {
 
     fn proxy(max_in_flight: usize) -> Arc<Proxy> {
         let config = Config {
-            prefill: vec!["http://127.0.0.1:9".into()],
-            decode: vec!["http://127.0.0.1:9".into()],
             max_in_flight,
-            ..Config::default()
+            ..crate::test_server::unreachable_config()
         };
         Arc::new(Proxy::new(config).unwrap())
     }
@@ -346,8 +344,8 @@ mod tests {
     #[test]
     fn a_proxy_is_refused_what_cannot_serve() {
         let no_decode = Config {
-            prefill: vec!["http://127.0.0.1:9".into()],
-            ..Config::default()
+            decode: Vec::new(),
+            ..crate::test_server::unreachable_config()
         };
         let e = Proxy::new(no_decode)
             .err()
@@ -357,10 +355,8 @@ mod tests {
             ("decode", "give at least one decode server")
         );
         let bad_header = Config {
-            prefill: vec!["http://127.0.0.1:9".into()],
-            decode: vec!["http://127.0.0.1:9".into()],
             session_header: Some("not a header".into()),
-            ..Config::default()
+            ..crate::test_server::unreachable_config()
         };
         let e = Proxy::new(bad_header).err().expect("a bad header refused");
         assert_eq!(e.setting, "session_header", "{e}");
