@@ -185,7 +185,9 @@ impl Metrics {
                 "# HELP {} {}\n# TYPE {} {}",
                 d.name, d.help, d.name, d.kind
             );
-            for (suffix, labels, value) in self.samples(d.name) {
+            let mut samples = Samples(Vec::new());
+            (d.samples)(self, &mut samples);
+            for (suffix, labels, value) in samples.0 {
                 let _ = write!(o, "{}{suffix}", d.name);
                 if !labels.is_empty() {
                     let shown: Vec<String> =
@@ -198,106 +200,29 @@ impl Metrics {
         super::process::render(&mut o);
         o
     }
+}
 
-    /// The samples of the metric `name`: a suffix (a histogram's `_bucket`, `_count`, `_sum`),
-    /// its labels sorted by name, and its value.
-    fn samples(&self, name: &str) -> Vec<Sample> {
-        let count = |n: u64| n as f64;
-        let mut out: Vec<Sample> = Vec::new();
-        let mut push = |suffix: &'static str, mut labels: Vec<(&'static str, String)>, v: f64| {
-            labels.sort_by_key(|(k, _)| *k);
-            out.push((suffix, labels, v));
-        };
-        let side_url =
-            |side: &str, url: &str| vec![("side", side.to_string()), ("upstream", url.to_string())];
-        match name {
-            "routed_experts_proxy_build_info" => push(
-                "",
-                vec![("version", env!("CARGO_PKG_VERSION").to_string())],
-                1.0,
-            ),
-            "routed_experts_proxy_requests_total" => {
-                for ((endpoint, status, side), n) in lock(&self.requests).iter() {
-                    let labels = vec![
-                        ("endpoint", endpoint.clone()),
-                        ("side", side.to_string()),
-                        ("status", status.to_string()),
-                    ];
-                    push("", labels, count(*n));
-                }
-            }
-            "routed_experts_proxy_phase_seconds" => {
-                let phases = lock(&self.phases);
-                for (phase, h) in Phase::ALL.iter().map(|p| p.name()).zip(phases.iter()) {
-                    let at = |le: String| vec![("le", le), ("phase", phase.to_string())];
-                    for (bound, n) in BUCKETS.iter().zip(h.counts.iter()) {
-                        push("_bucket", at(num(*bound)), count(*n));
-                    }
-                    push("_bucket", at("+Inf".into()), count(h.count));
-                    push("_count", vec![("phase", phase.to_string())], count(h.count));
-                    push("_sum", vec![("phase", phase.to_string())], h.sum);
-                }
-            }
-            "routed_experts_proxy_merged_bytes_total" => {
-                push("", vec![], count(self.merged_bytes.load(Ordering::Relaxed)));
-            }
-            "routed_experts_proxy_requests_in_flight" => {
-                push("", vec![], self.in_flight.load(Ordering::Relaxed) as f64);
-            }
-            "routed_experts_proxy_connections" => {
-                push("", vec![], self.connections.load(Ordering::Relaxed) as f64);
-            }
-            "routed_experts_proxy_rejected_total" => {
-                for (reason, n) in lock(&self.rejected).iter() {
-                    push("", vec![("reason", reason.to_string())], count(*n));
-                }
-            }
-            "routed_experts_proxy_upstream_healthy" => {
-                for ((side, url), up) in lock(&self.upstream_healthy).iter() {
-                    push("", side_url(side, url), f64::from(u8::from(*up)));
-                }
-            }
-            "routed_experts_proxy_upstream_picks_total" => {
-                for ((side, url, choice), n) in lock(&self.picks).iter() {
-                    let mut labels = side_url(side, url);
-                    labels.push(("choice", choice.to_string()));
-                    push("", labels, count(*n));
-                }
-            }
-            "routed_experts_proxy_upstream_list_changes_total" => {
-                for ((side, change), n) in lock(&self.list_changes).iter() {
-                    let labels = vec![("change", change.to_string()), ("side", side.to_string())];
-                    push("", labels, count(*n));
-                }
-            }
-            "routed_experts_proxy_routing_rows_checked_total" => {
-                for ((side, url), seen) in lock(&self.routing_rows).iter() {
-                    push("", side_url(side, url), count(seen.checked));
-                }
-            }
-            "routed_experts_proxy_suspect_routing_rows_total" => {
-                for ((side, url), seen) in lock(&self.routing_rows).iter() {
-                    for (kind, n) in [("duplicate", seen.duplicate_rows), ("zero", seen.zero_rows)]
-                    {
-                        let mut labels = side_url(side, url);
-                        labels.push(("kind", kind.to_string()));
-                        push("", labels, count(n));
-                    }
-                }
-            }
-            "routed_experts_proxy_upstream_failures_total" => {
-                for ((side, url), n) in lock(&self.upstream_failures).iter() {
-                    push("", side_url(side, url), count(*n));
-                }
-            }
-            _ => {}
-        }
-        out
+/// A sample of a metric: its name's suffix (a histogram's `_bucket`, `_count`, `_sum`), its
+/// labels (sorted by name), its value.
+type Sample = (&'static str, Vec<(&'static str, String)>, f64);
+
+/// The samples of one metric, as its declaration's `samples` writes them.
+pub struct Samples(Vec<Sample>);
+
+impl Samples {
+    fn push(&mut self, suffix: &'static str, mut labels: Vec<(&'static str, String)>, v: f64) {
+        labels.sort_by_key(|(k, _)| *k);
+        self.0.push((suffix, labels, v));
     }
 }
 
-/// A sample of a metric: its name's suffix, its labels (sorted by name), its value.
-type Sample = (&'static str, Vec<(&'static str, String)>, f64);
+fn count(n: u64) -> f64 {
+    n as f64
+}
+
+fn side_url(side: &str, url: &str) -> Vec<(&'static str, String)> {
+    vec![("side", side.to_string()), ("upstream", url.to_string())]
+}
 
 /// A metric `/metrics` exports: its name, type and help.
 pub struct Declared {
@@ -307,6 +232,8 @@ pub struct Declared {
     pub kind: &'static str,
     /// What it counts.
     pub help: &'static str,
+    /// Its samples, from the metrics' state.
+    pub samples: fn(&Metrics, &mut Samples),
 }
 
 /// Every metric of the proxy, declared once, in the order `/metrics` lists them
@@ -316,6 +243,13 @@ pub const DECLARED: &[Declared] = &[
         name: "routed_experts_proxy_build_info",
         kind: "gauge",
         help: "The proxy's version (the value is always 1)",
+        samples: |_, out| {
+            out.push(
+                "",
+                vec![("version", env!("CARGO_PKG_VERSION").to_string())],
+                1.0,
+            );
+        },
     },
     Declared {
         name: "routed_experts_proxy_requests_total",
@@ -323,27 +257,58 @@ pub const DECLARED: &[Declared] = &[
         help: "Requests answered, by endpoint (\"other\": a path the proxy does not serve, or \
                the wrong method), HTTP status and the side at fault (none, client, prefill, \
                decode, merge, proxy); 499: the client left first",
+        samples: |m, out| {
+            for ((endpoint, status, side), n) in lock(&m.requests).iter() {
+                let labels = vec![
+                    ("endpoint", endpoint.clone()),
+                    ("side", side.to_string()),
+                    ("status", status.to_string()),
+                ];
+                out.push("", labels, count(*n));
+            }
+        },
     },
     Declared {
         name: "routed_experts_proxy_phase_seconds",
         kind: "histogram",
         help: "Time of each phase of a request: prefill call, decode call (to the end of a \
                stream), merge, and the whole request",
+        samples: |m, out| {
+            let phases = lock(&m.phases);
+            for (phase, h) in Phase::ALL.iter().map(|p| p.name()).zip(phases.iter()) {
+                let at = |le: String| vec![("le", le), ("phase", phase.to_string())];
+                for (bound, n) in BUCKETS.iter().zip(h.counts.iter()) {
+                    out.push("_bucket", at(num(*bound)), count(*n));
+                }
+                out.push("_bucket", at("+Inf".into()), count(h.count));
+                out.push("_count", vec![("phase", phase.to_string())], count(h.count));
+                out.push("_sum", vec![("phase", phase.to_string())], h.sum);
+            }
+        },
     },
     Declared {
         name: "routed_experts_proxy_merged_bytes_total",
         kind: "counter",
         help: "Bytes of merged response bodies and merged stream events sent to clients",
+        samples: |m, out| {
+            out.push("", vec![], count(m.merged_bytes.load(Ordering::Relaxed)));
+        },
     },
     Declared {
         name: "routed_experts_proxy_requests_in_flight",
         kind: "gauge",
         help: "Completion requests being served",
+        samples: |m, out| {
+            out.push("", vec![], m.in_flight.load(Ordering::Relaxed) as f64);
+        },
     },
     Declared {
         name: "routed_experts_proxy_connections",
         kind: "gauge",
         help: "Client connections open",
+        samples: |m, out| {
+            out.push("", vec![], m.connections.load(Ordering::Relaxed) as f64);
+        },
     },
     Declared {
         name: "routed_experts_proxy_rejected_total",
@@ -351,12 +316,22 @@ pub const DECLARED: &[Declared] = &[
         help: "Requests or connections refused before any upstream was called, by reason \
                (in_flight, no_upstream, body_timeout, buffered_bytes, connections, \
                header_timeout)",
+        samples: |m, out| {
+            for (reason, n) in lock(&m.rejected).iter() {
+                out.push("", vec![("reason", reason.to_string())], count(*n));
+            }
+        },
     },
     Declared {
         name: "routed_experts_proxy_upstream_healthy",
         kind: "gauge",
         help: "1 while an upstream is in rotation, 0 while it is ejected by passive health \
                checks",
+        samples: |m, out| {
+            for ((side, url), up) in lock(&m.upstream_healthy).iter() {
+                out.push("", side_url(side, url), f64::from(u8::from(*up)));
+            }
+        },
     },
     Declared {
         name: "routed_experts_proxy_upstream_picks_total",
@@ -365,29 +340,61 @@ pub const DECLARED: &[Declared] = &[
                session: the server the session ranks first, session_moved: another, as its \
                first was out of rotation or over the load bound, trial: a trial after \
                ejection)",
+        samples: |m, out| {
+            for ((side, url, choice), n) in lock(&m.picks).iter() {
+                let mut labels = side_url(side, url);
+                labels.push(("choice", choice.to_string()));
+                out.push("", labels, count(*n));
+            }
+        },
     },
     Declared {
         name: "routed_experts_proxy_upstream_list_changes_total",
         kind: "counter",
         help: "Servers added to or removed from a side's list while running (admin endpoint, \
                SIGHUP)",
+        samples: |m, out| {
+            for ((side, change), n) in lock(&m.list_changes).iter() {
+                let labels = vec![("change", change.to_string()), ("side", side.to_string())];
+                out.push("", labels, count(*n));
+            }
+        },
     },
     Declared {
         name: "routed_experts_proxy_routing_rows_checked_total",
         kind: "counter",
         help: "Routing rows sampled from each upstream's replies (up to 64 a value; decode's \
                from the end of prefill's rows on) for the marks of a broken engine",
+        samples: |m, out| {
+            for ((side, url), seen) in lock(&m.routing_rows).iter() {
+                out.push("", side_url(side, url), count(seen.checked));
+            }
+        },
     },
     Declared {
         name: "routed_experts_proxy_suspect_routing_rows_total",
         kind: "counter",
         help: "Of the rows sampled, those zero in every id (kind zero) or with an expert twice \
                in one layer's top_k (kind duplicate): routing no router made",
+        samples: |m, out| {
+            for ((side, url), seen) in lock(&m.routing_rows).iter() {
+                for (kind, n) in [("duplicate", seen.duplicate_rows), ("zero", seen.zero_rows)] {
+                    let mut labels = side_url(side, url);
+                    labels.push(("kind", kind.to_string()));
+                    out.push("", labels, count(n));
+                }
+            }
+        },
     },
     Declared {
         name: "routed_experts_proxy_upstream_failures_total",
         kind: "counter",
         help: "Failed requests to an upstream (no connection, timeout, broken reply, 5xx)",
+        samples: |m, out| {
+            for ((side, url), n) in lock(&m.upstream_failures).iter() {
+                out.push("", side_url(side, url), count(*n));
+            }
+        },
     },
 ];
 
