@@ -76,8 +76,11 @@ impl ErrorKind {
     pub fn is_malformed_input(&self) -> bool {
         matches!(
             self,
-            ErrorKind::Field { .. } | ErrorKind::Json { .. } | ErrorKind::Counts { .. }
-        ) || *self == ErrorKind::Malformed
+            ErrorKind::Field { .. }
+                | ErrorKind::Json { .. }
+                | ErrorKind::Counts { .. }
+                | ErrorKind::Malformed
+        )
     }
 }
 
