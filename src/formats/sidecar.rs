@@ -415,7 +415,7 @@ pub fn decode_base64(
     Payload::new(start, shape, dtype, data)
 }
 
-fn parse_shape(v: Option<&Value>) -> Result<Shape> {
+pub(crate) fn parse_shape(v: Option<&Value>) -> Result<Shape> {
     const WANT: &str = "three non-negative integers [num_tokens, num_layers, top_k]";
     let v = v.ok_or_else(|| Error::field("shape", WANT, "no `shape` key"))?;
     let dims = match v.as_array() {
@@ -440,7 +440,7 @@ pub fn encoded_len(p: &Payload) -> usize {
 }
 
 /// The part after the base64 text: `","shape":[T,L,K],"start":S,"dtype":"D"}`.
-fn tail(h: &Header) -> String {
+pub(crate) fn tail(h: &Header) -> String {
     let s = h.shape;
     format!(
         "\",\"shape\":[{},{},{}],\"start\":{},\"dtype\":\"{}\"}}",

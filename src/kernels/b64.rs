@@ -190,7 +190,7 @@ fn last_piece(text: &[u8], out: &mut [MaybeUninit<u8>], n: usize) -> Streamed {
 /// Decode `text` into the start of `out` (strict, as [`decode_into`]): the count written, or
 /// `None` when the decoder refuses the text or `out` could be overrun. Padding or white space
 /// inside `text` only shows in the count, which the caller checks.
-fn decode_piece(text: &[u8], out: &mut [MaybeUninit<u8>]) -> Option<usize> {
+pub(crate) fn decode_piece(text: &[u8], out: &mut [MaybeUninit<u8>]) -> Option<usize> {
     if text.is_empty() {
         return Some(0);
     }
@@ -420,7 +420,7 @@ pub fn encode_joined_into(a: &[u8], b: &[u8], out: &mut [MaybeUninit<u8>]) {
 }
 
 /// [`encode_into`] on this thread.
-fn encode_part(bytes: &[u8], out: &mut [MaybeUninit<u8>]) {
+pub(crate) fn encode_part(bytes: &[u8], out: &mut [MaybeUninit<u8>]) {
     assert_eq!(
         out.len(),
         encoded_len(bytes.len()),

@@ -3,6 +3,7 @@
 //! any element type (`buffer`), and the split of one pass among the cores (`parallel`).
 
 pub(crate) mod b64;
+pub(crate) mod b64_pieces;
 pub mod buffer;
 pub(crate) mod jsonscan;
 pub(crate) mod parallel;

@@ -1,16 +1,23 @@
 //! Routing inside whole response bodies: find it without building the rest of the body, and
 //! merge prefill and decode bodies by replacing only the routing values' bytes (format.md §4).
 //! Three jobs, a file each: reading (`read`), sampling rows for a broken engine's marks
-//! (`suspects`), and merging (`merge`, into the pieces of `spliced`).
+//! (`suspects`), and merging (`merge`, into the pieces of `spliced`); and merging one event of a
+//! stream as it passes (`streaming`, with prefill's rows held decoded in `prefill_rows`).
 
 mod merge;
+mod prefill_rows;
 mod read;
 mod spliced;
+mod streaming;
+#[cfg(test)]
+mod streaming_tests;
 mod suspects;
 
 pub use merge::{merge_response, merge_response_found, merge_response_pieces, MergeOptions};
+pub use prefill_rows::PrefillRows;
 pub use read::{decode_found, from_response, routing_rows};
 pub use spliced::Spliced;
+pub use streaming::{DataFirst, EventMerge, Step, StreamOptions};
 pub use suspects::{merge_suspects, suspect_rows};
 
 #[cfg(test)]
