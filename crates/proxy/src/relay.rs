@@ -2,7 +2,7 @@
 //! carries routing merged with prefill's, a failure reported in-band as a last error event.
 
 use std::convert::Infallible;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -124,13 +124,16 @@ impl Call {
             return;
         };
         let max_line = proxy.config.max_upstream_bytes;
+        // Prefill's rows, decoded once if an event is long enough to merge as it passes.
+        let rows = OnceLock::new();
         let relay = Relay {
             share: proxy.budget.share().beside(prefill_share.held()),
             proxy,
             url,
             record,
             lease: Some(lease),
-            merger: StreamMerger::new(&prefill_body, &read.routing, opts, max_line),
+            merger: StreamMerger::new(&prefill_body, &read.routing, opts, max_line)
+                .streaming(&rows),
             tx,
             deadline: self.deadline,
             began,
@@ -269,9 +272,20 @@ impl Relay<'_> {
             };
             match fed {
                 Ok(()) => {
+                    // What the merge holds beyond the chunks it was given (prefill's rows,
+                    // decoded for an event that streams) is counted too.
+                    let keep = self.merger.buffered();
+                    if let Some(more) = keep.checked_sub(self.share.held()).filter(|&n| n > 0) {
+                        let wait = proxy.wait_deadline(self.deadline);
+                        if !self.share.grow_wait(more, proxy.budget.limit(), wait).await {
+                            let fault =
+                                proxy.call_fault(Side::Decode, &self.url, CallError::Budget);
+                            break (Outcome::Ok, Some(fault));
+                        }
+                    }
                     // The bytes sent on stay counted, with the pieces, until they are written;
                     // what stays with the relay is the line held back.
-                    let sent = self.share.split_beyond(self.merger.buffered());
+                    let sent = self.share.split_beyond(keep);
                     if !self.send_all(out, Some(sent)).await {
                         self.record.finished = false;
                         break (Outcome::Unknown, None);

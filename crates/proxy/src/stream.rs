@@ -1,6 +1,10 @@
 //! Merging the routing of a decode server's event stream, relayed as bytes: blocks of events
 //! that cannot hold routing pass through untouched (no copy); only an event that carries it is
-//! merged with the prefill routing.
+//! merged with the prefill routing. An event past [`STREAM_ABOVE`] is merged as it passes
+//! ([`EventMerge`]: O(piece) held, with prefill's rows decoded once), unless the core hands it
+//! back before a byte is sent; then it is held and merged whole, as shorter events are.
+
+use std::sync::OnceLock;
 
 use bytes::Bytes;
 use memchr::memmem;
@@ -8,7 +12,8 @@ use memchr::memmem;
 use super::parts::shared_slices;
 use routed_experts::body::{BodyRouting, Found};
 use routed_experts::response::{
-    merge_response_found, merge_response_pieces, merge_suspects, MergeOptions, Spliced,
+    merge_response_found, merge_response_pieces, merge_suspects, DataFirst, EventMerge,
+    MergeOptions, PrefillRows, Spliced, Step, StreamOptions,
 };
 use routed_experts::validate::Suspect;
 
@@ -47,7 +52,30 @@ pub struct StreamMerger<'a> {
     /// [`finish`](Self::finish) has checked the stream: an error found there must reach the
     /// client, and every OpenAI client stops reading at `[DONE]`.
     after_done: Option<Vec<Bytes>>,
+    /// Where prefill's rows are decoded, once, for the events merged as they stream (`None`:
+    /// every event is merged whole).
+    rows: Option<&'a OnceLock<PrefillRows>>,
+    /// The event being merged as it passes.
+    live: Option<Live<'a>>,
+    /// The held line was handed back by the streaming merge: merged whole at its end.
+    held_back: bool,
 }
+
+/// A `data:` line merged as it passes.
+struct Live<'a> {
+    merge: EventMerge<'a>,
+    /// The line's text before its JSON (`data:` and white space): sent as `data: ` with the
+    /// first merged bytes, or given back with the rest if the merge hands the line back.
+    prefix: Vec<u8>,
+    /// Bytes of the line so far, against `max_line`.
+    len: usize,
+    /// Merged bytes sent.
+    sent: usize,
+}
+
+/// A `data:` line held this long is merged as it passes (when the merger was given prefill's
+/// rows): shorter routing events cost less merged whole than decoded row by row.
+pub const STREAM_ABOVE: usize = OWN_PAGES_ABOVE;
 
 /// Routing rows a merge samples from each value for the marks of a broken engine.
 pub const SAMPLE_ROWS: usize = 64;
@@ -147,7 +175,23 @@ impl<'a> StreamMerger<'a> {
             suspects: Default::default(),
             merged_choices: Vec::new(),
             after_done: None,
+            rows: None,
+            live: None,
+            held_back: false,
         }
+    }
+
+    /// This merger, merging events longer than [`STREAM_ABOVE`] as they pass, with prefill's
+    /// rows decoded into `rows` the first time one comes (the caller keeps the cell, so the
+    /// events borrow the rows). Compact sidecars whose `data` precedes their `start` (the
+    /// canonical order) are still merged whole: decode's start, which decides which of its rows
+    /// follow prefill's, comes after the rows. A merger that owns its prefill body does not
+    /// stream.
+    pub fn streaming(mut self, rows: &'a OnceLock<PrefillRows>) -> Self {
+        if matches!(self.prefill, Prefill::Found(..)) {
+            self.rows = Some(rows);
+        }
+        self
     }
 
     /// Whether the stream's `data: [DONE]` was seen.
@@ -155,17 +199,34 @@ impl<'a> StreamMerger<'a> {
         self.after_done.is_some()
     }
 
-    /// Bytes of an incomplete line held back until its end arrives.
+    /// Bytes held back until their line ends: an incomplete line, or what the merge of an
+    /// event that streams holds (its text outside the routing data), and prefill's rows once
+    /// decoded.
     pub fn buffered(&self) -> usize {
-        self.partial_len
+        let live = self
+            .live
+            .as_ref()
+            .map_or(0, |l| l.merge.held() + l.prefix.len());
+        let rows = self
+            .rows
+            .and_then(OnceLock::get)
+            .map_or(0, PrefillRows::held_bytes);
+        self.partial_len + live + rows
     }
 
     /// Push onto `out` the pieces to send for the lines this chunk completes.
-    pub fn feed(&mut self, chunk: Bytes, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
+    pub fn feed(&mut self, mut chunk: Bytes, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
+        if self.live.is_some() {
+            match self.feed_live(&chunk, out)? {
+                Some(rest) if rest < chunk.len() => chunk = chunk.slice(rest..),
+                _ => return Ok(()),
+            }
+        }
         let mut pos = 0;
         if self.partial_len > 0 {
             let Some(nl) = memchr::memchr(b'\n', &chunk) else {
-                return self.hold(chunk);
+                self.hold(chunk)?;
+                return self.begin_streaming(out);
             };
             pos = nl + 1;
             self.hold(chunk.slice(..pos))?;
@@ -179,8 +240,135 @@ impl<'a> StreamMerger<'a> {
         }
         if pos < chunk.len() {
             self.hold(chunk.slice(pos..))?;
+            self.begin_streaming(out)?;
         }
         Ok(())
+    }
+
+    /// Merge the held line as it passes from here on, once it is a long `data:` line and the
+    /// merger was given a cell for prefill's rows; else keep holding it.
+    fn begin_streaming(&mut self, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
+        let (Some(cell), Prefill::Found(_, routing)) = (self.rows, &self.prefill) else {
+            return Ok(());
+        };
+        let routing: &'a BodyRouting<'a> = routing;
+        if self.held_back || self.partial_len < STREAM_ABOVE || self.joined.is_empty() {
+            return Ok(());
+        }
+        let Some(rest) = self.joined.strip_prefix(b"data:") else {
+            self.held_back = true; // a comment or another field: passed on whole
+            return Ok(());
+        };
+        let json_at = self.joined.len() - rest.trim_ascii_start().len();
+        if json_at == self.joined.len() {
+            return Ok(()); // white space so far
+        }
+        let rows = cell.get_or_init(|| PrefillRows::new(routing, &self.opts));
+        if rows.is_empty() {
+            self.held_back = true; // prefill has no routing: the whole merge says what
+            return Ok(());
+        }
+        let opts = StreamOptions {
+            merge: self.opts,
+            data_first: DataFirst::Fallback,
+            max_held: self.max_line,
+        };
+        let joined = std::mem::take(&mut self.joined);
+        let mut live = Live {
+            merge: EventMerge::new(rows, opts),
+            prefix: joined[..json_at].to_vec(),
+            len: joined.len(),
+            sent: 0,
+        };
+        let mut merged = Vec::new();
+        match live.merge.feed(&joined[json_at..], &mut merged) {
+            Ok(Step::Fallback(_)) => {
+                self.joined = joined; // still whole: held as it was
+                self.held_back = true;
+            }
+            Ok(Step::Streaming(_)) => {
+                self.partial_len = 0;
+                drop(joined);
+                self.send_live(&mut live.sent, merged, out);
+                self.live = Some(live);
+            }
+            Err(e) => return Err(StreamError::Merge(e)),
+        }
+        Ok(())
+    }
+
+    /// The next piece of the event that streams: where the rest of `chunk` starts once its
+    /// line ended (`None`: all of it was the event's).
+    fn feed_live(
+        &mut self,
+        chunk: &Bytes,
+        out: &mut Vec<Bytes>,
+    ) -> Result<Option<usize>, StreamError> {
+        let Some(mut live) = self.live.take() else {
+            return Ok(Some(0));
+        };
+        let nl = memchr::memchr(b'\n', chunk);
+        let end = nl.map_or(chunk.len(), |i| i + 1);
+        live.len += end;
+        if live.len > self.max_line {
+            return Err(StreamError::LineTooLong(self.max_line));
+        }
+        let mut merged = Vec::new();
+        match live
+            .merge
+            .feed(&chunk[..end], &mut merged)
+            .map_err(StreamError::Merge)?
+        {
+            Step::Fallback(held) => {
+                // Handed back before a byte was sent: held, and merged whole at its end.
+                self.joined = [&live.prefix[..], &held].concat();
+                self.partial_len = self.joined.len();
+                self.held_back = true;
+                if nl.is_some() {
+                    let line = self.take_line();
+                    self.line(line, out)?;
+                }
+                return Ok(Some(end));
+            }
+            Step::Streaming(_) => self.send_live(&mut live.sent, merged, out),
+        }
+        if nl.is_none() {
+            self.live = Some(live);
+            return Ok(None);
+        }
+        let mut merged = Vec::new();
+        match live.merge.finish(&mut merged).map_err(StreamError::Merge)? {
+            Step::Fallback(held) => {
+                let line = Bytes::from([&live.prefix[..], &held].concat());
+                self.line(line, out)?;
+            }
+            Step::Streaming(choices) => {
+                // Checked before the event's last bytes go: without them it is not JSON.
+                if let Some(c) = choices.iter().find(|c| self.merged_choices.contains(c)) {
+                    return Err(StreamError::Merge(routed_experts::Error::merge(format!(
+                        "a second routing event for choice {c}: a stream carries each \
+                         choice's routing once"
+                    ))));
+                }
+                self.merged_choices.extend(choices);
+                self.merged = true;
+                self.send_live(&mut live.sent, merged, out);
+                self.merged_bytes += live.sent;
+            }
+        }
+        Ok(Some(end))
+    }
+
+    /// Merged bytes of the event that streams, after `data: ` if they are its first.
+    fn send_live(&mut self, sent: &mut usize, merged: Vec<u8>, out: &mut Vec<Bytes>) {
+        if merged.is_empty() {
+            return;
+        }
+        if *sent == 0 {
+            self.emit(Bytes::from_static(b"data: "), out);
+        }
+        *sent += merged.len();
+        self.emit(Bytes::from(merged), out);
     }
 
     /// The rest of the stream (a last line without a newline); then the checks: the stream
@@ -188,6 +376,20 @@ impl<'a> StreamMerger<'a> {
     /// pass is the held `data: [DONE]` line pushed: a failed stream ends with the caller's
     /// error event and no `[DONE]` before it.
     pub fn finish(&mut self, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
+        if let Some(live) = self.live.take() {
+            // Cut off inside an event that streams: whole only if nothing was sent yet (then it
+            // is held as a line, as below); the stream has no `[DONE]` after it either way.
+            if let Step::Fallback(held) = live
+                .merge
+                .finish(&mut Vec::new())
+                .map_err(StreamError::Merge)?
+            {
+                self.joined = [&live.prefix[..], &held].concat();
+                self.partial_len = self.joined.len();
+            } else {
+                return Err(StreamError::NoDone);
+            }
+        }
         if self.partial_len > 0 {
             let line = self.take_line();
             // An unterminated last line is sent on only when the stream is whole with it (SSE
@@ -261,6 +463,7 @@ impl<'a> StreamMerger<'a> {
     }
 
     fn take_line(&mut self) -> Bytes {
+        self.held_back = false;
         let len = std::mem::take(&mut self.partial_len);
         if !self.joined.is_empty() {
             return Bytes::from(std::mem::take(&mut self.joined));
@@ -516,5 +719,130 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
         );
         m.finish(&mut out).unwrap();
         assert!(out.concat().ends_with(b"\n\ndata: [DONE]\n\n"));
+    }
+
+    /// A vLLM-shaped routing event past [`STREAM_ABOVE`]: `.npy` rows from P - 1, as
+    /// vLLM 0.32 sends them when asked from P - 1.
+    fn long_npy_stream() -> (Bytes, Vec<u8>, MergeOptions) {
+        use routed_experts::{formats::encode_json, DType, DTypeChoice, Format, Payload, Shape};
+        let (tokens, layers, top_k, prompt) = (12_000usize, 94usize, 8usize, 700usize);
+        let row = layers * top_k;
+        let ids: Vec<i64> = (0..tokens * row).map(|i| (i * 7 % 127) as i64).collect();
+        let npy = |from: usize, to: usize| {
+            let shape = Shape::new(to - from, layers, top_k);
+            let p = Payload::from_values(
+                &ids[from * row..to * row],
+                shape,
+                from as u64,
+                DTypeChoice::Exact(DType::U8),
+            )
+            .unwrap();
+            String::from_utf8(encode_json(&p, Format::VllmNpy).unwrap()).unwrap()
+        };
+        let prefill = format!(
+            r#"{{"choices":[{{"index":0,"text":"x","routed_experts":{}}}]}}"#,
+            npy(0, prompt)
+        );
+        let stream = format!(
+            "data: {{\"choices\":[{{\"index\":0,\"text\":\"h\"}}]}}\n\n\
+             data: {{\"choices\":[{{\"index\":0,\"text\":\"i\",\"routed_experts\":{}}}],\"usage\":null}}\n\n\
+             data: [DONE]\n\n",
+            npy(prompt - 1, tokens)
+        );
+        let mut opts = MergeOptions::new(DEFAULT_MAX_BYTES);
+        opts.decode_start = Some(prompt as u64 - 1);
+        (Bytes::from(prefill), stream.into_bytes(), opts)
+    }
+
+    #[test]
+    fn a_long_event_merges_as_it_passes_to_the_bytes_of_the_whole_merge() {
+        let (prefill, stream, opts) = long_npy_stream();
+        assert!(stream.len() > STREAM_ABOVE + (1 << 20));
+        let found = routed_experts::read_body(&prefill).unwrap();
+        let run = |piece: usize, streaming: bool| {
+            let rows = OnceLock::new();
+            let mut m = StreamMerger::new(&prefill, &found, opts, 64 << 20);
+            if streaming {
+                m = m.streaming(&rows);
+            }
+            let (mut out, mut most_held) = (Vec::new(), 0);
+            for c in stream.chunks(piece) {
+                m.feed(Bytes::copy_from_slice(c), &mut out).unwrap();
+                most_held = most_held.max(m.buffered());
+            }
+            m.finish(&mut out).unwrap();
+            assert!(m.merged);
+            let rows = rows.get().map_or(0, PrefillRows::held_bytes);
+            (out.concat(), most_held - rows, m.merged_bytes)
+        };
+        let (whole, held_whole, bytes_whole) = run(1 << 20, false);
+        assert!(held_whole > STREAM_ABOVE); // the whole event, held
+        for piece in [256 << 10, 1 << 20, 3_000_001] {
+            let (streamed, held, bytes) = run(piece, true);
+            assert!(
+                streamed == whole,
+                "pieces of {piece}: the merged stream differs"
+            );
+            assert_eq!(bytes, bytes_whole);
+            // Up to the size at which it begins to stream, then O(piece).
+            assert!(
+                held < STREAM_ABOVE + 2 * piece,
+                "pieces of {piece}: {held} held"
+            );
+        }
+    }
+
+    #[test]
+    fn a_long_event_broken_after_its_merge_began_ends_without_its_closing_bytes_or_done() {
+        let (prefill, mut stream, opts) = long_npy_stream();
+        let found = routed_experts::read_body(&prefill).unwrap();
+        let at = STREAM_ABOVE + (1 << 20); // inside the routing data, after the merge began
+        assert!(stream[at].is_ascii_alphanumeric());
+        stream[at] = b'-';
+        let rows = OnceLock::new();
+        let mut m = StreamMerger::new(&prefill, &found, opts, 64 << 20).streaming(&rows);
+        let mut out = Vec::new();
+        let mut failed = None;
+        for c in stream.chunks(256 << 10) {
+            if let Err(e) = m.feed(Bytes::copy_from_slice(c), &mut out) {
+                failed = Some(e);
+                break;
+            }
+        }
+        let Some(StreamError::Merge(e)) = failed else {
+            panic!("a broken event passed")
+        };
+        assert!(e.to_string().contains("data"), "{e}");
+        let sent = out.concat();
+        assert!(sent.len() > STREAM_ABOVE); // it had begun to stream
+        assert!(!sent.ends_with(b"\n") && !sent.ends_with(b"}")); // a half line, never JSON
+        assert!(memmem::find(&sent, b"[DONE]").is_none());
+    }
+
+    #[test]
+    fn a_long_compact_sidecar_with_data_first_is_merged_whole() {
+        // Its start comes after its rows: handed back before a byte is sent, merged whole.
+        let rows_cell = OnceLock::new();
+        let data = "A".repeat(STREAM_ABOVE + 8); // 0-valued rows: 4 characters make 3 bytes
+        let n = data.len() / 4 * 3 / 2; // tokens of 1 layer, top_k 2
+        let event = format!(
+            "data: {{\"choices\":[{{\"index\":0,\"routed_experts\":{{\"data\":\"{data}\",\"shape\":[{n},1,2],\"start\":0,\"dtype\":\"uint8\"}}}}]}}\n\ndata: [DONE]\n\n"
+        );
+        let prefill = Bytes::from_static(PREFILL);
+        let found = routed_experts::read_body(&prefill).unwrap();
+        let opts = MergeOptions::new(DEFAULT_MAX_BYTES);
+        let run = |streaming: bool| {
+            let mut m = StreamMerger::new(&prefill, &found, opts, 64 << 20);
+            if streaming {
+                m = m.streaming(&rows_cell);
+            }
+            let mut out = Vec::new();
+            for c in event.as_bytes().chunks(1 << 20) {
+                m.feed(Bytes::copy_from_slice(c), &mut out).unwrap();
+            }
+            m.finish(&mut out).unwrap();
+            out.concat()
+        };
+        assert!(run(true) == run(false));
     }
 }
