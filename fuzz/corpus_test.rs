@@ -40,6 +40,7 @@ replay_targets!(
     formats,
     response,
     merge_response,
+    stream_merge,
     npy_header,
     trajectory,
     quality,

@@ -239,6 +239,85 @@ pub fn merge_response(data: &[u8]) {
     }
 }
 
+/// The streaming merge of one event (`EventMerge`), fed in the pieces the input's tail says,
+/// against the whole-event merge of the same text: the same bytes or an error both ways, or a
+/// fallback that hands back every byte fed before any was sent. Input: prefill body `0xff`
+/// decode event [`0xff` piece lengths, one byte each, and a flags byte first].
+pub fn stream_merge(data: &[u8]) {
+    use routed_experts::response::{DataFirst, EventMerge, PrefillRows, Step, StreamOptions};
+    let mut parts = data.splitn(3, |&b| b == 0xff);
+    let (Some(prefill), Some(event)) = (parts.next(), parts.next()) else {
+        return;
+    };
+    let spec = parts.next().unwrap_or(&[]);
+    let Ok(found) = body::read_body(prefill) else {
+        return;
+    };
+    let flags = spec.first().copied().unwrap_or(0);
+    let mut merge = MergeOptions::new(LIMIT);
+    merge.decode_start = (flags & 1 != 0).then_some(u64::from(flags >> 4));
+    merge.hints = hints(flags >> 1);
+    let data_first = if flags & 8 != 0 {
+        DataFirst::Expect(u64::from(flags >> 4))
+    } else {
+        DataFirst::Fallback
+    };
+    let opts = StreamOptions {
+        merge,
+        data_first,
+        max_held: 1 << 16,
+    };
+    let whole =
+        response::merge_response_found(prefill, &found, event, merge).and_then(|s| s.to_vec());
+    let rows = PrefillRows::new(&found, &merge);
+    let mut m = EventMerge::new(&rows, opts);
+    let (mut out, mut at) = (Vec::new(), 0);
+    let cuts = spec.iter().skip(1).map(|&n| usize::from(n) + 1);
+    let mut streamed = None;
+    for n in cuts.chain(std::iter::once(event.len())) {
+        let end = (at + n).min(event.len());
+        match m.feed(&event[at..end], &mut out) {
+            Ok(Step::Streaming(_)) => {}
+            Ok(Step::Fallback(held)) => {
+                assert!(out.is_empty(), "a fallback after bytes were sent");
+                assert_eq!(held, event[..end], "a fallback hands back every byte fed");
+                return;
+            }
+            Err(e) => {
+                streamed = Some(Err(e));
+                break;
+            }
+        }
+        at = end;
+        if at == event.len() {
+            break;
+        }
+    }
+    let streamed = match streamed {
+        Some(r) => r,
+        None => match m.finish(&mut out) {
+            Ok(Step::Streaming(_)) => Ok(out),
+            Ok(Step::Fallback(held)) => {
+                assert!(
+                    out.is_empty() && held == event,
+                    "a fallback at the end hands back all"
+                );
+                return;
+            }
+            Err(e) => Err(e),
+        },
+    };
+    match (&whole, &streamed) {
+        (Ok(a), Ok(b)) => assert!(a == b, "the streamed merge differs from the whole merge"),
+        (Err(_), Err(_)) => {}
+        // DataFirst::Expect's policy: a data-first sidecar stating another start is refused.
+        (Ok(_), Err(e))
+            if matches!(data_first, DataFirst::Expect(_))
+                && e.to_string().contains("but its data came first") => {}
+        _ => panic!("whole {whole:?} but streamed {streamed:?}"),
+    }
+}
+
 /// `.npy` headers: what parses is a 3-d integer array whose re-written header parses the same.
 pub fn npy_header(data: &[u8]) {
     let Ok(h) = npy::parse_header(data) else {

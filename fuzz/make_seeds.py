@@ -137,3 +137,18 @@ for doc in (
     put("merge_response", json.dumps(doc).encode() + b"\xff" + json.dumps(doc).encode())
 put("formats", b"\x00" + json.dumps("nrlre1:int8:1x1x2:AAE=").encode())
 put("formats", b"\x00")
+
+# The streaming merge: every merge seed, fed whole and in small pieces (flags byte, then piece
+# lengths), and vLLM-shaped .npy events whose merge streams.
+for seed in sorted((root / "merge_response").iterdir()):
+    data = seed.read_bytes()
+    put("stream_merge", data)
+    put("stream_merge", data + b"\xff\x00" + bytes([0, 2, 6, 30, 1] * 8))
+for prompt, total in ((3, 6), (12, 90)):
+    ids = (np.arange(total * 2 * 4) % 251).astype(np.uint8).reshape(total, 2, 4)
+    npy = lambda a: json.dumps(base64.b64encode(npy_file(a)).decode()).encode()  # noqa: E731
+    pre = b'{"choices":[{"index":0,"routed_experts":' + npy(ids[:prompt]) + b"}]}"
+    ev = b'{"choices":[{"index":0,"text":"t","routed_experts":' + npy(ids[prompt - 1:]) + b'}],"usage":null}\n'
+    flags = 1 | ((prompt - 1) << 4)  # decode asked from prompt - 1
+    put("stream_merge", pre + b"\xff" + ev + b"\xff" + bytes([flags, 5, 17, 3, 60, 0, 9]))
+    put("stream_merge", pre + b"\xff" + ev + b"\xff" + bytes([flags]))

@@ -1,19 +1,25 @@
-//! Prefill's side of a streaming merge, built once per stream: each routing value decoded into
-//! its rows (the body's text is not needed after this), and what a merge of any decode routing
-//! with this body would refuse.
+//! Prefill's side of a streaming merge, built once per stream: for each routing value its
+//! header, and its rows where they can be read from when the merge sends them (a vLLM `.npy`
+//! value's base64 text, decoded piece by piece then, so nothing more is held; any other format
+//! decoded now), and what a merge of any decode routing with this body would refuse.
 
+use super::suspects::npy_header;
 use super::{decode_found, MergeOptions};
-use crate::body::{split, BodyRouting};
+use crate::body::{split, BodyRouting, Found};
 use crate::error::{Error, Result};
-use crate::formats::{sidecar, Hints};
-use crate::payload::Payload;
+use crate::formats::{check_hints, sidecar, Format, Hints};
+use crate::kernels::b64;
+use crate::kernels::b64_pieces::B64Out;
+use crate::limits;
+use crate::payload::dtype::DType;
+use crate::payload::{Header, Payload};
 
-/// The prefill body's routing as every event of a stream merges with it: rows held decoded
-/// (one copy, 3/4 of their base64 text), found by choice index as `merge_response` finds them.
+/// The prefill body's routing as every event of a stream merges with it, found by choice index
+/// as `merge_response` finds it. It borrows the body: `.npy` rows are read from its text.
 #[derive(Debug)]
-pub struct PrefillRows {
-    /// (choice index, the value decoded with the hints the merge applies, or why not).
-    values: Vec<(u64, Result<Payload>)>,
+pub struct PrefillRows<'b> {
+    /// (choice index, the value with the hints the merge applies, or why it does not decode).
+    values: Vec<(u64, Result<PrefillValue<'b>>)>,
     /// Why any decode routing is refused whatever it is (routing weights, a sidecar key a merge
     /// would drop), as `merge_response` checks before it merges.
     refusal: Option<Error>,
@@ -21,21 +27,54 @@ pub struct PrefillRows {
     split: bool,
 }
 
-impl PrefillRows {
-    /// Decode the prefill body's routing (as `read_prefill` or `read_body` found it) once. A
+/// One prefill value: its header, and where its rows come from.
+#[derive(Debug)]
+pub(crate) struct PrefillValue<'b> {
+    header: Header,
+    rows: Rows<'b>,
+}
+
+#[derive(Debug)]
+enum Rows<'b> {
+    Decoded(Payload),
+    /// A `.npy` file's base64 text (no escapes), whose data starts `skip` bytes in.
+    Npy {
+        text: &'b [u8],
+        skip: usize,
+    },
+}
+
+/// Characters of `.npy` text decoded at a time when its rows are sent (whole groups).
+const NPY_PIECE: usize = 64 * 1024;
+
+impl<'b> PrefillRows<'b> {
+    /// Read the prefill body's routing (as `read_prefill` or `read_body` found it) once. A
     /// value that does not decode is kept as its error: the merge fails with it only if a
     /// decode value is merged with it, as `merge_response` would.
-    pub fn new(routing: &BodyRouting, opts: &MergeOptions) -> PrefillRows {
+    pub fn new(routing: &BodyRouting<'b>, opts: &MergeOptions) -> PrefillRows<'b> {
         let values = routing
             .values
             .iter()
             .map(|f| {
                 // As merge_found: start hints are for formats that carry no start.
-                let hints = routing_experts_hints(f.fields.is_some(), opts);
-                let decoded = decode_found(f, &hints, opts.max_bytes)
-                    .map(|(_, p)| p)
+                let hints = Hints {
+                    start: if f.fields.is_some() {
+                        None
+                    } else {
+                        opts.hints.start
+                    },
+                    ..opts.hints
+                };
+                let value = npy_in_text(f, &hints, opts.max_bytes)
+                    .map(Ok)
+                    .unwrap_or_else(|| {
+                        decode_found(f, &hints, opts.max_bytes).map(|(_, p)| PrefillValue {
+                            header: p.header(),
+                            rows: Rows::Decoded(p),
+                        })
+                    })
                     .map_err(|e| e.context("prefill"));
-                (f.index, decoded)
+                (f.index, value)
             })
             .collect();
         let refusal = routing
@@ -60,11 +99,17 @@ impl PrefillRows {
         self.values.is_empty() && !self.split
     }
 
-    /// Bytes of decoded rows held.
+    /// Bytes of decoded rows held (`.npy` rows are read from the body's text: none).
     pub fn held_bytes(&self) -> usize {
         self.values
             .iter()
-            .map(|(_, p)| p.as_ref().map_or(0, |p| p.bytes().len()))
+            .map(|(_, v)| match v {
+                Ok(PrefillValue {
+                    rows: Rows::Decoded(p),
+                    ..
+                }) => p.bytes().len(),
+                _ => 0,
+            })
             .sum()
     }
 
@@ -77,7 +122,7 @@ impl PrefillRows {
     }
 
     /// Whether every value is one choice's, so it serves every decode choice whatever its
-    /// index (`one_choice` in response.rs).
+    /// index (`one_choice` in the whole merge).
     pub(crate) fn one_choice(&self) -> bool {
         self.values
             .first()
@@ -85,7 +130,7 @@ impl PrefillRows {
     }
 
     /// The value a decode choice merges with (`None`: missing on the prefill side).
-    pub(crate) fn for_choice(&self, index: u64) -> Option<&Result<Payload>> {
+    pub(crate) fn for_choice(&self, index: u64) -> Option<&Result<PrefillValue<'b>>> {
         self.values
             .iter()
             .find(|(i, _)| *i == index)
@@ -94,10 +139,67 @@ impl PrefillRows {
     }
 }
 
-/// The hints `merge_found` decodes a prefill value with.
-fn routing_experts_hints(compact: bool, opts: &MergeOptions) -> Hints {
-    Hints {
-        start: if compact { None } else { opts.hints.start },
-        ..opts.hints
+impl PrefillValue<'_> {
+    pub(crate) fn header(&self) -> Header {
+        self.header
     }
+
+    pub(crate) fn dtype(&self) -> DType {
+        self.header.dtype
+    }
+
+    /// Encode the rows after what `enc` took. A `.npy` text that turns out not to be strict
+    /// base64 past its header is an error here (the whole merge refuses it too).
+    pub(crate) fn push_rows(&self, enc: &mut B64Out, out: &mut Vec<u8>) -> Result<()> {
+        let (text, mut skip) = match &self.rows {
+            Rows::Decoded(p) => {
+                enc.push(p.bytes(), out);
+                return Ok(());
+            }
+            Rows::Npy { text, skip } => (*text, *skip),
+        };
+        let mut piece = Vec::with_capacity(NPY_PIECE / 4 * 3);
+        let mut sent = 0usize;
+        for groups in text.chunks(NPY_PIECE) {
+            piece.clear();
+            let whole = groups.len() / 4 * 3;
+            let n = b64::decode_piece(groups, piece.spare_capacity_mut())
+                .filter(|&n| n <= whole && (n == whole || groups.len() < NPY_PIECE))
+                .ok_or_else(|| b64::error_in(text, "vllm_npy").context("prefill"))?;
+            // SAFETY: `decode_piece` initialised the first `n` bytes of the spare capacity.
+            unsafe { piece.set_len(n) };
+            let from = skip.min(n);
+            skip -= from;
+            enc.push(&piece[from..], out);
+            sent += n - from;
+        }
+        let want = self.header.shape.nbytes(self.header.dtype)?;
+        if sent != want {
+            return Err(Error::payload(format!(
+                "vllm_npy: expected {want} data bytes for shape {} of {}, got {sent}",
+                self.header.shape, self.header.dtype
+            ))
+            .context("prefill"));
+        }
+        Ok(())
+    }
+}
+
+/// A vLLM `.npy` value whose rows can be read from its text when they are sent: its header
+/// checked as the whole decode checks it (`None`: decoded now instead, for its errors).
+fn npy_in_text<'b>(f: &Found<'b>, hints: &Hints, max_bytes: usize) -> Option<PrefillValue<'b>> {
+    if f.fields.is_some()
+        || !f.plain_string
+        || f.dtype.is_some()
+        || !f.place.allows(Format::VllmNpy)
+    {
+        return None;
+    }
+    let (text, header, skip) = npy_header(f, hints).ok()??;
+    limits::check_shape(header.shape, header.dtype, max_bytes).ok()?;
+    check_hints(Format::VllmNpy, &header, hints).ok()?;
+    Some(PrefillValue {
+        header,
+        rows: Rows::Npy { text, skip },
+    })
 }

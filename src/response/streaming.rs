@@ -18,7 +18,7 @@ use std::ops::Range;
 
 use serde_json::Value;
 
-use super::prefill_rows::PrefillRows;
+use super::prefill_rows::{PrefillRows, PrefillValue};
 use super::MergeOptions;
 use crate::body::coverage;
 use crate::body::{is_routing_key, read_body, split, Place};
@@ -29,7 +29,7 @@ use crate::kernels::b64_pieces::{B64Error, B64In, B64Out, Fed};
 use crate::limits;
 use crate::payload::dtype::DType;
 use crate::payload::merge::{self, Plan};
-use crate::payload::{Header, Payload, Shape};
+use crate::payload::{Header, Shape};
 
 /// What to do with a compact sidecar whose `data` comes before its `start` (the canonical key
 /// order): decode's start, hence how many of its leading rows prefill covers, is not known
@@ -71,7 +71,7 @@ pub enum Step {
 /// Merges one event's JSON text with prefill's routing as it streams (format.md §4): the bytes
 /// it sends, concatenated, are exactly what `merge_response_found` makes of the whole text.
 pub struct EventMerge<'p> {
-    prefill: &'p PrefillRows,
+    prefill: &'p PrefillRows<'p>,
     opts: StreamOptions,
     /// The event without the contents of the routing data it merges.
     skel: Vec<u8>,
@@ -162,7 +162,7 @@ struct Cur<'p> {
     index: u64,
     /// `index` is the choice's `index` key (else its position, prefill having one choice).
     by_index: bool,
-    prefill: &'p Payload,
+    prefill: &'p PrefillValue<'p>,
     dec: B64In,
     enc: B64Out,
     /// Decoded bytes of the value not sent: the `.npy` header, rows prefill covers.
@@ -208,7 +208,7 @@ const MAX_NPY_HEAD: usize = 64 * 1024;
 
 impl<'p> EventMerge<'p> {
     /// A merge of one event with `prefill`'s routing.
-    pub fn new(prefill: &'p PrefillRows, opts: StreamOptions) -> Self {
+    pub fn new(prefill: &'p PrefillRows<'p>, opts: StreamOptions) -> Self {
         EventMerge {
             prefill,
             opts,
@@ -585,12 +585,13 @@ impl<'p> EventMerge<'p> {
     }
 
     /// Send the held text before the value, and the merged value's first bytes: prefill's rows.
-    fn go(&mut self, out: &mut Vec<u8>) {
+    fn go(&mut self, out: &mut Vec<u8>) -> Flow {
         let cur = self.cur.as_mut().expect("a value");
         out.extend_from_slice(&self.skel[self.sent..cur.at]);
         out.extend_from_slice(DATA_KEY);
-        cur.enc.push(cur.prefill.bytes(), out);
         self.emitted = true;
+        cur.prefill.push_rows(&mut cur.enc, out)?;
+        Ok(())
     }
 
     /// A `.npy` value's first characters: held until its header is read, then merged.
@@ -622,7 +623,7 @@ impl<'p> EventMerge<'p> {
         let (header, data_offset) = self.npy_header(&self.head[..need])?;
         self.npy_plan(header, data_offset)?;
         self.lex = Lex::Data;
-        self.go(out);
+        self.go(out)?;
         let head = std::mem::take(&mut self.head);
         let fed = self.decode_data(&head, out)?;
         debug_assert_eq!(fed, Fed::More);
@@ -739,7 +740,7 @@ impl<'p> EventMerge<'p> {
         cur.start = start;
         cur.dtype = dtype;
         self.lex = Lex::Data;
-        self.go(out);
+        self.go(out)?;
         Ok(())
     }
 

@@ -71,7 +71,10 @@ pub fn suspect_rows(
 
 /// A vLLM `.npy` value's base64 text, header and data offset, read from its first groups alone
 /// (`None` for other formats, or text with escapes, which are decoded whole instead).
-fn npy_header<'t>(f: &Found<'t>, hints: &Hints) -> Result<Option<(&'t [u8], Header, usize)>> {
+pub(crate) fn npy_header<'t>(
+    f: &Found<'t>,
+    hints: &Hints,
+) -> Result<Option<(&'t [u8], Header, usize)>> {
     let Some(text) = f
         .text
         .strip_prefix(b"\"")

@@ -54,7 +54,7 @@ pub struct StreamMerger<'a> {
     after_done: Option<Vec<Bytes>>,
     /// Where prefill's rows are decoded, once, for the events merged as they stream (`None`:
     /// every event is merged whole).
-    rows: Option<&'a OnceLock<PrefillRows>>,
+    rows: Option<&'a OnceLock<PrefillRows<'a>>>,
     /// The event being merged as it passes.
     live: Option<Live<'a>>,
     /// The held line was handed back by the streaming merge: merged whole at its end.
@@ -187,7 +187,7 @@ impl<'a> StreamMerger<'a> {
     /// canonical order) are still merged whole: decode's start, which decides which of its rows
     /// follow prefill's, comes after the rows. A merger that owns its prefill body does not
     /// stream.
-    pub fn streaming(mut self, rows: &'a OnceLock<PrefillRows>) -> Self {
+    pub fn streaming(mut self, rows: &'a OnceLock<PrefillRows<'a>>) -> Self {
         if matches!(self.prefill, Prefill::Found(..)) {
             self.rows = Some(rows);
         }
@@ -772,8 +772,12 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
             }
             m.finish(&mut out).unwrap();
             assert!(m.merged);
-            let rows = rows.get().map_or(0, PrefillRows::held_bytes);
-            (out.concat(), most_held - rows, m.merged_bytes)
+            // Prefill's `.npy` rows are read from its text as they are sent: none held.
+            assert_eq!(
+                rows.get().map(PrefillRows::held_bytes),
+                streaming.then_some(0)
+            );
+            (out.concat(), most_held, m.merged_bytes)
         };
         let (whole, held_whole, bytes_whole) = run(1 << 20, false);
         assert!(held_whole > STREAM_ABOVE); // the whole event, held
