@@ -17,9 +17,17 @@
 //! and finish with, or give back. A request's bytes count together: a share opened beside bytes
 //! its request already holds (decode's reply beside the prefill body) is a holder even while
 //! empty.
+//!
+//! **In order.** Large shares that hold nothing (a prefill reply whose size its header gave)
+//! wait in a queue and take room first come, first served: when the budget cannot hold every
+//! request's prefill reply at once, requests take turns instead of racing for freed bytes (a
+//! newcomer never passes one that waits). Holders do not queue: they finish requests, which
+//! frees room. A body larger than the budget could ever give it is refused at once
+//! ([`Share::room`]).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
@@ -43,6 +51,9 @@ pub struct Budget {
     freed: Notify,
     /// The turn to wait while holding bytes (see the module's doc).
     turn: tokio::sync::Mutex<()>,
+    /// Large shares holding nothing that wait for room, in the order they came.
+    queue: Mutex<VecDeque<u64>>,
+    tickets: AtomicU64,
 }
 
 impl Budget {
@@ -54,7 +65,29 @@ impl Budget {
             limit,
             freed: Notify::new(),
             turn: tokio::sync::Mutex::new(()),
+            queue: Mutex::new(VecDeque::new()),
+            tickets: AtomicU64::new(0),
         })
+    }
+
+    /// Shares waiting in the queue now.
+    pub fn queued(&self) -> usize {
+        self.queue.lock().map_or(0, |q| q.len())
+    }
+
+    fn join_queue(self: &Arc<Self>) -> Ticket {
+        let id = self.tickets.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut q) = self.queue.lock() {
+            q.push_back(id);
+        }
+        Ticket {
+            budget: Arc::clone(self),
+            id,
+        }
+    }
+
+    fn queue_is_empty(&self) -> bool {
+        self.queue.lock().map_or(true, |q| q.is_empty())
     }
 
     /// The limit in bytes.
@@ -93,6 +126,33 @@ impl Budget {
     }
 }
 
+/// A place in the budget's queue; leaving it (taking room, giving up, or the request
+/// dropped) lets the next one look.
+struct Ticket {
+    budget: Arc<Budget>,
+    id: u64,
+}
+
+impl Ticket {
+    fn first(&self) -> bool {
+        self.budget
+            .queue
+            .lock()
+            .map_or(true, |q| q.front() == Some(&self.id))
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if let Ok(mut q) = self.budget.queue.lock() {
+            if let Some(at) = q.iter().position(|&id| id == self.id) {
+                q.remove(at);
+            }
+        }
+        self.budget.freed.notify_waiters();
+    }
+}
+
 /// The bytes of one body counted against the budget; given back on drop.
 #[derive(Debug)]
 pub struct Share {
@@ -126,16 +186,36 @@ impl Share {
         ceiling: usize,
         deadline: tokio::time::Instant,
     ) -> bool {
-        if self.grow_within(n, ceiling) {
-            return true;
+        let holder = self.held + self.beside > 0;
+        if holder || self.is_small(n) {
+            if self.grow_within(n, ceiling) {
+                return true;
+            }
+        } else if self.budget.queue_is_empty() && self.grow_within(n, ceiling) {
+            return true; // no one waits before it
         }
-        if n > ceiling {
+        if n > ceiling || self.room(n, ceiling).is_some_and(|room| n > room) {
             return false; // it can never fit
         }
         let budget = Arc::clone(&self.budget);
+        if !holder && !self.is_small(n) {
+            // In order: it takes room only at the front of the queue.
+            let ticket = budget.join_queue();
+            loop {
+                let freed = budget.freed.notified();
+                tokio::pin!(freed);
+                freed.as_mut().enable();
+                if ticket.first() && self.grow_within(n, ceiling) {
+                    return true; // the ticket, dropped, lets the next one look
+                }
+                tokio::select! {
+                    _ = freed => {}
+                    _ = tokio::time::sleep_until(deadline) => return false,
+                }
+            }
+        }
         // A share that holds bytes waits for room with the turn; without it, for room or the
         // turn, until the grace runs out.
-        let holder = self.held + self.beside > 0;
         let grace = (tokio::time::Instant::now() + HOLDER_GRACE).min(deadline);
         let mut turn = None;
         loop {
@@ -182,15 +262,30 @@ impl Share {
         }
     }
 
+    /// Whether the request, with `n` more bytes, is small (see the module's doc: a request is
+    /// as large as all it holds, so a stream's first chunks beside a large prefill body are not
+    /// small).
+    fn is_small(&self, n: usize) -> bool {
+        (self.held.saturating_add(self.beside))
+            .checked_add(n)
+            .is_some_and(|t| t <= SMALL_BODY)
+    }
+
+    /// The most this share could ever take more under `ceiling` (the budget empty but for its
+    /// request), asked for `n` bytes: `None` when `n` keeps the request small (it fits in the
+    /// part kept for small ones).
+    pub fn room(&self, n: usize, ceiling: usize) -> Option<usize> {
+        if self.is_small(n) {
+            return None;
+        }
+        let large = ceiling.saturating_sub(self.budget.limit / SMALL_BODIES_PART);
+        Some(large.saturating_sub(self.held.saturating_add(self.beside)))
+    }
+
     fn grow_within(&mut self, n: usize, ceiling: usize) -> bool {
         let b = &self.budget;
-        // Small requests may use the last part of the budget; large ones stop short of it (a
-        // request is as large as all it holds: a stream's first chunks beside a large prefill
-        // body are not small).
-        let small = (self.held.saturating_add(self.beside))
-            .checked_add(n)
-            .is_some_and(|t| t <= SMALL_BODY);
-        let ceiling = if small {
+        // Small requests may use the last part of the budget; large ones stop short of it.
+        let ceiling = if self.is_small(n) {
             b.limit // prefill's too: a small request must not wait for large decodes to finish
         } else {
             ceiling.saturating_sub(b.limit / SMALL_BODIES_PART)
@@ -413,5 +508,66 @@ mod tests {
         let mut late = b.share();
         let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(1);
         assert!(!late.grow_wait(1, 100, deadline).await);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn large_replies_holding_nothing_take_room_in_the_order_they_came() {
+        const SB: usize = SMALL_BODY;
+        let b = Budget::new(64 * SB); // large bodies may fill 62 SB of it
+        let far = tokio::time::Instant::now() + std::time::Duration::from_secs(600);
+        let mut holder = b.share();
+        assert!(holder.grow(60 * SB));
+        let waiter = |n: usize, deadline| {
+            let mut share = b.share();
+            tokio::spawn(async move {
+                let ok = share.grow_wait(n, 64 * SB, deadline).await;
+                (ok, share)
+            })
+        };
+        let first = waiter(10 * SB, far); // the first to come needs the most
+        tokio::task::yield_now().await;
+        let second = waiter(2 * SB, far);
+        tokio::task::yield_now().await;
+        assert_eq!(b.queued(), 2);
+        holder.shrink_to(56 * SB); // room for the second (6 SB free), not the first
+        tokio::task::yield_now().await;
+        assert_eq!((b.queued(), b.used()), (2, 56 * SB)); // the second does not pass the first
+                                                          // A small request is not held up by the queue.
+        let mut small = b.share();
+        assert!(small.grow_wait(SB, 64 * SB, far).await);
+        drop(small);
+        holder.shrink_to(40 * SB); // room for both: the first, then the second
+        let ((ok1, s1), (ok2, s2)) = (first.await.unwrap(), second.await.unwrap());
+        assert!(ok1 && ok2);
+        assert_eq!((b.used(), b.queued()), (52 * SB, 0));
+        drop((s1, s2));
+        // One that gives up (its deadline passed, or its request was dropped) lets the next go.
+        let soon = tokio::time::Instant::now() + std::time::Duration::from_secs(1);
+        let first = waiter(30 * SB, soon);
+        tokio::task::yield_now().await;
+        let second = waiter(10 * SB, far);
+        tokio::task::yield_now().await;
+        holder.shrink_to(45 * SB); // 17 SB free: not the first's 30
+        let (ok1, _) = first.await.unwrap();
+        let (ok2, _) = second.await.unwrap();
+        assert!(!ok1 && ok2);
+        assert_eq!(b.queued(), 0);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_reply_that_could_never_fit_is_refused_at_once() {
+        const SB: usize = SMALL_BODY;
+        let b = Budget::new(64 * SB);
+        let ceiling = b.prefill_ceiling(); // 48 SB, of which large bodies may fill 46
+        let far = tokio::time::Instant::now() + std::time::Duration::from_secs(600);
+        let mut reply = b.share();
+        assert_eq!(reply.room(SB, ceiling), None); // small: it fits in the small part
+        assert_eq!(reply.room(47 * SB, ceiling), Some(46 * SB));
+        let began = tokio::time::Instant::now();
+        assert!(!reply.grow_wait(47 * SB, ceiling, far).await);
+        assert_eq!(began.elapsed(), std::time::Duration::ZERO); // no wait
+                                                                // What the request holds elsewhere counts against its room.
+        assert_eq!(b.share().beside(6 * SB).room(SB, ceiling), Some(40 * SB));
+        assert!(reply.grow_wait(46 * SB, ceiling, far).await);
     }
 }

@@ -199,6 +199,8 @@ pub(crate) fn health(proxy: &Proxy) -> Response<Body> {
         "buffered_bytes": proxy.budget.used(),
         // Bytes held against --max-buffered-bytes: at the limit, replies wait or fail fast.
         "buffered_limit": proxy.budget.limit(),
+        // Large replies waiting, in order, for room in the budget.
+        "waiting_for_budget": proxy.budget.queued(),
         "prefill": side(&proxy.prefill),
         "decode": side(&proxy.decode),
         "policies": {"prefill": proxy.prefill.policy.name(), "decode": proxy.decode.policy.name()},

@@ -227,6 +227,20 @@ impl Proxy {
                     if more { "at least " } else { "" }
                 ),
             ),
+            CallError::NeverFits(size, room, more) => {
+                self.metrics.rejected("buffered_bytes");
+                Fault::new(
+                    Blame::Proxy,
+                    507,
+                    format!(
+                        "the {s} server's reply is {}{size} bytes, more than the {room} bytes \
+                         the proxy could ever hold for it (--max-buffered-bytes {}): raise the \
+                         budget or shorten the request",
+                        if more { "at least " } else { "" },
+                        self.budget.limit()
+                    ),
+                )
+            }
             CallError::Budget => {
                 self.metrics.rejected("buffered_bytes");
                 Fault::new(

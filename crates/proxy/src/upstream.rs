@@ -77,6 +77,9 @@ pub enum CallError {
     TooLarge(u64, bool),
     /// The body would pass the proxy's budget of buffered bytes.
     Budget,
+    /// The body is larger than the budget could ever give it: `(bytes, the most it could get,
+    /// whether more were on the way)`.
+    NeverFits(u64, usize, bool),
 }
 
 /// The pooled client for every upstream.
@@ -167,6 +170,12 @@ impl Upstreams {
             if n > limit as u64 {
                 return Err(CallError::TooLarge(n, false));
             }
+            if let Some(room) = share
+                .room(usize::try_from(n).unwrap_or(usize::MAX), ceiling)
+                .filter(|&room| n > room as u64)
+            {
+                return Err(CallError::NeverFits(n, room, false));
+            }
             if !share.grow_wait(n as usize, ceiling, deadline).await {
                 return Err(CallError::Budget);
             }
@@ -182,7 +191,12 @@ impl Upstreams {
             if declared.is_none_or(|n| size as u64 > n)
                 && !share.grow_wait(chunk.len(), ceiling, deadline).await
             {
-                return Err(CallError::Budget);
+                return Err(match share.room(chunk.len(), ceiling) {
+                    Some(room) if chunk.len() > room => {
+                        CallError::NeverFits(size as u64, room + share.held(), true)
+                    }
+                    _ => CallError::Budget,
+                });
             }
             // A body that arrives in one piece is kept as it is; more pieces are joined once.
             match first.take() {
