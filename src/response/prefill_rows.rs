@@ -1,13 +1,19 @@
 //! Prefill's side of a streaming merge, built once per stream: for each routing value its
-//! header, and its rows where they can be read from when the merge sends them (a vLLM `.npy`
-//! value's base64 text, decoded piece by piece then, so nothing more is held; any other format
-//! decoded now), and what a merge of any decode routing with this body would refuse.
+//! header, and its rows where they can be read from when the merge sends them (the base64 text
+//! of a compact sidecar or a vLLM `.npy` value, decoded piece by piece then, so nothing more is
+//! held; other formats decoded now), and what a merge of any decode routing with this body
+//! would refuse.
+
+use std::borrow::Cow;
+
+use serde_json::Value;
 
 use super::suspects::npy_header;
 use super::{decode_found, MergeOptions};
 use crate::body::{split, BodyRouting, Found};
 use crate::error::{Error, Result};
-use crate::formats::{check_hints, sidecar, Format, Hints};
+use crate::formats::sidecar::{self, DataField, SidecarFields};
+use crate::formats::{check_hints, Format, Hints};
 use crate::kernels::b64;
 use crate::kernels::b64_pieces::B64Out;
 use crate::limits;
@@ -37,15 +43,16 @@ pub(crate) struct PrefillValue<'b> {
 #[derive(Debug)]
 enum Rows<'b> {
     Decoded(Payload),
-    /// A `.npy` file's base64 text (no escapes), whose data starts `skip` bytes in.
-    Npy {
+    /// Base64 text in the body (no escapes), whose rows start `skip` bytes in (a `.npy`
+    /// file's header; none for a compact sidecar).
+    Base64 {
         text: &'b [u8],
         skip: usize,
     },
 }
 
-/// Characters of `.npy` text decoded at a time when its rows are sent (whole groups).
-const NPY_PIECE: usize = 64 * 1024;
+/// Characters of base64 text decoded at a time when its rows are sent (whole groups).
+const TEXT_PIECE: usize = 64 * 1024;
 
 impl<'b> PrefillRows<'b> {
     /// Read the prefill body's routing (as `read_prefill` or `read_body` found it) once. A
@@ -65,7 +72,7 @@ impl<'b> PrefillRows<'b> {
                     },
                     ..opts.hints
                 };
-                let value = npy_in_text(f, &hints, opts.max_bytes)
+                let value = in_text(f, &hints, opts.max_bytes)
                     .map(Ok)
                     .unwrap_or_else(|| {
                         decode_found(f, &hints, opts.max_bytes).map(|(_, p)| PrefillValue {
@@ -99,7 +106,7 @@ impl<'b> PrefillRows<'b> {
         self.values.is_empty() && !self.split
     }
 
-    /// Bytes of decoded rows held (`.npy` rows are read from the body's text: none).
+    /// Bytes of decoded rows held (rows read from the body's text as they are sent: none).
     pub fn held_bytes(&self) -> usize {
         self.values
             .iter()
@@ -148,24 +155,24 @@ impl PrefillValue<'_> {
         self.header.dtype
     }
 
-    /// Encode the rows after what `enc` took. A `.npy` text that turns out not to be strict
-    /// base64 past its header is an error here (the whole merge refuses it too).
+    /// Encode the rows after what `enc` took. Text that turns out not to be strict base64 is
+    /// an error here (the whole merge refuses it too).
     pub(crate) fn push_rows(&self, enc: &mut B64Out, out: &mut Vec<u8>) -> Result<()> {
         let (text, mut skip) = match &self.rows {
             Rows::Decoded(p) => {
                 enc.push(p.bytes(), out);
                 return Ok(());
             }
-            Rows::Npy { text, skip } => (*text, *skip),
+            Rows::Base64 { text, skip } => (*text, *skip),
         };
-        let mut piece = Vec::with_capacity(NPY_PIECE / 4 * 3);
+        let mut piece = Vec::with_capacity(TEXT_PIECE / 4 * 3);
         let mut sent = 0usize;
-        for groups in text.chunks(NPY_PIECE) {
+        for groups in text.chunks(TEXT_PIECE) {
             piece.clear();
             let whole = groups.len() / 4 * 3;
             let n = b64::decode_piece(groups, piece.spare_capacity_mut())
-                .filter(|&n| n <= whole && (n == whole || groups.len() < NPY_PIECE))
-                .ok_or_else(|| b64::error_in(text, "vllm_npy").context("prefill"))?;
+                .filter(|&n| n <= whole && (n == whole || groups.len() < TEXT_PIECE))
+                .ok_or_else(|| b64::error_in(text, "data").context("prefill"))?;
             // SAFETY: `decode_piece` initialised the first `n` bytes of the spare capacity.
             unsafe { piece.set_len(n) };
             let from = skip.min(n);
@@ -176,7 +183,7 @@ impl PrefillValue<'_> {
         let want = self.header.shape.nbytes(self.header.dtype)?;
         if sent != want {
             return Err(Error::payload(format!(
-                "vllm_npy: expected {want} data bytes for shape {} of {}, got {sent}",
+                "expected {want} data bytes for shape {} of {}, got {sent}",
                 self.header.shape, self.header.dtype
             ))
             .context("prefill"));
@@ -185,14 +192,40 @@ impl PrefillValue<'_> {
     }
 }
 
-/// A vLLM `.npy` value whose rows can be read from its text when they are sent: its header
-/// checked as the whole decode checks it (`None`: decoded now instead, for its errors).
-fn npy_in_text<'b>(f: &Found<'b>, hints: &Hints, max_bytes: usize) -> Option<PrefillValue<'b>> {
-    if f.fields.is_some()
-        || !f.plain_string
-        || f.dtype.is_some()
-        || !f.place.allows(Format::VllmNpy)
-    {
+/// A value whose rows can be read from the body's text when they are sent (a compact sidecar,
+/// or vLLM's `.npy`), its header checked as the whole decode checks it (`None`: decoded now
+/// instead, for its errors).
+fn in_text<'b>(f: &Found<'b>, hints: &Hints, max_bytes: usize) -> Option<PrefillValue<'b>> {
+    if f.dtype.is_some() {
+        return None; // SGLang's dtype key: decoded now
+    }
+    if let Some(fields) = &f.fields {
+        let Some(DataField::Base64(Cow::Borrowed(text))) = fields.data else {
+            return None;
+        };
+        // The fields without any bytes decoded as they were read (those are not copied).
+        let fields = SidecarFields {
+            data: Some(DataField::Base64(Cow::Borrowed(text))),
+            shape: fields.shape.clone(),
+            start: fields
+                .start
+                .clone()
+                .or_else(|| hints.start.map(Value::from)),
+            dtype: fields.dtype.clone(),
+            body_key: fields.body_key,
+            foreign_key: fields.foreign_key,
+            extra_key: fields.extra_key.clone(),
+            decoded: None,
+            data_base64: fields.data_base64,
+        };
+        let header = sidecar::validate(fields, max_bytes).ok()?.header;
+        check_hints(Format::Compact, &header, hints).ok()?;
+        return Some(PrefillValue {
+            header,
+            rows: Rows::Base64 { text, skip: 0 },
+        });
+    }
+    if !f.plain_string || !f.place.allows(Format::VllmNpy) {
         return None;
     }
     let (text, header, skip) = npy_header(f, hints).ok()??;
@@ -200,6 +233,6 @@ fn npy_in_text<'b>(f: &Found<'b>, hints: &Hints, max_bytes: usize) -> Option<Pre
     check_hints(Format::VllmNpy, &header, hints).ok()?;
     Some(PrefillValue {
         header,
-        rows: Rows::Npy { text, skip },
+        rows: Rows::Base64 { text, skip },
     })
 }

@@ -378,6 +378,7 @@ fn a_large_event_is_merged_in_o_piece() {
     };
     let routing = read_body(prefill_body.as_bytes()).unwrap();
     let rows = PrefillRows::new(&routing, &merge);
+    assert_eq!(rows.held_bytes(), 0); // prefill's rows are read from its text as they are sent
     let cuts: Vec<usize> = (1..)
         .map(|i| i * PIECE)
         .take_while(|&c| c < event.len())

@@ -69,10 +69,15 @@ class Bodies:
     decode_start: int | None = None
 
     @classmethod
-    def make(cls, tokens: int, layers: int, top_k: int, shape: str = "sidecar") -> Bodies:
+    def make(
+        cls, tokens: int, layers: int, top_k: int, shape: str = "sidecar",
+        generated: int | None = None,
+    ) -> Bodies:
+        """`generated`: tokens decode generates (default GENERATED, at most tokens - 1); the
+        prompt is the rest."""
         if shape not in BODY_SHAPES:
             raise ValueError(f"bench-proxy: bodies must be one of {BODY_SHAPES}, not {shape!r}")
-        generated = min(GENERATED, tokens - 1)
+        generated = min(generated or GENERATED, tokens - 1)
         prompt = tokens - generated + 1  # rows: prompt + generated - 1 = tokens
         rng = np.random.default_rng(7)
         truth = rng.integers(0, 128, size=(tokens, layers, top_k), dtype=np.uint8)
@@ -241,12 +246,13 @@ def _http(status: int, body: bytes, content_type: bytes = b"application/json") -
 
 
 def _engine_main(
-    role: str, fault: str | None, tokens: int, layers: int, top_k: int, shape: str
+    role: str, fault: str | None, tokens: int, layers: int, top_k: int, shape: str,
+    generated: int | None = None,
 ) -> None:
     import httptools
     import uvloop
 
-    engine = Engine(role, Bodies.make(tokens, layers, top_k, shape), fault, shape)
+    engine = Engine(role, Bodies.make(tokens, layers, top_k, shape, generated), fault, shape)
 
     class Connection(asyncio.Protocol):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -431,10 +437,11 @@ def _engine(role: str, args: argparse.Namespace, fault: str | None = None) -> li
 
 def engine_spec(
     role: str, tokens: int, layers: int, top_k: int, fault: str | None = None,
-    shape: str = "sidecar",
+    shape: str = "sidecar", generated: int | None = None,
 ) -> list[str]:
-    """The child spec of a stand-in engine serving bodies of this size and `shape`."""
-    spec = ["engine", role, str(tokens), str(layers), str(top_k), shape]
+    """The child spec of a stand-in engine serving bodies of this size and `shape` (and
+    `generated` tokens, as `Bodies.make` takes them)."""
+    spec = ["engine", role, str(tokens), str(layers), str(top_k), shape, str(generated or 0)]
     return spec + ([fault] if fault else [])
 
 
@@ -712,8 +719,8 @@ def _closed_port() -> int:
 def _child_main(argv: list[str]) -> None:
     if argv[0] == "engine":
         role, tokens, layers, top_k = argv[1], int(argv[2]), int(argv[3]), int(argv[4])
-        fault = argv[6] if len(argv) > 6 else None
-        _engine_main(role, fault, tokens, layers, top_k, argv[5])
+        fault = argv[7] if len(argv) > 7 else None
+        _engine_main(role, fault, tokens, layers, top_k, argv[5], int(argv[6]) or None)
     elif argv[0] == "serve":
         kind, prefill, decode, settings = argv[1], argv[2], argv[3], json.loads(argv[4])
         _serve_main(kind, prefill.split(","), decode.split(","), settings)

@@ -176,22 +176,26 @@ async def _lockup_load(
 def bench_lockup(
     streams: int, tokens: int, budget: int | None, layers: int = 94, top_k: int = 8,
     timeout: float = 120.0, kinds: tuple[str, ...] = ("vllm-router", "proxy"),
+    shape: str = "sidecar", generated: int | None = None,
 ) -> dict[str, Any]:
-    """`streams` concurrent streamed requests whose routing event is `tokens` rows, against the
-    proxy (budget `budget`, None for its default) and vllm-router on the same engines."""
-    bodies = Bodies.make(tokens, layers, top_k)
-    small_bodies = Bodies.make(8, layers, top_k)
+    """`streams` concurrent streamed requests of rollouts of `tokens` rows, against the proxy
+    (budget `budget`, None for its default) and vllm-router on the same engines. Bodies of
+    `shape` "sidecar": decode's event holds every row (data first: merged whole); "vllm":
+    vLLM's `.npy`, decode's event the `generated` rows (merged as it passes when long)."""
+    bodies = Bodies.make(tokens, layers, top_k, shape, generated)
+    small_bodies = Bodies.make(8, layers, top_k, shape)
     big = bodies.request[:-1] + b',"stream":true}'
     small = small_bodies.request[:-1] + b"," + SMALL_MARK + b"}"
     event = max(len(e) for e in bodies.stream.split(b"\n\n"))
     out: dict[str, Any] = {
-        "streams": streams, "shape": [tokens, layers, top_k],
+        "streams": streams, "shape": [tokens, layers, top_k], "bodies": shape,
         "event_mib": round(event / 2**20, 1),
         "budget_mib": round(budget / 2**20) if budget else "default",
     }
     settings = {"max_buffered_bytes": budget} if budget else {}
     with children(
-        engine_spec("prefill", tokens, layers, top_k), engine_spec("decode", tokens, layers, top_k)
+        engine_spec("prefill", tokens, layers, top_k, None, shape, generated),
+        engine_spec("decode", tokens, layers, top_k, None, shape, generated),
     ) as (p, d):
         for kind in kinds:
             if kind == "vllm-router" and not vllm_router():
@@ -347,6 +351,8 @@ def run_reliability(args: argparse.Namespace, parts: list[str]) -> dict[str, Any
     if "lockup" in parts:
         results["lockup"] = [
             bench_lockup(32, 65536, None),  # 32 x 64 MiB events at the default budget
+            # The same as vLLM sends it: .npy, a 1024-token prompt, decode's event the rest.
+            bench_lockup(32, 65536, None, shape="vllm", generated=65536 - 1024),
             bench_lockup(24, 16384, 128 << 20),  # 24 x 16 MiB at a 128 MiB budget
         ]
         for r in results["lockup"]:
@@ -361,8 +367,9 @@ def run_reliability(args: argparse.Namespace, parts: list[str]) -> dict[str, Any
 
 
 def _print_lockup(r: dict[str, Any]) -> None:
-    print(f"\nlockup: {r['streams']} streams of {r['event_mib']} MiB routing events, budget "
-          f"{r['budget_mib']} MiB: outcomes, wall, small requests meanwhile, RSS", flush=True)
+    print(f"\nlockup: {r['streams']} streams of {r['event_mib']} MiB routing events "
+          f"({r['bodies']}), budget {r['budget_mib']} MiB: outcomes, wall, small requests "
+          "meanwhile, RSS", flush=True)
     for kind in ("vllm-router", "proxy"):
         if kind not in r:
             continue
