@@ -122,6 +122,7 @@ impl Budget {
             budget: Arc::clone(self),
             held: 0,
             beside: 0,
+            reserve: 0,
         }
     }
 }
@@ -160,6 +161,9 @@ pub struct Share {
     held: usize,
     /// Bytes its request holds in other shares (see the module's doc).
     beside: usize,
+    /// Bytes counted in the budget for this share to grow into without waiting (see
+    /// [`set_aside`](Share::set_aside)).
+    reserve: usize,
 }
 
 impl Share {
@@ -186,7 +190,7 @@ impl Share {
         ceiling: usize,
         deadline: tokio::time::Instant,
     ) -> bool {
-        let holder = self.held + self.beside > 0;
+        let holder = self.held + self.beside + self.reserve > 0;
         if holder || self.is_small(n) {
             if self.grow_within(n, ceiling) {
                 return true;
@@ -240,6 +244,31 @@ impl Share {
         self.held
     }
 
+    /// Keep `n` of the bytes this share took counted, as room its request will grow into
+    /// later (a prefill reply's, for decode's reply) without waiting: taken with the reply,
+    /// in the queue's order, so a request admitted never waits on another for its next body.
+    pub fn set_aside(&mut self, n: usize) {
+        let n = n.min(self.held);
+        self.held -= n;
+        self.reserve += n;
+    }
+
+    /// This share's reserve, moved into a share of its own that grows into it first.
+    pub fn take_reserve(&mut self) -> Share {
+        Share {
+            budget: Arc::clone(&self.budget),
+            held: 0,
+            beside: 0,
+            reserve: std::mem::take(&mut self.reserve),
+        }
+    }
+
+    /// Bytes counted for this share to grow into (see [`set_aside`](Share::set_aside)).
+    #[cfg(test)]
+    fn reserve(&self) -> usize {
+        self.reserve
+    }
+
     /// What this share holds beyond `n` bytes, moved into a share of its own (bytes that leave
     /// with a piece sent on stay counted until the piece is written and dropped).
     pub fn split_beyond(&mut self, n: usize) -> Share {
@@ -249,6 +278,7 @@ impl Share {
             budget: Arc::clone(&self.budget),
             held: moved,
             beside: 0,
+            reserve: 0,
         }
     }
 
@@ -266,9 +296,12 @@ impl Share {
     /// as large as all it holds, so a stream's first chunks beside a large prefill body are not
     /// small).
     fn is_small(&self, n: usize) -> bool {
-        (self.held.saturating_add(self.beside))
-            .checked_add(n)
-            .is_some_and(|t| t <= SMALL_BODY)
+        (self
+            .held
+            .saturating_add(self.beside)
+            .saturating_add(self.reserve))
+        .checked_add(n)
+        .is_some_and(|t| t <= SMALL_BODY)
     }
 
     /// The most this share could ever take more under `ceiling` (the budget empty but for its
@@ -279,10 +312,26 @@ impl Share {
             return None;
         }
         let large = ceiling.saturating_sub(self.budget.limit / SMALL_BODIES_PART);
-        Some(large.saturating_sub(self.held.saturating_add(self.beside)))
+        let taken = self.held.saturating_add(self.beside);
+        Some(large.saturating_sub(taken).saturating_add(self.reserve))
     }
 
     fn grow_within(&mut self, n: usize, ceiling: usize) -> bool {
+        // The reserve first: those bytes are counted already.
+        let reserved = n.min(self.reserve);
+        if reserved > 0 {
+            self.reserve -= reserved;
+            self.held += reserved;
+            if reserved == n {
+                return true;
+            }
+            if !self.grow_within(n - reserved, ceiling) {
+                self.held -= reserved; // nothing taken: the reserve is as it was
+                self.reserve += reserved;
+                return false;
+            }
+            return true;
+        }
         let b = &self.budget;
         // Small requests may use the last part of the budget; large ones stop short of it.
         let ceiling = if self.is_small(n) {
@@ -311,6 +360,7 @@ impl Share {
 
 impl Drop for Share {
     fn drop(&mut self) {
+        self.held += std::mem::take(&mut self.reserve);
         self.shrink_to(0);
     }
 }
@@ -569,5 +619,31 @@ mod tests {
                                                                 // What the request holds elsewhere counts against its room.
         assert_eq!(b.share().beside(6 * SB).room(SB, ceiling), Some(40 * SB));
         assert!(reply.grow_wait(46 * SB, ceiling, far).await);
+    }
+
+    #[test]
+    fn a_reserve_set_aside_is_grown_into_first_and_given_back_on_drop() {
+        let b = Budget::new(100);
+        let mut prefill = b.share();
+        assert!(prefill.grow(40));
+        prefill.set_aside(20); // a body of 20, as many bytes again for decode's reply
+        assert_eq!((prefill.held(), prefill.reserve(), b.used()), (20, 20, 40));
+        let mut decode = prefill.take_reserve();
+        assert_eq!((prefill.reserve(), decode.reserve()), (0, 20));
+        assert!(decode.grow(15)); // from the reserve: counted already
+        assert_eq!((decode.held(), decode.reserve(), b.used()), (15, 5, 40));
+        assert!(!decode.grow(70)); // 5 from the reserve and 65 more: past the limit
+        assert_eq!((decode.held(), decode.reserve(), b.used()), (15, 5, 40)); // as it was
+        assert!(decode.grow(10)); // the reserve's 5, then 5 from the budget
+        assert_eq!((decode.held(), decode.reserve(), b.used()), (25, 0, 45));
+        let sent = decode.split_beyond(0); // pieces sent on carry their bytes
+        drop(decode);
+        assert_eq!(b.used(), 45);
+        drop(sent);
+        let unused = prefill.take_reserve(); // nothing left to take
+        assert_eq!(unused.reserve(), 0);
+        prefill.set_aside(5);
+        drop(prefill); // held and reserve both given back
+        assert_eq!(b.used(), 0);
     }
 }

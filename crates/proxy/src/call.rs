@@ -60,7 +60,8 @@ impl Call {
             lease: Some(lease),
         };
         let prefill_json = body.prefill_request();
-        let (prefill_body, prefill_share) = self.prefill(ex, prefill_json, body.session).await?;
+        let (prefill_body, mut prefill_share) =
+            self.prefill(ex, prefill_json, body.session).await?;
         if ex.stream {
             let prefill = (prefill_body, prefill_share);
             return self.stream(ex, body, lease, prefill, slot).await;
@@ -75,7 +76,7 @@ impl Call {
                 Side::Decode,
                 lease,
                 decode_json.into(),
-                prefill_share.held(),
+                prefill_share.take_reserve().beside(prefill_share.held()),
             )
             .await?;
         let began = Instant::now();
@@ -180,7 +181,11 @@ impl Call {
         let first = Arc::clone(&lease.upstream);
         ex.prefill = first.url.clone();
         let data = Bytes::from(data);
-        match self.fetch(ex, Side::Prefill, lease, data.clone(), 0).await {
+        let share = || proxy.budget.share();
+        match self
+            .fetch(ex, Side::Prefill, lease, data.clone(), share())
+            .await
+        {
             Err(fault) if fault.retryable => {
                 let Some(retry) = proxy.pick(Side::Prefill, Some(&first), session) else {
                     return Err(fault);
@@ -189,7 +194,7 @@ impl Call {
                 log::warn!(target: "routed_experts::proxy",
                     "{} prefill {} unreachable, retrying on {url}", ex.request_id, ex.prefill);
                 ex.prefill = url;
-                self.fetch(ex, Side::Prefill, retry, data, 0).await
+                self.fetch(ex, Side::Prefill, retry, data, share()).await
             }
             other => other,
         }
@@ -226,19 +231,21 @@ impl Call {
     /// An upstream's whole reply body, within the size limit and the body budget.
     /// `beside`: bytes the request already holds (the prefill body, while decode's reply is
     /// read), which make it a holder in the budget's waiting rule.
+    /// An upstream's reply body, counted in `share`. A prefill reply takes as many bytes
+    /// again as its reserve, for decode's reply to grow into (see `Share::set_aside`).
     pub(crate) async fn read_reply(
         &self,
         side: Side,
         r: Response<Incoming>,
-        beside: usize,
+        mut share: Share,
     ) -> Result<(Bytes, Share), CallError> {
         let proxy = &self.proxy;
-        let mut share = proxy.budget.share().beside(beside);
         let limit = proxy.config.max_upstream_bytes;
         let (ceiling, deadline) = (self.ceiling(side), proxy.wait_deadline(self.deadline));
+        let set_aside = side == Side::Prefill;
         let body = proxy
             .upstreams
-            .read_body(r, limit, &mut share, ceiling, deadline)
+            .read_body(r, limit, &mut share, (ceiling, set_aside), deadline)
             .await?;
         Ok((body, share))
     }
@@ -250,7 +257,7 @@ impl Call {
         side: Side,
         lease: Lease,
         data: Bytes,
-        beside: usize,
+        share: Share,
     ) -> Result<(Bytes, Share), Fault> {
         let proxy = &self.proxy;
         let upstream = Arc::clone(&lease.upstream);
@@ -265,7 +272,7 @@ impl Call {
             Ok(r) => {
                 let status = r.status().as_u16();
                 let json = is_mime(r.headers().get(CONTENT_TYPE), "application/json");
-                self.read_reply(side, r, beside)
+                self.read_reply(side, r, share)
                     .await
                     .map(|(body, share)| (status, json, body, share))
                     .map_err(|e| {

@@ -74,7 +74,7 @@ impl Call {
         self,
         body: ClientBody,
         mut lease: LeaseGuard,
-        (prefill_body, prefill_share): (Bytes, Share),
+        (prefill_body, mut prefill_share): (Bytes, Share),
         slot: Slot,
         head_tx: oneshot::Sender<Result<Head, Fault>>,
     ) {
@@ -127,7 +127,8 @@ impl Call {
         // Prefill's rows, decoded once if an event is long enough to merge as it passes.
         let rows = OnceLock::new();
         let relay = Relay {
-            share: proxy.budget.share().beside(prefill_share.held()),
+            // Decode's event grows into the room prefill's reply set aside first.
+            share: prefill_share.take_reserve().beside(prefill_share.held()),
             proxy,
             url,
             record,
@@ -157,8 +158,9 @@ impl Call {
         let status = r.status().as_u16();
         if status >= 400 {
             guard.outcome = Outcome::of_status(status);
+            let share = self.proxy.budget.share().beside(beside);
             let body = self
-                .read_reply(Side::Decode, r, beside)
+                .read_reply(Side::Decode, r, share)
                 .await
                 .map(|(b, _)| b);
             let body = body.unwrap_or_default();

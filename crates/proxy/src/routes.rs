@@ -63,7 +63,7 @@ impl Proxy {
                     let deadline = tokio::time::Instant::now() + self.config.read_timeout;
                     let ceiling = self.budget.limit();
                     self.upstreams
-                        .read_body(r, limit, &mut share, ceiling, deadline)
+                        .read_body(r, limit, &mut share, (ceiling, false), deadline)
                         .await
                         .map(|b| (status, Outgoing::new(b, Some(share), None)))
                 }

@@ -152,13 +152,15 @@ impl Upstreams {
 
     /// A whole body, refused past `limit` bytes (by its Content-Length before reading, else
     /// as it arrives) and counted against the budget through `share`: it waits (until
-    /// `deadline`) for room below `ceiling`, and is refused if none comes.
+    /// `deadline`) for room below `ceiling`, and is refused if none comes. With `set_aside`, a
+    /// large body whose size its head gives takes as many bytes again with it, as the share's
+    /// reserve ([`Share::set_aside`]), as far as the budget could ever hold them.
     pub async fn read_body(
         &self,
         response: Response<Incoming>,
         limit: usize,
         share: &mut Share,
-        ceiling: usize,
+        (ceiling, set_aside): (usize, bool),
         deadline: tokio::time::Instant,
     ) -> Result<Bytes, CallError> {
         let declared = response
@@ -170,15 +172,16 @@ impl Upstreams {
             if n > limit as u64 {
                 return Err(CallError::TooLarge(n, false));
             }
-            if let Some(room) = share
-                .room(usize::try_from(n).unwrap_or(usize::MAX), ceiling)
-                .filter(|&room| n > room as u64)
-            {
+            let room = share.room(usize::try_from(n).unwrap_or(usize::MAX), ceiling);
+            if let Some(room) = room.filter(|&room| n > room as u64) {
                 return Err(CallError::NeverFits(n, room, false));
             }
-            if !share.grow_wait(n as usize, ceiling, deadline).await {
+            let n = n as usize; // within the room
+            let extra = room.filter(|_| set_aside).map_or(0, |room| n.min(room - n));
+            if !share.grow_wait(n + extra, ceiling, deadline).await {
                 return Err(CallError::Budget);
             }
+            share.set_aside(extra);
         }
         let mut body = response.into_body();
         let mut out = BytesMut::new();
