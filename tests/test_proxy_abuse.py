@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import signal
 import socket
 import subprocess
@@ -200,16 +201,38 @@ def test_upstream_replies_count_against_the_body_budget() -> None:
         return httpx.post(url + "/v1/completions", content=body, timeout=30,
                           headers={"content-type": "application/json"})
 
-    # Room for the client body, not for the prefill reply as well: refused, not grown past.
+    # Room for the client body, not for the prefill reply: refused as one that could never
+    # fit (not grown past, and not told to retry).
     with stack([Engine()], [Engine()], max_buffered_bytes=len(body)) as url:
         r = send(url)
-        assert r.status_code == 503 and r.headers["retry-after"] == "1"
-        assert "bytes of bodies" in r.json()["error"]["message"]
+        assert r.status_code == 507 and "retry-after" not in r.headers
+        assert "could ever hold for it" in r.json()["error"]["message"]
     with stack([Engine()], [Engine()], max_buffered_bytes=64 * 1024) as url:
         for _ in range(3):
             assert send(url).status_code == 200
         health = httpx.get(url + "/health", timeout=10).json()
         assert health["buffered_bytes"] == 0  # every reply's bytes given back
+
+
+def test_a_prefill_reply_the_budget_could_never_hold_is_refused_at_once_naming_its_size() -> None:
+    # A 1,000-token prompt: a prefill reply of about 11 KB, against an 8 KiB budget.
+    body = {"model": "moe", "prompt": [i % 50 for i in range(1000)], "max_tokens": 2}
+    with stack([Engine()], [Engine()], max_buffered_bytes=8192, read_timeout=600) as url:
+        began = time.monotonic()
+        r = post(url, body)
+        assert time.monotonic() - began < 10  # not a wait for room that never comes
+        assert r.status_code == 507 and "retry-after" not in r.headers
+        error = r.json()["error"]
+        assert error["side"] == "proxy"
+        said = re.fullmatch(
+            r"the prefill server's reply is (\d+) bytes, more than the (\d+) bytes the proxy "
+            r"could ever hold for it \(--max-buffered-bytes 8192\): raise the budget or shorten "
+            r"the request",
+            error["message"],
+        )
+        assert said and int(said[1]) > 8192 >= int(said[2]), error["message"]
+        assert httpx.get(url + "/health", timeout=10).json()["buffered_bytes"] == 0
+        assert post(url).status_code == 200  # a request that fits is served
 
 
 def test_operator_endpoints_move_to_the_admin_port() -> None:

@@ -27,6 +27,21 @@ def test_more_large_streams_than_the_budget_holds_all_end_and_small_requests_get
     assert proxy["after_ok"]
 
 
+def test_long_vllm_routing_events_merge_as_they_pass_and_all_complete() -> None:
+    # vLLM's bodies: .npy, a 1000-token prompt, decode's event the 11,000 generated rows
+    # (about 11 MB, past the size from which an event is merged as it passes), 6 at once
+    # against a 24 MiB budget that could not hold them whole together.
+    r = reliability.bench_lockup(
+        6, 12_000, 24 << 20, kinds=("proxy",), timeout=120, shape="vllm", generated=11_000
+    )
+    assert r["event_mib"] > 8, r
+    proxy = r["proxy"]
+    assert proxy["outcomes"] == {"merged": 6}, proxy  # each byte for byte the whole merge's
+    assert proxy["small_not_ok"] == 0, proxy
+    assert proxy["after"] == {"buffered_bytes": 0, "in_flight": 0}
+    assert proxy["after_ok"]
+
+
 def test_slow_readers_hold_the_budget_until_they_read_and_give_it_back_when_they_leave() -> None:
     # Replies of ~8 MiB (8192 x 94 x 8) to clients with small receive windows: more than the
     # sockets' buffers take in, so the proxy holds the rest.

@@ -198,7 +198,7 @@ impl Share {
         } else if self.budget.queue_is_empty() && self.grow_within(n, ceiling) {
             return true; // no one waits before it
         }
-        if n > ceiling || self.room(n, ceiling).is_some_and(|room| n > room) {
+        if n > ceiling || n > self.room(n, ceiling) {
             return false; // it can never fit
         }
         let budget = Arc::clone(&self.budget);
@@ -295,7 +295,7 @@ impl Share {
     /// Whether the request, with `n` more bytes, is small (see the module's doc: a request is
     /// as large as all it holds, so a stream's first chunks beside a large prefill body are not
     /// small).
-    fn is_small(&self, n: usize) -> bool {
+    pub fn is_small(&self, n: usize) -> bool {
         (self
             .held
             .saturating_add(self.beside)
@@ -304,16 +304,17 @@ impl Share {
         .is_some_and(|t| t <= SMALL_BODY)
     }
 
-    /// The most this share could ever take more under `ceiling` (the budget empty but for its
-    /// request), asked for `n` bytes: `None` when `n` keeps the request small (it fits in the
-    /// part kept for small ones).
-    pub fn room(&self, n: usize, ceiling: usize) -> Option<usize> {
-        if self.is_small(n) {
-            return None;
-        }
-        let large = ceiling.saturating_sub(self.budget.limit / SMALL_BODIES_PART);
+    /// The most this share could ever take more, asked for `n` bytes under `ceiling` (the
+    /// budget empty but for its request): a small request may fill the whole budget, a large
+    /// one the ceiling less the part kept for small ones.
+    pub fn room(&self, n: usize, ceiling: usize) -> usize {
+        let most = if self.is_small(n) {
+            self.budget.limit
+        } else {
+            ceiling.saturating_sub(self.budget.limit / SMALL_BODIES_PART)
+        };
         let taken = self.held.saturating_add(self.beside);
-        Some(large.saturating_sub(taken).saturating_add(self.reserve))
+        most.saturating_sub(taken).saturating_add(self.reserve)
     }
 
     fn grow_within(&mut self, n: usize, ceiling: usize) -> bool {
@@ -611,13 +612,13 @@ mod tests {
         let ceiling = b.prefill_ceiling(); // 48 SB, of which large bodies may fill 46
         let far = tokio::time::Instant::now() + std::time::Duration::from_secs(600);
         let mut reply = b.share();
-        assert_eq!(reply.room(SB, ceiling), None); // small: it fits in the small part
-        assert_eq!(reply.room(47 * SB, ceiling), Some(46 * SB));
+        assert_eq!(reply.room(SB, ceiling), 64 * SB); // small: it may fill the budget
+        assert_eq!(reply.room(47 * SB, ceiling), 46 * SB);
         let began = tokio::time::Instant::now();
         assert!(!reply.grow_wait(47 * SB, ceiling, far).await);
         assert_eq!(began.elapsed(), std::time::Duration::ZERO); // no wait
                                                                 // What the request holds elsewhere counts against its room.
-        assert_eq!(b.share().beside(6 * SB).room(SB, ceiling), Some(40 * SB));
+        assert_eq!(b.share().beside(6 * SB).room(SB, ceiling), 40 * SB);
         assert!(reply.grow_wait(46 * SB, ceiling, far).await);
     }
 

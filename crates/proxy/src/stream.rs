@@ -74,8 +74,8 @@ struct Live<'a> {
 }
 
 /// A `data:` line held this long is merged as it passes (when the merger was given prefill's
-/// rows): shorter routing events cost less merged whole than decoded row by row.
-pub const STREAM_ABOVE: usize = OWN_PAGES_ABOVE;
+/// rows): a stream holds at most about this much of its routing event at once.
+pub const STREAM_ABOVE: usize = 1 << 20;
 
 /// Routing rows a merge samples from each value for the marks of a broken engine.
 pub const SAMPLE_ROWS: usize = 64;
@@ -252,48 +252,60 @@ impl<'a> StreamMerger<'a> {
             return Ok(());
         };
         let routing: &'a BodyRouting<'a> = routing;
-        if self.held_back || self.partial_len < STREAM_ABOVE || self.joined.is_empty() {
+        if self.held_back || self.partial_len < STREAM_ABOVE {
             return Ok(());
         }
-        let Some(rest) = self.joined.strip_prefix(b"data:") else {
-            self.held_back = true; // a comment or another field: passed on whole
+        // The held line, in order: one buffer past OWN_PAGES_ABOVE, else its pieces.
+        self.flush_small();
+        let (joined, partial) = (
+            std::mem::take(&mut self.joined),
+            std::mem::take(&mut self.partial),
+        );
+        let pieces: Vec<&[u8]> = if joined.is_empty() {
+            partial.iter().map(|p| &p[..]).collect()
+        } else {
+            vec![&joined[..]]
+        };
+        let first = pieces.first().copied().unwrap_or_default();
+        let json_at = first
+            .strip_prefix(b"data:")
+            .map(|rest| first.len() - rest.trim_ascii_start().len())
+            .filter(|&at| at < first.len());
+        let rows = cell.get_or_init(|| PrefillRows::new(routing, &self.opts));
+        // Not an event whose JSON starts in its first piece, or prefill has no routing: held
+        // and merged whole (the whole merge says what is wrong, if anything is).
+        let Some(json_at) = json_at.filter(|_| !rows.is_empty()) else {
+            (self.joined, self.partial, self.held_back) = (joined, partial, true);
             return Ok(());
         };
-        let json_at = self.joined.len() - rest.trim_ascii_start().len();
-        if json_at == self.joined.len() {
-            return Ok(()); // white space so far
-        }
-        let rows = cell.get_or_init(|| PrefillRows::new(routing, &self.opts));
-        if rows.is_empty() {
-            self.held_back = true; // prefill has no routing: the whole merge says what
-            return Ok(());
-        }
         let opts = StreamOptions {
             merge: self.opts,
             data_first: DataFirst::Fallback,
             max_held: self.max_line,
         };
-        let joined = std::mem::take(&mut self.joined);
         let mut live = Live {
             merge: EventMerge::new(rows, opts),
-            prefix: joined[..json_at].to_vec(),
-            len: joined.len(),
+            prefix: first[..json_at].to_vec(),
+            len: self.partial_len,
             sent: 0,
         };
         let mut merged = Vec::new();
-        match live.merge.feed(&joined[json_at..], &mut merged) {
-            Ok(Step::Fallback(_)) => {
-                self.joined = joined; // still whole: held as it was
-                self.held_back = true;
+        for (i, piece) in pieces.iter().enumerate() {
+            let text = if i == 0 { &piece[json_at..] } else { piece };
+            match live.merge.feed(text, &mut merged) {
+                Ok(Step::Streaming(_)) => {}
+                Ok(Step::Fallback(_)) => {
+                    // Nothing was sent: the line is held as it was, and merged whole.
+                    drop(pieces);
+                    (self.joined, self.partial, self.held_back) = (joined, partial, true);
+                    return Ok(());
+                }
+                Err(e) => return Err(StreamError::Merge(e)),
             }
-            Ok(Step::Streaming(_)) => {
-                self.partial_len = 0;
-                drop(joined);
-                self.send_live(&mut live.sent, merged, out);
-                self.live = Some(live);
-            }
-            Err(e) => return Err(StreamError::Merge(e)),
         }
+        self.partial_len = 0;
+        self.send_live(&mut live.sent, merged, out);
+        self.live = Some(live);
         Ok(())
     }
 
@@ -781,7 +793,7 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
         };
         let (whole, held_whole, bytes_whole) = run(1 << 20, false);
         assert!(held_whole > STREAM_ABOVE); // the whole event, held
-        for piece in [256 << 10, 1 << 20, 3_000_001] {
+        for piece in [4095, 256 << 10, 1 << 20, 3_000_001] {
             let (streamed, held, bytes) = run(piece, true);
             assert!(
                 streamed == whole,

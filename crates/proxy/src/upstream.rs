@@ -172,12 +172,18 @@ impl Upstreams {
             if n > limit as u64 {
                 return Err(CallError::TooLarge(n, false));
             }
-            let room = share.room(usize::try_from(n).unwrap_or(usize::MAX), ceiling);
-            if let Some(room) = room.filter(|&room| n > room as u64) {
-                return Err(CallError::NeverFits(n, room, false));
+            let asked = usize::try_from(n).unwrap_or(usize::MAX);
+            let room = share.room(asked, ceiling);
+            if asked > room.min(ceiling) {
+                return Err(CallError::NeverFits(n, room.min(ceiling), false));
             }
-            let n = n as usize; // within the room
-            let extra = room.filter(|_| set_aside).map_or(0, |room| n.min(room - n));
+            // A large body takes its reserve only as far as the budget could ever hold it.
+            let extra = if set_aside && !share.is_small(asked) {
+                asked.min(room - asked)
+            } else {
+                0
+            };
+            let n = asked;
             if !share.grow_wait(n + extra, ceiling, deadline).await {
                 return Err(CallError::Budget);
             }
@@ -194,11 +200,11 @@ impl Upstreams {
             if declared.is_none_or(|n| size as u64 > n)
                 && !share.grow_wait(chunk.len(), ceiling, deadline).await
             {
-                return Err(match share.room(chunk.len(), ceiling) {
-                    Some(room) if chunk.len() > room => {
-                        CallError::NeverFits(size as u64, room + share.held(), true)
-                    }
-                    _ => CallError::Budget,
+                let room = share.room(chunk.len(), ceiling).min(ceiling);
+                return Err(if chunk.len() > room {
+                    CallError::NeverFits(size as u64, room + share.held(), true)
+                } else {
+                    CallError::Budget
                 });
             }
             // A body that arrives in one piece is kept as it is; more pieces are joined once.
