@@ -181,7 +181,7 @@ impl<'a> StreamMerger<'a> {
         }
     }
 
-    /// This merger, merging events longer than [`STREAM_ABOVE`] as they pass, with prefill's
+    /// This merger, merging events longer than `STREAM_ABOVE` (1 MiB) as they pass, with prefill's
     /// rows decoded into `rows` the first time one comes (the caller keeps the cell, so the
     /// events borrow the rows). Compact sidecars whose `data` precedes their `start` (the
     /// canonical order) are still merged whole: decode's start, which decides which of its rows
