@@ -274,10 +274,14 @@ impl Relay<'_> {
             };
             match fed {
                 Ok(()) => {
-                    // What the merge holds beyond the chunks it was given (prefill's rows,
-                    // decoded for an event that streams) is counted too.
+                    // What the merge holds beyond the chunks it was given (prefill's rows
+                    // decoded for an event that streams), and what it sends beyond them
+                    // (prefill's rows, encoded), are counted too: the reserve prefill's reply
+                    // set aside is grown into first.
                     let keep = self.merger.buffered();
-                    if let Some(more) = keep.checked_sub(self.share.held()).filter(|&n| n > 0) {
+                    let more = keep.saturating_sub(self.share.held())
+                        + self.merger.take_output_excess();
+                    if more > 0 {
                         let wait = proxy.wait_deadline(self.deadline);
                         if !self.share.grow_wait(more, proxy.budget.limit(), wait).await {
                             let fault =
