@@ -162,6 +162,68 @@ fn merge(c: &mut Criterion) {
     g.finish();
 }
 
+/// One stream event of vLLM's shape (`.npy`, a 1,024-token prompt, decode's rows from P - 1 to
+/// 32k) merged whole, and merged as it passes in 256 KiB pieces (the proxy's streaming merge),
+/// beside a copy of the event.
+fn stream_merge(c: &mut Criterion) {
+    use routed_experts::response::{DataFirst, EventMerge, PrefillRows, Step, StreamOptions};
+    let p = rollout(TOKENS, 94, 8, 128);
+    let prompt = 1024;
+    let prefill = npy_body(&p.slice(0, prompt as u64).unwrap(), prompt, 1);
+    let decode = p.slice(prompt as u64 - 1, TOKENS as u64).unwrap();
+    let event = npy_body(&decode, prompt, TOKENS - prompt + 1);
+    let mut opts = MergeOptions::new(LIMIT);
+    opts.decode_start = Some(prompt as u64 - 1);
+    let found = routed_experts::read_body(&prefill).unwrap();
+    let mut g = c.benchmark_group("stream-event-vllm-npy-qwen3-235b-32k");
+    g.throughput(Throughput::Bytes(event.len() as u64));
+    g.sample_size(10);
+    g.bench_function("memcpy_event", |b| b.iter(|| black_box(&event).to_vec()));
+    g.bench_function("merge_whole_event", |b| {
+        b.iter(|| {
+            response::merge_response_found(&prefill, &found, black_box(&event), opts)
+                .and_then(|s| s.to_vec())
+                .unwrap()
+        })
+    });
+    // The pieces as a server would write them on (`keep`: to compare, once).
+    let streamed = |keep: bool| {
+        let rows = PrefillRows::new(&found, &opts);
+        let stream = StreamOptions {
+            merge: opts,
+            data_first: DataFirst::Fallback,
+            max_held: 1 << 20,
+        };
+        let mut m = EventMerge::new(&rows, stream);
+        let (mut out, mut all, mut sent) = (Vec::new(), Vec::new(), 0);
+        for piece in black_box(&event).chunks(256 << 10) {
+            assert!(matches!(
+                m.feed(piece, &mut out).unwrap(),
+                Step::Streaming(_)
+            ));
+            sent += out.len();
+            if keep {
+                all.extend_from_slice(&out);
+            }
+            out.clear(); // written on, then let go
+        }
+        assert!(matches!(m.finish(&mut out).unwrap(), Step::Streaming(_)));
+        all.extend_from_slice(&out);
+        (sent + out.len(), all)
+    };
+    let whole = response::merge_response_found(&prefill, &found, &event, opts)
+        .and_then(|s| s.to_vec())
+        .unwrap();
+    assert!(
+        streamed(true).1 == whole,
+        "the streamed merge differs from the whole merge"
+    );
+    g.bench_function("merge_as_it_passes_256k_pieces", |b| {
+        b.iter(|| streamed(false).0)
+    });
+    g.finish();
+}
+
 fn stitch(c: &mut Criterion) {
     let p = rollout(TOKENS, 94, 8, 128);
     let turns: Vec<Payload> = (0..64)
@@ -223,5 +285,5 @@ fn quality(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, codec, merge, stitch, quality);
+criterion_group!(benches, codec, merge, stream_merge, stitch, quality);
 criterion_main!(benches);
