@@ -124,7 +124,7 @@ impl Call {
             return;
         };
         let max_line = proxy.config.max_upstream_bytes;
-        // Prefill's rows, decoded once if an event is long enough to merge as it passes.
+        // Prefill's routing as an event long enough to merge as it passes reads it, found once.
         let rows = OnceLock::new();
         let relay = Relay {
             // Decode's event grows into the room prefill's reply set aside first.
@@ -279,8 +279,8 @@ impl Relay<'_> {
                     // (prefill's rows, encoded), are counted too: the reserve prefill's reply
                     // set aside is grown into first.
                     let keep = self.merger.buffered();
-                    let more = keep.saturating_sub(self.share.held())
-                        + self.merger.take_output_excess();
+                    let more =
+                        keep.saturating_sub(self.share.held()) + self.merger.take_output_excess();
                     if more > 0 {
                         let wait = proxy.wait_deadline(self.deadline);
                         if !self.share.grow_wait(more, proxy.budget.limit(), wait).await {

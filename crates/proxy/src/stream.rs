@@ -1,8 +1,9 @@
 //! Merging the routing of a decode server's event stream, relayed as bytes: blocks of events
 //! that cannot hold routing pass through untouched (no copy); only an event that carries it is
 //! merged with the prefill routing. An event past [`STREAM_ABOVE`] is merged as it passes
-//! ([`EventMerge`]: O(piece) held, with prefill's rows decoded once), unless the core hands it
-//! back before a byte is sent; then it is held and merged whole, as shorter events are.
+//! ([`EventMerge`]: O(piece) held, prefill's rows read from its body as they are sent), unless
+//! the core hands it back before a byte is sent; then it is held and merged whole, as shorter
+//! events are.
 
 use std::sync::OnceLock;
 
@@ -52,8 +53,8 @@ pub struct StreamMerger<'a> {
     /// [`finish`](Self::finish) has checked the stream: an error found there must reach the
     /// client, and every OpenAI client stops reading at `[DONE]`.
     after_done: Option<Vec<Bytes>>,
-    /// Where prefill's rows are decoded, once, for the events merged as they stream (`None`:
-    /// every event is merged whole).
+    /// Prefill's routing as the events merged as they pass read it, found once (`None`: every
+    /// event is merged whole).
     rows: Option<&'a OnceLock<PrefillRows<'a>>>,
     /// The event being merged as it passes.
     live: Option<Live<'a>>,
@@ -188,9 +189,9 @@ impl<'a> StreamMerger<'a> {
         }
     }
 
-    /// This merger, merging events longer than `STREAM_ABOVE` (1 MiB) as they pass, with prefill's
-    /// rows decoded into `rows` the first time one comes (the caller keeps the cell, so the
-    /// events borrow the rows). Compact sidecars whose `data` precedes their `start` (the
+    /// This merger, merging events longer than `STREAM_ABOVE` (1 MiB) as they pass, with
+    /// prefill's routing found into `rows` the first time one comes (the caller keeps the cell,
+    /// so the events borrow it). Compact sidecars whose `data` precedes their `start` (the
     /// canonical order) are still merged whole: decode's start, which decides which of its rows
     /// follow prefill's, comes after the rows. A merger that owns its prefill body does not
     /// stream.
@@ -216,8 +217,8 @@ impl<'a> StreamMerger<'a> {
     }
 
     /// Bytes held back until their line ends: an incomplete line, or what the merge of an
-    /// event that streams holds (its text outside the routing data), and prefill's rows once
-    /// decoded.
+    /// event that streams holds (its text outside the routing data), and prefill's rows if a
+    /// format that is not read from the body's text had them decoded.
     pub fn buffered(&self) -> usize {
         let live = self
             .live
