@@ -6,6 +6,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+pub use super::config_error::ConfigError;
 use super::pool::Policy;
 
 /// What a setting counts.
@@ -221,35 +222,6 @@ settings! {
 
 /// hyper's smallest read buffer, which bounds the smallest header limit it can apply.
 pub const MIN_HEADER_BYTES: usize = 8192;
-
-/// A setting or a server list that cannot serve: `setting` names it (a setting's name as
-/// [`SETTINGS`] and [`TEXT_SETTINGS`] name them, or `prefill`, `decode`, `upstreams_file` for the
-/// servers), `message` says what was expected and what was given (its `Display`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConfigError {
-    /// The setting at fault.
-    pub setting: String,
-    /// What was wrong with it.
-    pub message: String,
-}
-
-impl ConfigError {
-    /// The error of `setting` with `message`.
-    pub fn new(setting: impl Into<String>, message: impl Into<String>) -> Self {
-        ConfigError {
-            setting: setting.into(),
-            message: message.into(),
-        }
-    }
-}
-
-impl std::fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-impl std::error::Error for ConfigError {}
 
 /// The declaration of `name`, or an error naming it.
 pub fn setting(name: &str) -> Result<&'static Setting, ConfigError> {

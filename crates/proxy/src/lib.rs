@@ -26,6 +26,7 @@
 mod budget;
 mod call;
 pub mod config;
+mod config_error;
 mod conn_io;
 mod fault;
 mod inbound;

@@ -8,7 +8,7 @@
 //! side out. A server removed while requests are under way keeps serving them: each request
 //! holds its server ([`Lease`]), not a position in the list.
 
-use super::config::ConfigError;
+use super::config_error::ConfigError;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
