@@ -27,6 +27,7 @@ def test_more_large_streams_than_the_budget_holds_all_end_and_small_requests_get
     assert proxy["after_ok"]
 
 
+@pytest.mark.slow_under_emulation  # 66 MB of events merged and checked: minutes under qemu
 def test_long_vllm_routing_events_merge_as_they_pass_and_all_complete() -> None:
     # vLLM's bodies: .npy, a 1000-token prompt, decode's event the 11,000 generated rows
     # (about 11 MB, past the size from which an event is merged as it passes), 6 at once
