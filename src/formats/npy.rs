@@ -27,6 +27,17 @@ pub fn is_npy(bytes: &[u8]) -> bool {
     bytes.starts_with(MAGIC)
 }
 
+/// The length of a `.npy` file's preamble and header, from its first 12 bytes (version 1.0
+/// states it in 2 bytes, later versions in 4): for readers that decode only the header's
+/// groups. `None` when fewer bytes are given; [`parse_header`] then checks the rest.
+pub(crate) fn header_len(first: &[u8]) -> Option<usize> {
+    match first.get(6..12)? {
+        [1, 0, a, b, ..] => Some(10 + u16::from_le_bytes([*a, *b]) as usize),
+        [_, _, a, b, c, d] => Some(12 + u32::from_le_bytes([*a, *b, *c, *d]) as usize),
+        _ => None,
+    }
+}
+
 /// Parse a `.npy` file's header: what `np.load` accepts of a 3-d integer array, nothing it refuses.
 pub fn parse_header(file: &[u8]) -> Result<NpyHeader> {
     if !is_npy(file) {

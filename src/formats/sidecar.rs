@@ -432,7 +432,8 @@ pub(crate) fn parse_shape(v: Option<&Value>) -> Result<Shape> {
     Ok(Shape::new(out[0], out[1], out[2]))
 }
 
-const DATA_KEY: &[u8] = b"{\"data\":\"";
+/// How the canonical encoding begins, up to the base64 text.
+pub(crate) const DATA_KEY: &[u8] = b"{\"data\":\"";
 
 /// Exact length of the canonical encoding.
 pub fn encoded_len(p: &Payload) -> usize {

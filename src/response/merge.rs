@@ -195,7 +195,6 @@ pub(super) fn one_choice<'f, 'a>(found: &'f [Found<'a>]) -> Option<&'f Found<'a>
 fn merge_found<'a>(p: &Found<'a>, d: &Found<'a>, opts: &MergeOptions) -> Result<Vec<Piece<'a>>> {
     // Compact values carry their own start: the start hints are for formats that carry none.
     // Two compact values merge on their text (keep_format changes nothing: compact stays compact).
-    let is_compact = |f: &Found| f.fields.is_some();
     if p.fields.is_some()
         && d.fields.is_some()
         && opts.hints.num_layers.is_none()
@@ -204,12 +203,8 @@ fn merge_found<'a>(p: &Found<'a>, d: &Found<'a>, opts: &MergeOptions) -> Result<
     {
         return merge_sidecars(p, d, opts);
     }
-    let side_hints = |f: &Found, start: Option<u64>| Hints {
-        start: if is_compact(f) { None } else { start },
-        ..opts.hints
-    };
-    let prefill_hints = side_hints(p, opts.hints.start);
-    let decode_hints = side_hints(d, opts.decode_start.or(opts.hints.start));
+    let prefill_hints = side_hints(p, opts.hints.start, opts);
+    let decode_hints = side_hints(d, opts.decode_start.or(opts.hints.start), opts);
     let (_, prefill) =
         decode_found(p, &prefill_hints, opts.max_bytes).map_err(|e| e.context("prefill"))?;
     let (format, decode) =
@@ -239,6 +234,15 @@ fn merge_found<'a>(p: &Found<'a>, d: &Found<'a>, opts: &MergeOptions) -> Result<
     Ok(vec![Piece::Copy(Cow::Owned(formats::encode_json(
         &merged, format,
     )?))])
+}
+
+/// The hints one side's value is decoded with: the caller's, the start aside for compact values,
+/// which carry their own (the start hints are for formats that carry none).
+pub(super) fn side_hints(f: &Found, start: Option<u64>, opts: &MergeOptions) -> Hints {
+    Hints {
+        start: if f.fields.is_some() { None } else { start },
+        ..opts.hints
+    }
 }
 
 /// Merge two compact sidecars' fields into (the pieces of) the canonical sidecar text.

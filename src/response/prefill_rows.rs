@@ -8,6 +8,7 @@ use std::borrow::Cow;
 
 use serde_json::Value;
 
+use super::merge::side_hints;
 use super::suspects::npy_header;
 use super::{decode_found, MergeOptions};
 use crate::body::{split, BodyRouting, Found};
@@ -63,15 +64,7 @@ impl<'b> PrefillRows<'b> {
             .values
             .iter()
             .map(|f| {
-                // As merge_found: start hints are for formats that carry no start.
-                let hints = Hints {
-                    start: if f.fields.is_some() {
-                        None
-                    } else {
-                        opts.hints.start
-                    },
-                    ..opts.hints
-                };
+                let hints = side_hints(f, opts.hints.start, opts);
                 let value = in_text(f, &hints, opts.max_bytes)
                     .map(Ok)
                     .unwrap_or_else(|| {

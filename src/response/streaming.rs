@@ -21,10 +21,11 @@ use serde_json::Value;
 use super::prefill_rows::{PrefillRows, PrefillValue};
 use super::MergeOptions;
 use crate::body::coverage;
-use crate::body::{is_routing_key, read_body, split, Place};
+use crate::body::{is_routing_key, read_body, split, Place, ROUTING_KEY};
 use crate::error::{Error, Result};
-use crate::formats::sidecar::{self, parse_shape, tail};
+use crate::formats::sidecar::{self, parse_shape, tail, DATA_KEY};
 use crate::formats::{check_hints, npy, Format, Hints, Rule, NPY_B64_PREFIX};
+use crate::kernels::b64;
 use crate::kernels::b64_pieces::{B64Error, B64In, B64Out, Fed};
 use crate::limits;
 use crate::payload::dtype::DType;
@@ -201,8 +202,6 @@ impl From<Error> for Stop {
 
 type Flow<T = ()> = std::result::Result<T, Stop>;
 
-const ROUTING_KEY: &[u8] = b"routed_experts";
-const DATA_KEY: &[u8] = b"{\"data\":\"";
 /// A `.npy` header longer than this is not streamed (vLLM writes 128 bytes).
 const MAX_NPY_HEAD: usize = 64 * 1024;
 
@@ -640,11 +639,7 @@ impl<'p> EventMerge<'p> {
             return Ok(None);
         }
         let fixed = decode_groups(&h[..16]).ok_or(Stop::Fallback)?;
-        let len = match fixed.get(6..12) {
-            Some([1, 0, a, b, ..]) => 10 + u16::from_le_bytes([*a, *b]) as usize,
-            Some([_, _, a, b, c, d]) => 12 + u32::from_le_bytes([*a, *b, *c, *d]) as usize,
-            _ => return Err(Stop::Fallback),
-        };
+        let len = npy::header_len(&fixed).ok_or(Stop::Fallback)?;
         let need = len.div_ceil(3) * 4;
         if need > MAX_NPY_HEAD {
             return Err(Stop::Fallback);
@@ -946,15 +941,8 @@ impl<'p> EventMerge<'p> {
 
 /// Whole groups without padding, strictly decoded.
 fn decode_groups(text: &[u8]) -> Option<Vec<u8>> {
-    let mut d = B64In::default();
-    let mut out = Vec::new();
     if text.len() % 4 != 0 || text.contains(&b'=') {
         return None;
     }
-    let mut t = text.to_vec();
-    t.push(b'"');
-    match d.feed(&t, &mut out) {
-        Ok(Fed::End(_)) => Some(out),
-        _ => None,
-    }
+    b64::decode_range(text, 0, text.len() / 4 * 3).ok()
 }

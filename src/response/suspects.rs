@@ -92,10 +92,8 @@ pub(crate) fn npy_header<'t>(
     let Ok(fixed) = b64::decode_range(text, 0, total.min(12)) else {
         return Ok(None);
     };
-    let len = match fixed.get(6..12) {
-        Some([1, 0, a, b, ..]) => 10 + u16::from_le_bytes([*a, *b]) as usize,
-        Some([_, _, a, b, c, d]) => 12 + u32::from_le_bytes([*a, *b, *c, *d]) as usize,
-        _ => return Ok(None),
+    let Some(len) = npy::header_len(&fixed) else {
+        return Ok(None);
     };
     let Ok(head) = b64::decode_range(text, 0, total.min(len)) else {
         return Ok(None);
