@@ -217,14 +217,11 @@ fn memchr2(a: u8, b: u8, s: &[u8]) -> Option<usize> {
 pub struct B64Out {
     carry: [u8; 3],
     n: usize,
-    /// Bytes taken so far.
-    pub taken: u64,
 }
 
 impl B64Out {
     /// Encode `bytes` after those taken before, onto `out`.
     pub fn push(&mut self, mut bytes: &[u8], out: &mut Vec<u8>) {
-        self.taken += bytes.len() as u64;
         if self.n > 0 {
             let take = (3 - self.n).min(bytes.len());
             self.carry[self.n..self.n + take].copy_from_slice(&bytes[..take]);
