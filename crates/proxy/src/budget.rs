@@ -191,18 +191,17 @@ impl Share {
         deadline: tokio::time::Instant,
     ) -> bool {
         let holder = self.held + self.beside + self.reserve > 0;
-        if holder || self.is_small(n) {
-            if self.grow_within(n, ceiling) {
-                return true;
-            }
-        } else if self.budget.queue_is_empty() && self.grow_within(n, ceiling) {
-            return true; // no one waits before it
+        // Large shares that hold nothing take room in the queue's order: at once only when no
+        // one waits before them.
+        let queued = !holder && !self.is_small(n);
+        if (!queued || self.budget.queue_is_empty()) && self.grow_within(n, ceiling) {
+            return true;
         }
         if n > ceiling || n > self.room(n, ceiling) {
             return false; // it can never fit
         }
         let budget = Arc::clone(&self.budget);
-        if !holder && !self.is_small(n) {
+        if queued {
             // In order: it takes room only at the front of the queue.
             let ticket = budget.join_queue();
             loop {

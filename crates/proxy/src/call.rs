@@ -228,11 +228,10 @@ impl Call {
         (guard, head)
     }
 
-    /// An upstream's whole reply body, within the size limit and the body budget.
-    /// `beside`: bytes the request already holds (the prefill body, while decode's reply is
-    /// read), which make it a holder in the budget's waiting rule.
-    /// An upstream's reply body, counted in `share`. A prefill reply takes as many bytes
-    /// again as its reserve, for decode's reply to grow into (see `Share::set_aside`).
+    /// An upstream's whole reply body, within the size limit and the body budget, counted in
+    /// `share` (opened beside the bytes the request already holds, which make it a holder in
+    /// the budget's waiting rule). A prefill reply takes as many bytes again as its reserve,
+    /// for decode's reply to grow into (see `Share::set_aside`).
     pub(crate) async fn read_reply(
         &self,
         side: Side,

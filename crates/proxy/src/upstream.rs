@@ -183,8 +183,7 @@ impl Upstreams {
             } else {
                 0
             };
-            let n = asked;
-            if !share.grow_wait(n + extra, ceiling, deadline).await {
+            if !share.grow_wait(asked + extra, ceiling, deadline).await {
                 return Err(CallError::Budget);
             }
             share.set_aside(extra);
