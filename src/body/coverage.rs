@@ -5,8 +5,7 @@
 
 use crate::body::Counts;
 use crate::error::{Error, ErrorKind, Result};
-use crate::formats::Format;
-use crate::formats::Rule;
+use crate::formats::{producer, Format, Rule};
 use crate::payload::dtype::with_element;
 use crate::payload::merge;
 use crate::payload::{DTypeChoice, Header, Payload, Shape};
@@ -136,15 +135,12 @@ pub fn check(
                 ));
             } else if stop > end && start_given && end >= rows as u64 {
                 // Who ignores the start it was asked for, by format (format.md §3.5).
-                let who = match format {
-                    Format::VllmNpy => {
-                        "vLLM before 0.28 ignores routed_experts_prompt_start on /v1/completions \
-                         and /v1/chat/completions"
-                    }
-                    _ => "SGLang 0.5.8 to 0.5.11 ignore routed_experts_start_len",
-                };
+                let who = producer(format)
+                    .ignores_start
+                    .map(|who| format!(" ({who})"))
+                    .unwrap_or_default();
                 msg.push_str(&format!(
-                    "; the server sent rows from position {} ({who}), not from the start given",
+                    "; the server sent rows from position {}{who}, not from the start given",
                     end - rows as u64
                 ));
             }

@@ -17,6 +17,7 @@ pub(super) const PRODUCER: Producer = Producer {
     detects,
     decode,
     encode,
+    last_resort: false,
     json_string: false,
     writes_at: &[
         Place::Choice,
@@ -26,6 +27,7 @@ pub(super) const PRODUCER: Producer = Producer {
         Place::Nvext,
     ],
     rule: |_| Rule::SelfPlaced,
+    ignores_start: None,
 };
 
 fn decode(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Payload> {

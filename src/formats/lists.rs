@@ -15,9 +15,11 @@ pub(super) const PRODUCER: Producer = Producer {
     detects,
     decode,
     encode,
+    last_resort: false,
     json_string: false,
     writes_at: &[Place::Choice, Place::Prompt, Place::Message, Place::Sglang],
     rule,
+    ignores_start: None,
 };
 
 fn decode(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Payload> {

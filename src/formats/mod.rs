@@ -6,15 +6,6 @@ pub mod npy;
 mod places;
 pub mod sidecar;
 
-// The producers, a file each: its detection, decoding, encoding, the places it writes at and
-// the rows it sends there. A new producer is a new file, its `Format` variant, and its line in
-// `PRODUCERS` below.
-mod compact;
-mod lists;
-mod nemo;
-mod sglang;
-mod vllm_npy;
-
 pub use compact::decode_compact_fields;
 pub use places::{Place, Rule};
 pub use vllm_npy::NPY_B64_PREFIX;
@@ -27,31 +18,44 @@ use crate::payload::dtype::DType;
 
 use crate::payload::{Header, Payload};
 
-/// A routing format of the wild (format.md §3).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Format {
+/// Declares the producers: each one's module (`formats/<name>.rs`, which holds its detection,
+/// decoding, encoding, the places it writes at and the rows it covers there), its `Format`
+/// variant, `Format::ALL` and `PRODUCERS`, from one line each.
+macro_rules! producers {
+    ($($(#[$doc:meta])* $variant:ident in $module:ident,)+) => {
+        $(mod $module;)+
+
+        /// A routing format of the wild (format.md §3).
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub enum Format {
+            $($(#[$doc])* $variant,)+
+        }
+
+        impl Format {
+            /// Every format.
+            pub const ALL: [Format; [$(Format::$variant),+].len()] = [$(Format::$variant),+];
+        }
+
+        /// Every producer, in the order of `Format::ALL`.
+        pub(crate) const PRODUCERS: [&Producer; Format::ALL.len()] = [$(&$module::PRODUCER),+];
+    };
+}
+
+// The producers: a new one is its file and its line here (docs/architecture.md).
+producers! {
     /// `{"data": base64, "shape": [T, L, K], "start": S, "dtype": name}` (prime-rl, Dynamo).
-    Compact,
+    Compact in compact,
     /// base64 of a whole `.npy` file (vLLM); no start.
-    VllmNpy,
+    VllmNpy in vllm_npy,
     /// base64 of flat little-endian values, int32 unless told (SGLang); no shape, no start.
-    Sglang,
+    Sglang in sglang,
     /// `nrlre1:<dtype>:<T>x<L>x<K>:<base64>` (NeMo-RL); no start.
-    Nemo,
+    Nemo in nemo,
     /// Nested integer lists `[[[...]]]` (lmdeploy); no start.
-    Lists,
+    Lists in lists,
 }
 
 impl Format {
-    /// Every format.
-    pub const ALL: [Format; 5] = [
-        Format::Compact,
-        Format::VllmNpy,
-        Format::Sglang,
-        Format::Nemo,
-        Format::Lists,
-    ];
-
     /// The format's name (`"compact"`, `"vllm_npy"`, ...).
     pub fn name(self) -> &'static str {
         producer(self).name
@@ -65,10 +69,15 @@ impl Format {
             .ok_or_else(|| {
                 Error::field(
                     "format",
-                    "one of compact, vllm_npy, sglang, nemo, lists",
+                    format!("one of {}", Format::names()),
                     format!("{name:?}"),
                 )
             })
+    }
+
+    /// Every format's name, in the order of `ALL` ("compact, vllm_npy, ...").
+    fn names() -> String {
+        Format::ALL.map(Format::name).join(", ")
     }
 }
 
@@ -94,8 +103,11 @@ pub(crate) struct Producer {
     pub name: &'static str,
     /// Its name in messages ("vLLM's .npy").
     pub described: &'static str,
-    /// Whether a text is in this format (tried in the order of `PRODUCERS`).
+    /// Whether a text is in this format. No two producers claim the same text, except that a
+    /// `last_resort` one is asked only when no other claims it (tested).
     pub detects: fn(&[u8]) -> bool,
+    /// Its detection reads what others' also fit (SGLang's bare base64 also reads a `.npy`).
+    pub last_resort: bool,
     /// The text (the content of a JSON string, for the string formats) to a payload.
     pub decode: fn(&[u8], &Hints, usize) -> Result<Payload>,
     /// A payload to the text its producer emits.
@@ -106,38 +118,33 @@ pub(crate) struct Producer {
     pub writes_at: &'static [Place],
     /// The rows it covers at a place (format.md §3.3).
     pub rule: fn(Place) -> Rule,
+    /// Which releases send rows from position 0 when asked for a later start, named when a
+    /// body's rows say so (format.md §3.5).
+    pub ignores_start: Option<&'static str>,
 }
-
-/// Every producer, in the order detection tries them: JSON objects and lists first, then the
-/// string formats by their prefixes, SGLang's bare base64 last.
-pub(crate) const PRODUCERS: [&Producer; 5] = [
-    &compact::PRODUCER,
-    &lists::PRODUCER,
-    &nemo::PRODUCER,
-    &vllm_npy::PRODUCER,
-    &sglang::PRODUCER,
-];
 
 /// The producer of `format`.
 pub(crate) fn producer(format: Format) -> &'static Producer {
-    PRODUCERS
-        .iter()
-        .find(|p| p.format == format)
-        .copied()
-        .unwrap_or(&compact::PRODUCER) // every format has its producer (tested)
+    // `PRODUCERS` is in the order of the variants (one macro writes both).
+    PRODUCERS[format as usize]
 }
 
 /// The format of a text value: JSON text, or the content of a JSON string. Text that is none of
 /// them (binary, an image, plain text, an SSE capture) is a `PayloadError` that says what it
 /// looks like: SGLang's flat base64 is chosen only for text that reads as base64.
 pub fn detect(text: &[u8]) -> Result<Format> {
-    PRODUCERS
-        .iter()
-        .find(|p| (p.detects)(text))
+    let claims = |last_resort: bool| {
+        PRODUCERS
+            .iter()
+            .find(move |p| p.last_resort == last_resort && (p.detects)(text))
+    };
+    claims(false)
+        .or_else(|| claims(true))
         .map(|p| p.format)
         .ok_or_else(|| {
             Error::payload(format!(
-                "not routing in any known format (compact, vllm_npy, sglang, nemo, lists): {}",
+                "not routing in any known format ({}): {}",
+                Format::names(),
                 not_routing::describe(text)
             ))
         })
@@ -310,19 +317,43 @@ mod tests {
     }
 
     #[test]
-    fn every_format_has_one_producer_and_detection_tries_sglang_last() {
-        for f in Format::ALL {
-            let of_f: Vec<_> = PRODUCERS.iter().filter(|p| p.format == f).collect();
-            assert_eq!(of_f.len(), 1, "{f:?}");
+    fn every_format_has_its_producer_and_detection_asks_the_last_resort_last() {
+        for (i, f) in Format::ALL.into_iter().enumerate() {
+            assert_eq!(PRODUCERS[i].format, f);
+            assert_eq!(producer(f).format, f);
             assert_eq!(Format::parse(f.name()).unwrap(), f);
-            // A compact sidecar is read wherever routing sits.
-            assert!(producer(Format::Compact).writes_at.len() == 5);
+            // No two producers claim a text, but for the last resort (SGLang's base64, which
+            // also reads a `.npy`'s).
+            let text = encode(&sample(), f).unwrap();
+            let claims: Vec<Format> = PRODUCERS
+                .iter()
+                .filter(|p| !p.last_resort && (p.detects)(&text))
+                .map(|p| p.format)
+                .collect();
+            let expected = if producer(f).last_resort {
+                vec![]
+            } else {
+                vec![f]
+            };
+            assert_eq!(claims, expected, "{f:?}");
+            assert_eq!(detect(&text).unwrap(), f);
         }
-        assert_eq!(PRODUCERS.len(), Format::ALL.len());
-        assert_eq!(PRODUCERS[PRODUCERS.len() - 1].format, Format::Sglang);
+        let last: Vec<Format> = PRODUCERS
+            .iter()
+            .filter(|p| p.last_resort)
+            .map(|p| p.format)
+            .collect();
+        assert_eq!(last, [Format::Sglang]);
+        // A compact sidecar is read wherever routing sits.
+        assert!(producer(Format::Compact).writes_at.len() == 5);
+        assert_eq!(
+            Format::names(),
+            "compact, vllm_npy, sglang, nemo, lists",
+            "the names in messages"
+        );
         assert_eq!(
             Place::Choice.formats(),
-            "nested lists, vLLM's .npy or a compact sidecar"
+            "vLLM's .npy, nested lists or a compact sidecar"
         );
         assert_eq!(Place::Prompt.formats(), "nested lists or a compact sidecar");
     }

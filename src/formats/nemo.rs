@@ -16,9 +16,11 @@ pub(super) const PRODUCER: Producer = Producer {
     detects,
     decode,
     encode,
+    last_resort: false,
     json_string: true,
     writes_at: &[Place::Message],
     rule: |_| Rule::WholeWithFiller,
+    ignores_start: None,
 };
 
 const PREFIX: &[u8] = b"nrlre1:";

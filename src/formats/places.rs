@@ -31,8 +31,8 @@ impl Place {
         producer(format).writes_at.contains(&self)
     }
 
-    /// The formats written here, for messages: "nested lists, vLLM's .npy or a compact
-    /// sidecar".
+    /// The formats written here, in the order of `Format::ALL`, for messages: "vLLM's .npy,
+    /// nested lists or a compact sidecar".
     pub fn formats(self) -> String {
         let mut names: Vec<&str> = PRODUCERS
             .iter()

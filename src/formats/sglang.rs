@@ -17,9 +17,11 @@ pub(super) const PRODUCER: Producer = Producer {
     detects,
     decode,
     encode,
+    last_resort: true,
     json_string: true,
     writes_at: &[Place::Sglang, Place::Nvext],
     rule: |_| Rule::EndsBeforeLastToken,
+    ignores_start: Some("SGLang 0.5.8 to 0.5.11 ignore routed_experts_start_len"),
 };
 
 /// How many bytes of a long text `looks_like_base64` reads: enough to tell base64 from anything

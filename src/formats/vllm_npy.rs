@@ -17,9 +17,14 @@ pub(super) const PRODUCER: Producer = Producer {
     detects,
     decode,
     encode,
+    last_resort: false,
     json_string: true,
     writes_at: &[Place::Choice, Place::Nvext],
     rule: |_| Rule::EndsBeforeLastToken,
+    ignores_start: Some(
+        "vLLM before 0.28 ignores routed_experts_prompt_start on /v1/completions and \
+         /v1/chat/completions",
+    ),
 };
 
 /// How a base64 `.npy` file begins (the magic `\x93NUMPY`): what `detect` reads as vLLM's format.
