@@ -20,7 +20,7 @@ WHEEL_TAG := manylinux2014
 AARCH64 := aarch64-unknown-linux-gnu
 DIST ?= dist
 
-.PHONY: run test test-wheel check-wheels wheel build-dev lint bench bench-rust bench-python bench-table bench-proxy \
+.PHONY: run test test-wheel check-wheels wheel wheel-x86_64 wheel-aarch64 build-dev lint bench bench-rust bench-python bench-table bench-proxy \
 	bench-quality clean fuzz \
 	fuzz-build engine-vllm record-vllm test-engines bench-proxy-ci test-trainer bench-replay \
 	engine-sglang record-sglang
@@ -69,27 +69,35 @@ test: build-dev $(VENV)/.test-deps
 
 # The wheels users install (abi3, manylinux2014, C++ runtime linked in by zig; x86_64 and
 # aarch64) and the sdist.
-wheel: $(VENV)/.wheel-deps
-	@echo "make: building the abi3 $(WHEEL_TAG) wheels (x86_64, aarch64) and the sdist into $(DIST)/ (5 minutes from clean)"
-	rm -f $(DIST)/routed_experts-*
+wheel: wheel-aarch64 wheel-x86_64
+
+wheel-x86_64: $(VENV)/.wheel-deps
+	@echo "make: building the abi3 $(WHEEL_TAG) x86_64 wheel and the sdist into $(DIST)/ (3 minutes from clean)"
+	rm -f $(DIST)/routed_experts-*x86_64.whl $(DIST)/routed_experts-*.tar.gz
 	maturin build --release --zig --compatibility $(WHEEL_TAG) -o $(DIST) -q 2>&1 | grep -v "^Ignoring .*: markers"
+	maturin sdist -o $(DIST)
+	auditwheel show $(DIST)/routed_experts-*x86_64.whl
+
+wheel-aarch64: $(VENV)/.wheel-deps
+	@echo "make: building the abi3 $(WHEEL_TAG) aarch64 wheel into $(DIST)/ (3 minutes from clean)"
+	rm -f $(DIST)/routed_experts-*aarch64.whl
 	rustup target add $(AARCH64)
 	maturin build --release --zig --target $(AARCH64) --compatibility $(WHEEL_TAG) -o $(DIST) -q 2>&1 | grep -v "^Ignoring .*: markers"
-	maturin sdist -o $(DIST)
-	for w in $(DIST)/routed_experts-*.whl; do auditwheel show $$w; done
+	auditwheel show $(DIST)/routed_experts-*aarch64.whl
 
 # The built wheels, installed into clean venvs with no Rust or C++ compiler on PATH, run the
 # test suite from outside the source tree: x86_64 on the oldest and newest CPython here;
 # aarch64 on Debian's arm64 CPython under qemu-user (root; tests/emulated_wheel_check.py).
-# The two run side by side (each keeps about one core busy); the emulated run's log follows.
-test-wheel: wheel
-	$(MAKE) --no-print-directory check-wheels
+# The aarch64 wheel is built first: its emulated check, the longest part, runs while the x86_64
+# wheel is built and checked (each check keeps about one core busy); its log follows.
+test-wheel: wheel-aarch64
+	$(MAKE) --no-print-directory check-wheels NATIVE_FIRST="$(MAKE) --no-print-directory wheel-x86_64 &&"
 
-# The checks of test-wheel on the wheels already in $(DIST) (CI builds them first, then runs the
-# fuzz build beside these checks).
+# The checks of test-wheel on the wheels already in $(DIST). NATIVE_FIRST: a command run before
+# the x86_64 check, beside the emulated one (test-wheel builds the x86_64 wheel there).
 check-wheels: $(VENV)/.run-deps
 	$(PY) tests/emulated_wheel_check.py $(DIST) > $(DIST)/emulated.log 2>&1 & emulated=$$!; \
-	$(PY) tests/wheel_check.py $(DIST); native=$$?; \
+	$(NATIVE_FIRST) $(PY) tests/wheel_check.py $(DIST); native=$$?; \
 	wait $$emulated; arm=$$?; cat $(DIST)/emulated.log; \
 	echo "make: x86_64 wheel check exit $$native, aarch64 (emulated) exit $$arm"; \
 	test $$native = 0 && test $$arm = 0

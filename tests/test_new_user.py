@@ -91,6 +91,7 @@ def cli(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[s
     )
 
 
+@pytest.mark.slow_under_emulation  # 22 s under qemu: Python start-ups for --help
 def test_cli_version_and_help_show_every_default() -> None:
     r = cli("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"routed-experts {rx.__version__}"

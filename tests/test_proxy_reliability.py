@@ -14,6 +14,7 @@ from routed_experts._bench import reliability
 pytestmark = pytest.mark.skipif(DATA_PLANE != "rust", reason="the Rust server's own budget")
 
 
+@pytest.mark.slow_under_emulation  # 14 s under qemu: budget queue, run natively
 def test_more_large_streams_than_the_budget_holds_all_end_and_small_requests_get_through() -> None:
     # 12 streams of ~1 MiB routing events (1024 x 94 x 8) beside ~1 MiB prefill bodies, against
     # a 4 MiB budget: about two requests fit at once.
@@ -43,6 +44,7 @@ def test_long_vllm_routing_events_merge_as_they_pass_and_all_complete() -> None:
     assert proxy["after_ok"]
 
 
+@pytest.mark.slow_under_emulation  # 26 s under qemu: budget timing, run natively
 def test_slow_readers_hold_the_budget_until_they_read_and_give_it_back_when_they_leave() -> None:
     # Replies of ~8 MiB (8192 x 94 x 8) to clients with small receive windows: more than the
     # sockets' buffers take in, so the proxy holds the rest.
@@ -55,6 +57,7 @@ def test_slow_readers_hold_the_budget_until_they_read_and_give_it_back_when_they
         assert s["after"]["buffered_bytes"] == 0 and s["after"]["in_flight"] == 0, s
 
 
+@pytest.mark.slow_under_emulation  # 23 s under qemu: relay framing, run natively
 def test_a_routing_event_one_byte_per_http_chunk_merges_as_in_one_piece() -> None:
     r = reliability.bench_split(256)
     assert r["one_piece"]["outcomes"] == {"merged": 1}

@@ -552,6 +552,7 @@ def test_bench_proxy_runs_every_part_small(tmp_path: Any) -> None:
     assert faults["one prefill down"]["ok"] == faults["one prefill down"]["requests"]
 
 
+@pytest.mark.slow_under_emulation  # 15 s under qemu: the bench harness's own Python
 def test_bench_proxy_without_vllm_router_says_how_to_add_it(
     monkeypatch: Any, capsys: Any
 ) -> None:

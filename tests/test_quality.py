@@ -384,6 +384,7 @@ def test_cli_inspect_stats_prints_the_load_table(rollout_and_recompute: tuple[st
     assert "PayloadError: expected expert ids in 0..5, got 5 at position 0, layer 2" in bad.stderr
 
 
+@pytest.mark.slow_under_emulation  # 36 s under qemu: matplotlib; none of our compiled code
 def test_cli_plot_draws_load_and_agreement(
     rollout_and_recompute: tuple[str, str], tmp_path: Path
 ) -> None:
