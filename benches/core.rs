@@ -224,6 +224,53 @@ fn stream_merge(c: &mut Criterion) {
     g.finish();
 }
 
+/// A plain vLLM P/D pair of the proxy bench's shape (`bench-proxy --bodies vllm`: Qwen3-30B-A3B,
+/// 8,192 tokens, a 7,681-token prompt, decode's 512 rows from P - 1): the whole merge beside one
+/// pass of the streaming merge over the whole body, and a copy of the merged body.
+fn plain_merge(c: &mut Criterion) {
+    use routed_experts::response::{DataFirst, EventMerge, PrefillRows, Step, StreamOptions};
+    let tokens = 8192;
+    let p = rollout(tokens, 48, 8, 128);
+    let prompt = tokens - 512 + 1;
+    let prefill = npy_body(&p.slice(0, prompt as u64).unwrap(), prompt, 1);
+    let decode = p.slice(prompt as u64 - 1, tokens as u64).unwrap();
+    let decode = npy_body(&decode, prompt, tokens - prompt + 1);
+    let mut opts = MergeOptions::new(LIMIT);
+    opts.decode_start = Some(prompt as u64 - 1);
+    let found = routed_experts::read_body(&prefill).unwrap();
+    let whole = response::merge_response_found(&prefill, &found, &decode, opts)
+        .and_then(|s| s.to_vec())
+        .unwrap();
+    let one_pass = || {
+        let rows = PrefillRows::new(&found, &opts);
+        let stream = StreamOptions {
+            merge: opts,
+            data_first: DataFirst::Fallback,
+            max_held: usize::MAX,
+        };
+        let mut m = EventMerge::new(&rows, stream);
+        let mut out = Vec::with_capacity(whole.len());
+        assert!(matches!(
+            m.feed(black_box(&decode), &mut out).unwrap(),
+            Step::Streaming(_)
+        ));
+        assert!(matches!(m.finish(&mut out).unwrap(), Step::Streaming(_)));
+        out
+    };
+    assert!(one_pass() == whole, "one pass differs from the whole merge");
+    let mut g = c.benchmark_group("plain-vllm-npy-qwen3-30b-8k");
+    g.throughput(Throughput::Bytes(whole.len() as u64));
+    g.sample_size(20);
+    g.bench_function("memcpy_merged", |b| b.iter(|| black_box(&whole).to_vec()));
+    g.bench_function("merge_whole_pieces", |b| {
+        b.iter(|| {
+            response::merge_response_found(&prefill, &found, black_box(&decode), opts).unwrap()
+        })
+    });
+    g.bench_function("merge_one_pass", |b| b.iter(one_pass));
+    g.finish();
+}
+
 fn stitch(c: &mut Criterion) {
     let p = rollout(TOKENS, 94, 8, 128);
     let turns: Vec<Payload> = (0..64)
@@ -285,5 +332,13 @@ fn quality(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, codec, merge, stream_merge, stitch, quality);
+criterion_group!(
+    benches,
+    codec,
+    merge,
+    stream_merge,
+    plain_merge,
+    stitch,
+    quality
+);
 criterion_main!(benches);

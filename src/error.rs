@@ -142,7 +142,7 @@ impl Error {
     }
 
     /// One half carries routing, `half` none ([`ErrorKind::MissingRouting`]).
-    pub fn missing_routing(half: Half, msg: impl Into<String>) -> Self {
+    pub(crate) fn missing_routing(half: Half, msg: impl Into<String>) -> Self {
         Error::new(ErrorKind::MissingRouting(half), msg)
     }
 

@@ -202,7 +202,11 @@ pub fn read_body(body: &[u8]) -> Result<BodyRouting<'_>> {
 /// [`read_body`], and the first routing value of choice `index`, when it is a compact sidecar,
 /// decoded in the same pass (its `fields.decoded`, up to `max_bytes`): for a reader of that one
 /// choice, whose (large) data text is then read once.
-pub fn read_body_decoding(body: &[u8], index: u64, max_bytes: usize) -> Result<BodyRouting<'_>> {
+pub(crate) fn read_body_decoding(
+    body: &[u8],
+    index: u64,
+    max_bytes: usize,
+) -> Result<BodyRouting<'_>> {
     walk(body, false, Some(Wanted { index, max_bytes }))
 }
 

@@ -192,13 +192,17 @@ pub fn decode_as(format: Format, text: &[u8], hints: &Hints, max_bytes: usize) -
 }
 
 /// Decode a raw JSON value from a body: an object, a list, or a string holding any format.
-pub fn decode_json_value(raw: &[u8], hints: &Hints, max_bytes: usize) -> Result<(Format, Payload)> {
+pub(crate) fn decode_json_value(
+    raw: &[u8],
+    hints: &Hints,
+    max_bytes: usize,
+) -> Result<(Format, Payload)> {
     decode_text(&json_string_content(raw)?, hints, max_bytes)
 }
 
 /// The content of a JSON string value (borrowed unless it has escapes), or the raw JSON text
 /// of any other value.
-pub fn json_string_content(raw: &[u8]) -> Result<Cow<'_, [u8]>> {
+pub(crate) fn json_string_content(raw: &[u8]) -> Result<Cow<'_, [u8]>> {
     if raw.first() != Some(&b'"') {
         return Ok(Cow::Borrowed(raw));
     }

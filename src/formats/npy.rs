@@ -23,7 +23,7 @@ fn err(msg: impl std::fmt::Display) -> Error {
 }
 
 /// Whether `bytes` starts with the `.npy` magic.
-pub fn is_npy(bytes: &[u8]) -> bool {
+pub(crate) fn is_npy(bytes: &[u8]) -> bool {
     bytes.starts_with(MAGIC)
 }
 

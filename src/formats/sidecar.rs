@@ -42,7 +42,7 @@ pub struct SidecarFields<'a> {
     /// merge, which writes only those four, refuses it rather than drop it (format.md §3.6).
     pub extra_key: Option<String>,
     /// What `data` decodes to, when the reader decoded it in the same pass that found the end
-    /// of its text ([`parse_fields_decoding`], `body::read_body_decoding`): exactly the bytes
+    /// of its text (as `decode` and `from_response` read it): exactly the bytes
     /// decoding `data` gives, used once the fields are validated. `None`: `data` is decoded
     /// after validation.
     pub decoded: Option<AlignedBytes>,
@@ -58,7 +58,7 @@ pub const SIDECAR_KEYS: [&str; 4] = ["data", "shape", "start", "dtype"];
 /// A merge of a sidecar with a key it would not write back (format.md §3.6): prime-rl's
 /// `weights` (PR #3523, open: its router weights, whose shape is not settled) or any key the
 /// library does not know. Refused, never dropped.
-pub fn extra_key_error(path: &str, key: &str) -> Error {
+pub(crate) fn extra_key_error(path: &str, key: &str) -> Error {
     let what = match key {
         "weights" => {
             "prime-rl's router weights (PR #3523, open; their shape is not settled), \
@@ -75,7 +75,7 @@ pub fn extra_key_error(path: &str, key: &str) -> Error {
 
 /// Decode a sidecar from JSON text: every check format.md §3.1 lists happens before the payload
 /// is made, with the same errors as checking first and decoding after (the data is decoded as
-/// it is read, see [`parse_fields_decoding`]).
+/// it is read).
 pub fn decode(json: &[u8], max_bytes: usize) -> Result<Payload> {
     validate(parse_fields_decoding(json, max_bytes)?, max_bytes)?.into_payload()
 }
@@ -87,7 +87,7 @@ pub fn parse_fields(json: &[u8]) -> Result<SidecarFields<'_>> {
 }
 
 /// [`parse_fields`], decoding the data string in the same pass (up to `max_bytes`).
-pub fn parse_fields_decoding(json: &[u8], max_bytes: usize) -> Result<SidecarFields<'_>> {
+pub(crate) fn parse_fields_decoding(json: &[u8], max_bytes: usize) -> Result<SidecarFields<'_>> {
     parse_with(json, Some(max_bytes))
 }
 
@@ -210,7 +210,7 @@ fn read_decoding(s: &mut Scanner<'_>, max_bytes: usize) -> Result<(Str, Option<A
 
 /// What a JSON value starting with `first` is, for messages ("got an array"). Text that no JSON
 /// value starts with is said to be so, not guessed to be a number.
-pub fn json_type_name(first: u8) -> &'static str {
+pub(crate) fn json_type_name(first: u8) -> &'static str {
     match first {
         b'{' => "an object",
         b'[' => "an array",
@@ -270,7 +270,7 @@ pub struct SidecarText<'a> {
 
 impl SidecarText<'_> {
     /// The payload: the bytes decoded as the text was read, or else decoding the text now.
-    pub fn into_payload(mut self) -> Result<Payload> {
+    pub(crate) fn into_payload(mut self) -> Result<Payload> {
         match self.decoded.take() {
             Some(data) if Some(data.len()) == self.header.shape.nbytes(self.header.dtype).ok() => {
                 Payload::new(
@@ -400,7 +400,7 @@ fn check_length(
 
 /// Base64 of raw little-endian bytes -> payload, checking the length against the shape and the
 /// size limit before allocating.
-pub fn decode_base64(
+pub(crate) fn decode_base64(
     text: &[u8],
     start: u64,
     shape: Shape,
@@ -462,7 +462,7 @@ pub fn encode_into(p: &Payload, out: &mut [MaybeUninit<u8>]) {
 /// The canonical encoding of the payload `header` describes, whose bytes are `a` then `b`,
 /// written without joining them first (a merge's halves, encoded where they lie: the join
 /// would be one more copy of every byte).
-pub fn encode_joined(header: &Header, a: &[u8], b: &[u8]) -> Vec<u8> {
+pub(crate) fn encode_joined(header: &Header, a: &[u8], b: &[u8]) -> Vec<u8> {
     let data = b64::encoded_len(a.len() + b.len());
     let tail = tail(header);
     b64::filled_vec(DATA_KEY.len() + data + tail.len(), |out| {
@@ -485,7 +485,7 @@ pub fn encode(p: &Payload) -> Vec<u8> {
 
 /// The pieces of the canonical encoding of `header` around base64 text that is already
 /// encoded (the splice path of a merge: no decode, no re-encode, no copy until assembly).
-pub fn wrap_base64<'a, P: From<Cow<'a, [u8]>>>(header: &Header, base64: Vec<P>) -> Vec<P> {
+pub(crate) fn wrap_base64<'a, P: From<Cow<'a, [u8]>>>(header: &Header, base64: Vec<P>) -> Vec<P> {
     let mut pieces = Vec::with_capacity(base64.len() + 2);
     pieces.push(Cow::<'a, [u8]>::Borrowed(DATA_KEY).into());
     pieces.extend(base64);

@@ -44,7 +44,8 @@ pub const PREFAULT_MIN: usize = 32 << 20;
 /// (transparent huge pages `never`), map the pages in one call instead (`MADV_POPULATE_WRITE`,
 /// Linux 5.14+; 13.7 ms there). The memory is returned when freed either way. Only an
 /// optimisation: ranges below `PREFAULT_MIN` (malloc's reused heap, which advice would mark for
-/// good), other systems and older kernels are left to fault as usual.
+/// good), other systems and older kernels are left to fault as usual. Public for the Python
+/// binding, which fills arrays numpy allocated.
 pub fn prefault(ptr: *mut u8, len: usize) {
     prepare(ptr, len, true);
 }

@@ -61,7 +61,7 @@ pub fn plan(prefill: &Header, decode: &Header) -> Result<Plan> {
 }
 
 /// `num_layers` and `top_k` must agree for rows of two payloads to be joined.
-pub fn check_same_rows(a: Shape, b: Shape, a_name: &str, b_name: &str) -> Result<()> {
+pub(crate) fn check_same_rows(a: Shape, b: Shape, a_name: &str, b_name: &str) -> Result<()> {
     if (a.layers, a.top_k) != (b.layers, b.top_k) {
         let kind = ErrorKind::Shape {
             first: (a.layers, a.top_k),

@@ -320,7 +320,12 @@ impl Payload {
     }
 
     /// `write_as` for rows `[from, to)` only; `dst` has one slot per value of those rows.
-    pub fn write_rows_as<D: Element>(&self, from: usize, to: usize, dst: &mut [D]) -> Result<()> {
+    pub(crate) fn write_rows_as<D: Element>(
+        &self,
+        from: usize,
+        to: usize,
+        dst: &mut [D],
+    ) -> Result<()> {
         let row = self.shape.layers * self.shape.top_k;
         with_element!(self.dtype, S => {
             let src = &self.data.as_slice::<S>()[from * row..to * row];
@@ -379,7 +384,7 @@ impl Payload {
     }
 
     /// (absolute position, layer) of flat element index `i`.
-    pub fn locate(&self, i: usize) -> (u64, usize) {
+    pub(crate) fn locate(&self, i: usize) -> (u64, usize) {
         let row = self.shape.layers * self.shape.top_k;
         (self.start + (i / row) as u64, (i % row) / self.shape.top_k)
     }

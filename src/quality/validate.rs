@@ -231,7 +231,7 @@ impl Suspect {
 }
 
 /// Up to `sample` of `0..rows`, evenly spaced, the last row among them.
-pub fn sample_rows(rows: usize, sample: usize) -> impl Iterator<Item = usize> {
+pub(crate) fn sample_rows(rows: usize, sample: usize) -> impl Iterator<Item = usize> {
     let n = rows.min(sample);
     (0..n).map(move |i| {
         if n == rows {
