@@ -78,11 +78,13 @@ wheel-x86_64: $(VENV)/.wheel-deps
 	maturin sdist -o $(DIST)
 	auditwheel show $(DIST)/routed_experts-*x86_64.whl
 
+# In a target directory of its own, so CI builds it beside `make test` (cargo locks a target
+# directory for one build at a time).
 wheel-aarch64: $(VENV)/.wheel-deps
 	@echo "make: building the abi3 $(WHEEL_TAG) aarch64 wheel into $(DIST)/ (3 minutes from clean)"
 	rm -f $(DIST)/routed_experts-*aarch64.whl
 	rustup target add $(AARCH64)
-	maturin build --release --zig --target $(AARCH64) --compatibility $(WHEEL_TAG) -o $(DIST) -q 2>&1 | grep -v "^Ignoring .*: markers"
+	CARGO_TARGET_DIR=$(abspath target/wheel-aarch64) maturin build --release --zig --target $(AARCH64) --compatibility $(WHEEL_TAG) -o $(DIST) -q 2>&1 | grep -v "^Ignoring .*: markers"
 	auditwheel show $(DIST)/routed_experts-*aarch64.whl
 
 # The built wheels, installed into clean venvs with no Rust or C++ compiler on PATH, run the

@@ -17,9 +17,23 @@ import routed_experts as rx
 # Under user-mode emulation (tests/emulated_wheel_check.py) code runs several times slower: no
 # per-example deadline there, and a quarter of the examples (the same properties run in full
 # natively; the emulated run checks that the aarch64 build behaves the same).
-if os.environ.get("ROUTED_EXPERTS_EMULATED"):
+EMULATED = bool(os.environ.get("ROUTED_EXPERTS_EMULATED"))
+if EMULATED:
     settings.register_profile("emulated", deadline=None, max_examples=25)
     settings.load_profile("emulated")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under emulation, a property that sets its own count runs a quarter of it (at least 25):
+    the profile above reaches only those that set none."""
+    if not EMULATED:
+        return
+    for item in items:
+        test = getattr(item, "obj", None)
+        own = getattr(test, "_hypothesis_internal_use_settings", None)
+        if own is not None and own.max_examples > 25:
+            quarter = settings(own, max_examples=max(25, own.max_examples // 4))
+            test._hypothesis_internal_use_settings = quarter  # type: ignore[union-attr]
 
 REPO = Path(__file__).resolve().parent.parent
 # The live tests need a real engine: `make test-engines` makes its environment and names it
