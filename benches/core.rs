@@ -46,6 +46,19 @@ fn npy_body(p: &Payload, prompt: usize, generated: usize) -> Vec<u8> {
     out
 }
 
+/// vLLM's P/D pair as the proxy meets it: prefill's body with rows `[0, prompt)`, decode's with
+/// rows `[prompt - 1, tokens)` (asked from P - 1), the merge options that say so, and prefill's
+/// routing found once.
+fn vllm_pair(p: &Payload, prompt: usize) -> (Vec<u8>, Vec<u8>, MergeOptions) {
+    let tokens = p.num_tokens();
+    let prefill = npy_body(&p.slice(0, prompt as u64).unwrap(), prompt, 1);
+    let decode = p.slice(prompt as u64 - 1, tokens as u64).unwrap();
+    let decode = npy_body(&decode, prompt, tokens - prompt + 1);
+    let mut opts = MergeOptions::new(LIMIT);
+    opts.decode_start = Some(prompt as u64 - 1);
+    (prefill, decode, opts)
+}
+
 fn codec(c: &mut Criterion) {
     let p = rollout(TOKENS, 94, 8, 128);
     let wire = sidecar::encode(&p);
@@ -167,13 +180,7 @@ fn merge(c: &mut Criterion) {
 /// beside a copy of the event.
 fn stream_merge(c: &mut Criterion) {
     use routed_experts::response::{DataFirst, EventMerge, PrefillRows, Step, StreamOptions};
-    let p = rollout(TOKENS, 94, 8, 128);
-    let prompt = 1024;
-    let prefill = npy_body(&p.slice(0, prompt as u64).unwrap(), prompt, 1);
-    let decode = p.slice(prompt as u64 - 1, TOKENS as u64).unwrap();
-    let event = npy_body(&decode, prompt, TOKENS - prompt + 1);
-    let mut opts = MergeOptions::new(LIMIT);
-    opts.decode_start = Some(prompt as u64 - 1);
+    let (prefill, event, opts) = vllm_pair(&rollout(TOKENS, 94, 8, 128), 1024);
     let found = routed_experts::read_body(&prefill).unwrap();
     let mut g = c.benchmark_group("stream-event-vllm-npy-qwen3-235b-32k");
     g.throughput(Throughput::Bytes(event.len() as u64));
@@ -229,14 +236,7 @@ fn stream_merge(c: &mut Criterion) {
 /// pass of the streaming merge over the whole body, and a copy of the merged body.
 fn plain_merge(c: &mut Criterion) {
     use routed_experts::response::{DataFirst, EventMerge, PrefillRows, Step, StreamOptions};
-    let tokens = 8192;
-    let p = rollout(tokens, 48, 8, 128);
-    let prompt = tokens - 512 + 1;
-    let prefill = npy_body(&p.slice(0, prompt as u64).unwrap(), prompt, 1);
-    let decode = p.slice(prompt as u64 - 1, tokens as u64).unwrap();
-    let decode = npy_body(&decode, prompt, tokens - prompt + 1);
-    let mut opts = MergeOptions::new(LIMIT);
-    opts.decode_start = Some(prompt as u64 - 1);
+    let (prefill, decode, opts) = vllm_pair(&rollout(8192, 48, 8, 128), 8192 - 512 + 1);
     let found = routed_experts::read_body(&prefill).unwrap();
     let whole = response::merge_response_found(&prefill, &found, &decode, opts)
         .and_then(|s| s.to_vec())
