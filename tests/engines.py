@@ -1,6 +1,8 @@
-"""Stand-in inference engines for the proxy tests: small ASGI servers with vLLM's routing
-semantics in disaggregated serving. Prefill (`do_remote_decode`) returns rows [S, P); decode
-returns the full sequence with zeroed prompt rows [S, P+G-1), or a delta from P-1."""
+"""The proxy tests' engines: the stand-in engine's answers (routed_experts.stand_in_engine,
+held to the bodies a real vLLM 0.32 sent) served by uvicorn behind fault injection, so a test
+can make an engine crash, hang, cut a stream short or send broken routing, and see what it
+was asked. Prefill (`do_remote_decode`) returns rows [S, P); decode returns rows from the start
+it is asked (the proxy asks `P - 1`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +24,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-import routed_experts as rx
+from routed_experts.stand_in_engine import PATHS, VllmAnswers, prompt_tokens, routing_of
+
+__all__ = ["KV_PARAMS", "Engine", "Server", "closed_port_url", "max_tokens", "prompt_tokens",
+           "truth"]
 
 LAYERS, TOP_K, EXPERTS = 4, 2, 128
+# What every test engine's prefill returns, so a test can tell it reached decode unchanged.
 KV_PARAMS = {
     "do_remote_prefill": True,
     "do_remote_decode": False,
@@ -34,29 +41,48 @@ KV_PARAMS = {
 }
 
 
-def prompt_tokens(body: dict[str, Any]) -> list[int]:
-    if "messages" in body:
-        text = "".join(m.get("content", "") for m in body["messages"])
-        return [ord(c) % 50 for c in text]
-    prompt = body["prompt"]
-    return list(prompt) if isinstance(prompt, list) else [ord(c) % 50 for c in prompt]
-
-
 def truth(tokens: list[int], generated: int) -> np.ndarray:
     """The routing a monolithic engine would record for this request: rows [0, P + G - 1)."""
-    seed = sum(t * 31**i for i, t in enumerate(tokens)) % 2**32
-    rng = np.random.default_rng(seed)
-    return rng.integers(1, EXPERTS, size=(len(tokens) + generated - 1, LAYERS, TOP_K))
+    return routing_of(tokens, generated, (LAYERS, TOP_K, EXPERTS))
 
 
 def max_tokens(body: dict[str, Any]) -> int:
     return int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
 
 
+class _Answers(VllmAnswers):
+    """The stand-in's answers, with the faults that change what routing an engine sends."""
+
+    def __init__(self, engine: Engine, role: str, **settings: Any) -> None:
+        super().__init__(role, (LAYERS, TOP_K, EXPERTS), **settings)
+        self.engine = engine
+
+    def routed_rows(
+        self, tokens: list[int], generated: int, start: int
+    ) -> tuple[np.ndarray, int]:
+        fail = self.engine.fail
+        if fail == "gap" and self.role == "decode":  # rows from P + 1: two positions missing
+            start = len(tokens) + 1
+        rows, start = super().routed_rows(tokens, generated, start)
+        if fail == "zero_routes":  # a broken kernel: right shape, every id 0
+            rows = np.zeros_like(rows)
+        elif fail == "duplicate_routes":  # every top_k holds its first expert twice
+            rows = rows.copy()
+            rows[..., 1] = rows[..., 0]
+        return rows, start
+
+    def kv_transfer_params(self, tokens: list[int]) -> dict[str, Any]:
+        return dict(KV_PARAMS)
+
+
 @dataclass
 class Engine:
-    mode: str = "full"  # decode form: "full" (zeroed prompt rows) or "delta" (from P-1)
-    fmt: str = "compact"  # "compact" sidecar or "vllm_npy"
+    # Decode's rows asked of it before the positions it computed: "full" answers them zeroed
+    # (vLLM before 0.32), "delta" computed them (asked from P - 1, as the proxy asks, vLLM 0.32
+    # has every row; asked from before, it answers 500 where vLLM 0.32 dies).
+    mode: str = "full"
+    fmt: str = "compact"  # "compact" sidecar, "vllm_npy", or "vllm_021" (§3.4's split bodies)
+    release: str = "0.32"  # or "0.27": completions and chat ignore the start (rows from 0)
     # "500", "400", "gap"; decode faults: "no_done" (stream cut short), "json_reply" (JSON to a
     # stream request), "sse_reply" (a stream to a plain one), "no_routing", "escaped_key";
     # prefill fault: "array" (a JSON array body); either side: "zero_routes",
@@ -77,14 +103,16 @@ class Engine:
     health_checks: int = 0
     released: threading.Event = field(default_factory=threading.Event)
 
-    def routing(self, arr: np.ndarray, start: int) -> Any:
-        if self.fail == "zero_routes":  # a broken kernel: right shape, every id 0
-            arr = np.zeros_like(arr)
-        elif self.fail == "duplicate_routes":  # every top_k holds its first expert twice
-            arr = arr.copy()
-            arr[..., 1] = arr[..., 0]
-        p = rx.RoutedExperts.from_array(arr, start=start, num_experts=EXPERTS)
-        return rx.encode(p, self.fmt)
+    def __post_init__(self) -> None:
+        # Routing on completions streams too: the proxy's stream merge is tested on every path
+        # (vLLM 0.32's own streams, without it, are tests/test_stand_in_engine.py's).
+        settings = {
+            "uncomputed_rows": "zeros" if self.mode == "full" else "error",
+            "routing_format": "compact" if self.fmt == "compact" else "vllm_npy",
+            "release": "0.21" if self.fmt == "vllm_021" else self.release,
+            "stream_routing": True,
+        }
+        self.answers = {role: _Answers(self, role, **settings) for role in ("prefill", "decode")}
 
     async def handle(self, request: Request) -> Response:
         body = await request.json()
@@ -105,157 +133,56 @@ class Engine:
             return JSONResponse({"error": "engine crashed"}, 500)
         if self.fail == "400":
             return JSONResponse({"error": "bad request"}, 400)
-        chat = request.url.path.endswith("chat/completions")
-        tokens = prompt_tokens(body)
-        P, S = len(tokens), int(body.get("routed_experts_prompt_start", 0))
         kv = body.get("kv_transfer_params") or {}
-        if self.fmt == "vllm_021":
-            return self.split_body(tokens, body, chat, kv)
-        if kv.get("do_remote_decode"):  # prefill: one token, rows [S, P)
-            rows = truth(tokens, 1)[S:P]
-            choice = {
-                "index": 0,
-                "finish_reason": "length",
-                "routed_experts": self.routing(rows, S),
-            }
-            choice.update(
-                {"message": {"role": "assistant", "content": "x"}} if chat else {"text": "x"}
-            )
-            doc = {"id": "p", "choices": [choice], "kv_transfer_params": KV_PARAMS}
-            if self.fail == "no_kv":  # vLLM's connectors send none unless it ended by length
-                del doc["kv_transfer_params"]
-            if self.fail == "dup_kv":  # two kv_transfer_params: which one decode gets is a guess
-                text = json.dumps(doc)[:-1] + ', "kv_transfer_params": {}}'
-                return Response(text, media_type="application/json")
-            return JSONResponse(doc)
-        if kv != KV_PARAMS:
-            return JSONResponse({"error": "decode needs the prefill's kv_transfer_params"}, 400)
-        G = max_tokens(body)
-        full = truth(tokens, G)
-        if self.mode == "delta" or self.fail == "gap":
-            start = P - 1 if self.mode == "delta" else P + 1
-            routing = self.routing(full[start:], start)
-        else:
-            rows = full[S:].copy()
-            rows[: P - S] = 0  # decode never computed the prompt: its rows are invalid
-            routing = self.routing(rows, S)
-        text = " tok" * G
-        stream = bool(body.get("stream"))
-        if self.fail == "json_reply":
-            stream = False
-        elif self.fail == "sse_reply":
-            stream = True
-        if self.fail in ("slow_stream", "flood_stream"):
+        role = "prefill" if kv.get("do_remote_decode") else "decode"
+        if role == "decode" and self.fail in ("slow_stream", "flood_stream"):
             rid = request.headers.get("x-request-id", "")
             events = self.endless(rid, flood=self.fail == "flood_stream")
             return StreamingResponse(events, media_type="text/event-stream")
-        if stream:
-            return StreamingResponse(self.sse(routing, G, chat), media_type="text/event-stream")
-        choice = {
-            "index": 0,
-            "finish_reason": "length",
-            "routed_experts": routing,
-            "logprobs": {"content": [{"token": "a", "logprob": -0.12345678901234568}]},
-        }
-        if self.fail == "no_routing":
-            del choice["routed_experts"]
-        choice.update(
-            {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-        )
-        doc = {
-            "id": "d",
-            "object": "text_completion",
-            "choices": [choice],
-            "usage": {"prompt_tokens": P, "completion_tokens": G},
-        }
-        if self.pad:
-            doc["pad"] = "x" * self.pad
-        return JSONResponse(doc)
+        asked = body
+        if self.fail == "json_reply":
+            asked = {**body, "stream": False}
+        elif self.fail == "sse_reply":
+            asked = {**body, "stream": True}
+        status, reply = self.answers[role].reply(request.url.path, asked)
+        if isinstance(reply, list):
+            return StreamingResponse(self.sse(reply), media_type="text/event-stream")
+        if status != 200:
+            return JSONResponse(reply, status)
+        if role == "prefill" and self.fail == "no_kv":  # vLLM's connectors send none unless
+            del reply["kv_transfer_params"]  # the request ended by length
+        if role == "prefill" and self.fail == "dup_kv":  # two: which one decode gets is a guess
+            text = json.dumps(reply)[:-1] + ', "kv_transfer_params": {}}'
+            return Response(text, media_type="application/json")
+        if role == "decode" and self.fail == "no_routing":
+            del reply["choices"][0]["routed_experts"]
+        if role == "decode" and self.pad:
+            reply["pad"] = "x" * self.pad
+        return JSONResponse(reply)
 
-    def split_body(self, tokens: list[int], body: dict[str, Any], chat: bool,
-                   kv: dict[str, Any]) -> Response:
-        """vLLM 0.21.0: the prompt's rows at the top (nested lists), each choice's generated
-        rows in the choice; a prefill (one token generated) has no generated row."""
-        P = len(tokens)
-        G = 1 if kv.get("do_remote_decode") else max_tokens(body)
-        full = truth(tokens, G)
-        prompt_rows = full[:P].copy()
-        if not kv.get("do_remote_decode"):
-            prompt_rows[:] = 0  # decode loaded the prompt's KV cache and ran none of it
-        generated = full[P:].tolist() or None
-        message = {"message": {"role": "assistant", "content": "x"}} if chat else {"text": "x"}
-        doc = {"id": "s", "object": "text_completion", "created": 1,
-               "prompt_routed_experts": prompt_rows.tolist(), "model": "moe",
-               "choices": [{"index": 0, **message, "finish_reason": "length",
-                            "routed_experts": generated}],
-               "usage": {"prompt_tokens": P, "completion_tokens": G, "total_tokens": P + G},
-               "kv_transfer_params": KV_PARAMS if kv.get("do_remote_decode") else None}
-        return JSONResponse(doc)
-
-    async def generate(self, request: Request) -> Response:
-        """vLLM's `/inference/v1/generate` (0.25+ shape): token ids in, the routing of each choice
-        as one value; streamed, it comes once, on the finishing event, then a usage-only event."""
-        body = await request.json()
-        self.requests.append(body)
-        self.headers.append(dict(request.headers))
-        tokens = list(body["token_ids"])
-        sampling = body.get("sampling_params") or {}
-        P, S = len(tokens), int(sampling.get("routed_experts_prompt_start", 0))
-        G = int(sampling.get("max_tokens") or 16)
-        kv = body.get("kv_transfer_params") or {}
-        doc: dict[str, Any] = {"request_id": "generate-tokens-1", "model": "moe", "created": 1}
-        if kv.get("do_remote_decode"):  # prefill: one token, rows [S, P)
-            choice = {"index": 0, "logprobs": None, "finish_reason": "length", "token_ids": [7],
-                      "routed_experts": self.routing(truth(tokens, 1)[S:P], S)}
-            usage = {"prompt_tokens": P, "total_tokens": P + 1, "completion_tokens": 1}
-            doc |= {"choices": [choice], "usage": usage, "prompt_logprobs": None,
-                    "kv_transfer_params": KV_PARAMS}
-            return JSONResponse(doc)
-        if kv != KV_PARAMS:
-            return JSONResponse({"error": "decode needs the prefill's kv_transfer_params"}, 400)
-        rows = truth(tokens, G)[S:].copy()
-        rows[: P - S] = 0  # decode never computed the prompt
-        routing = self.routing(rows, S)
-        usage = {"prompt_tokens": P, "total_tokens": P + G, "completion_tokens": G}
-        if body.get("stream"):
-            return StreamingResponse(self.generate_events(doc, routing, G, usage),
-                                     media_type="text/event-stream")
-        choice = {"index": 0, "logprobs": None, "finish_reason": "length",
-                  "token_ids": list(range(G)), "routed_experts": routing}
-        doc |= {"choices": [choice], "usage": usage, "prompt_logprobs": None,
-                "kv_transfer_params": None}
-        return JSONResponse(doc)
-
-    async def generate_events(self, doc: dict[str, Any], routing: Any, generated: int,
-                              usage: dict[str, int]):  # type: ignore[no-untyped-def]
-        for i in range(generated):
-            last = i == generated - 1
-            choice = {"index": 0, "logprobs": None, "finish_reason": "length" if last else None,
-                      "token_ids": [i], "routed_experts": routing if last else None}
-            yield f"data: {json.dumps(doc | {'choices': [choice], 'usage': None})}\n\n".encode()
-        yield f"data: {json.dumps(doc | {'choices': [], 'usage': usage})}\n\n".encode()
-        yield b"data: [DONE]\n\n"
-
-    async def sse(self, routing: Any, generated: int, chat: bool):  # type: ignore[no-untyped-def]
-        for i in range(generated):
-            delta = {"delta": {"content": " tok"}} if chat else {"text": " tok"}
-            chunk: dict[str, Any] = {"id": "d", "choices": [{"index": 0, **delta}]}
-            if i == generated - 1:  # the routing comes with the last chunk
-                if self.fail != "no_routing":
-                    chunk["choices"][0]["routed_experts"] = routing
-                chunk["choices"][0]["finish_reason"] = "length"
-            line = json.dumps(chunk)
+    async def sse(self, docs: list[dict[str, Any]]) -> AsyncIterator[bytes]:
+        """A stream's events as the stand-in wrote them, with the stream faults."""
+        routed = line = b""
+        for doc in docs:
+            choices = doc.get("choices") or []
+            carries = any(c.get("routed_experts") is not None for c in choices)
+            if self.fail == "no_routing":
+                for c in choices:
+                    c.pop("routed_experts", None)
+            text = json.dumps(doc)
             if self.fail == "escaped_key":
-                line = line.replace('"routed_experts"', '"routed\\u005fexperts"')
-            event = f"data: {line}\n\n".encode()
-            if self.fail == "dribble" and "routed_experts" in line:
-                for at in range(0, len(event), 256):  # the long event in small pieces
-                    yield event[at : at + 256]
+                text = text.replace('"routed_experts"', '"routed\\u005fexperts"')
+            line = f"data: {text}\n\n".encode()
+            if carries:
+                routed = line
+            if self.fail == "dribble" and carries:
+                for at in range(0, len(line), 256):  # the long event in small pieces
+                    yield line[at : at + 256]
                     await asyncio.sleep(0.002)
                 continue
-            yield event
+            yield line
         if self.fail == "dup_routing":  # the routing event again
-            yield f"data: {line}\n\n".encode()
+            yield routed
         if self.fail == "cut_line":  # the stream ends inside a line
             yield b'data: {"choices": [{"index": 0, "te'
             return
@@ -264,7 +191,7 @@ class Engine:
         if self.fail != "no_done":
             yield b"data: [DONE]\n\n"
 
-    async def endless(self, request_id: str, flood: bool = False):  # type: ignore[no-untyped-def]
+    async def endless(self, request_id: str, flood: bool = False) -> AsyncIterator[bytes]:
         event = b'data: {"choices":[{"index":0,"text":" tok"}]}\n\n'
         if flood:  # as fast as it is taken, 64 KB at a time
             event = b": " + b"x" * 65536 + b"\n\n"
@@ -290,11 +217,7 @@ class Engine:
         return JSONResponse({}, 503 if broken else 200)
 
     def app(self) -> Starlette:
-        routes = [
-            Route(p, self.handle, methods=["POST"])
-            for p in ("/v1/completions", "/v1/chat/completions")
-        ]
-        routes.append(Route("/inference/v1/generate", self.generate, methods=["POST"]))
+        routes = [Route(p, self.handle, methods=["POST"]) for p in PATHS]
         routes.append(Route("/v1/models", self.models, methods=["GET"]))
         routes.append(Route("/health", self.health, methods=["GET"]))
         return Starlette(routes=routes)

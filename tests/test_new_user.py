@@ -74,6 +74,27 @@ def test_public_names_are_the_api() -> None:
         assert getattr(rx, name).__doc__, name
 
 
+def test_the_formats_python_names_are_the_cores() -> None:
+    # One list, the core's: the stub's literal, the CLI's choices and detection agree with it.
+    import ast
+    import typing
+
+    stub = Path(rx.__file__).with_name("_core.pyi").read_text()
+    alias = next(n for n in ast.parse(stub).body
+                 if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "_Format")
+    assert alias.value is not None
+    literal = eval(ast.unparse(alias.value), {"Literal": typing.Literal})  # noqa: S307
+    assert typing.get_args(literal) == rx.FORMATS
+    from routed_experts.cli import build_parser
+
+    convert = build_parser()._subparsers._group_actions[0].choices["convert"]  # type: ignore[union-attr]
+    to = next(a for a in convert._actions if a.dest == "to")
+    assert tuple(to.choices) == rx.FORMATS
+    payload = rx.RoutedExperts.from_array(np.zeros((2, 1, 1), dtype=np.int64), num_experts=4)
+    for name in rx.FORMATS:
+        assert rx.detect_format(rx.encode(payload, name)) == name
+
+
 def test_trajectory_pickles_for_ray_and_multiprocessing() -> None:
     t = rx.Trajectory()
     t.append(SIDE)

@@ -81,7 +81,8 @@ MODES = [{"mode": "full"}, {"mode": "delta"}, {"mode": "full", "fmt": "vllm_npy"
 def test_plain_requests_merge_to_the_truth(
     stack: dict[str, Any], endpoint: str, start: int
 ) -> None:
-    body = dict(CHAT if "chat" in endpoint else COMPLETION, routed_experts_prompt_start=start)
+    body = dict(CHAT if "chat" in endpoint else COMPLETION, routed_experts_prompt_start=start,
+                logprobs=True if "chat" in endpoint else 1)
     for _ in range(2):  # twice: round robin reaches both pairs
         r = httpx.post(stack["url"] + endpoint, json=body, timeout=30)
         assert r.status_code == 200, r.text
@@ -90,7 +91,9 @@ def test_plain_requests_merge_to_the_truth(
         # Equal values are not enough (uint8 == uint16): the dtype and start too.
         assert got is not None and got == want and got.start == start
         assert got.dtype == want.dtype
-        assert json.loads(r.content)["choices"][0].get("logprobs", {}) is not None
+        # Decode's logprobs, one per generated token (prefill's has one in all).
+        logprobs = json.loads(r.content)["choices"][0]["logprobs"]
+        assert len(logprobs.get("content") or logprobs["token_logprobs"]) == max_tokens(body)
     for engine in stack["prefills"]:
         assert len(engine.requests) == 1
         sent = engine.requests[0]
@@ -150,20 +153,19 @@ def test_generate_endpoint_merges_plain_and_streamed(
         assert rx.from_response(r.content, start=start) == want
         doc = json.loads(r.content)
         assert doc["usage"]["completion_tokens"] == 9
-        assert doc["choices"][0]["token_ids"] == list(range(9))
+        assert doc["choices"][0]["token_ids"] == [7] * 9
     else:
         with httpx.stream("POST", url, json=body, timeout=30) as r:
             assert r.status_code == 200
             events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
-        # Routing once, on the finishing event; the usage-only event after it untouched.
+        # Routing once, on the finishing event (the last); every other event's null, as sent.
         routed = [c for c in chunks if c["choices"] and c["choices"][0]["routed_experts"]]
         assert len(routed) == 1 and routed[0]["choices"][0]["finish_reason"] == "length"
         assert rx.from_response(json.dumps(routed[0]), start=start) == want
-        assert chunks[-1] == {"request_id": "generate-tokens-1", "model": "moe", "created": 1,
-                              "choices": [], "usage": {"prompt_tokens": 37, "total_tokens": 46,
-                                                       "completion_tokens": 9}}
+        assert routed[0] == chunks[-1] and len(chunks) == 9
+        assert all(c["choices"][0]["routed_experts"] is None for c in chunks[:-1])
     prefill = stack["prefills"][0].requests[0]
     assert prefill["sampling_params"]["max_tokens"] == 1 and prefill["stream"] is False
     assert prefill["sampling_params"]["routed_experts_prompt_start"] == start
@@ -176,10 +178,11 @@ def test_generate_endpoint_merges_plain_and_streamed(
 def test_a_merged_body_keeps_decodes_logprobs_and_usage(stack: dict[str, Any]) -> None:
     # Fields only decode sends reach the client (the byte-for-byte property of every other
     # byte is tests/test_proxy_bytes.py's).
-    r = httpx.post(stack["url"] + "/v1/completions", json=COMPLETION, timeout=30)
+    r = httpx.post(stack["url"] + "/v1/completions", json={**COMPLETION, "logprobs": 1},
+                   timeout=30)
     doc = json.loads(r.content)
-    assert doc["choices"][0]["logprobs"]["content"][0]["logprob"] == -0.12345678901234568
-    assert doc["usage"] == {"prompt_tokens": len(COMPLETION["prompt"]), "completion_tokens": 9}
+    assert doc["choices"][0]["logprobs"]["token_logprobs"] == [-0.12345678901234568] * 9
+    assert doc["usage"] == {"prompt_tokens": 37, "total_tokens": 46, "completion_tokens": 9}
 
 
 @pytest.mark.parametrize(
@@ -392,9 +395,29 @@ def test_a_bad_prompt_start_is_a_400(stack: dict[str, Any], start: Any) -> None:
     r = httpx.post(stack["url"] + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["side"] == "client" and "routed_experts_prompt_start" in err["message"]
+    assert "routed_experts_prompt_start" in err["message"]
+    if start == 10_000:  # only an engine knows the prompt's length in tokens: prefill refused
+        assert err["side"] == "prefill" and len(stack["decodes"][0].requests) == 0
+        return
+    assert err["side"] == "client"
     assert err["type"] == "invalid_request_error"
     assert err["param"] == "routed_experts_prompt_start"  # the field at fault, named
+
+
+def test_a_start_past_the_prompt_is_a_400_when_prefill_ignored_it() -> None:
+    # vLLM 0.25 to 0.27 ignore the start on completions: prefill's rows from 0 tell the
+    # proxy the prompt's length, and a start past it is the client's error, decode never asked.
+    prefill, decode = Engine(release="0.27"), Engine(release="0.27")
+    with Server(prefill.app()) as p, Server(decode.app()) as d, Server(
+        create_app([p.url], [d.url])
+    ) as proxy:
+        body = dict(COMPLETION, routed_experts_prompt_start=10_000)
+        r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["side"] == "client" and err["param"] == "routed_experts_prompt_start"
+        assert "not below the prompt's length (37 tokens)" in err["message"]
+        assert len(prefill.requests) == 1 and decode.requests == []
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -6,6 +6,7 @@ Rust (GIL released) and hands numpy arrays over without copies.
 """
 
 from routed_experts._core import (
+    FORMATS,
     Agreement,
     ConfigError,
     ExpertLoad,
@@ -37,6 +38,7 @@ __all__ = [
     "Agreement",
     "ConfigError",
     "ExpertLoad",
+    "FORMATS",
     "MergeError",
     "PayloadError",
     "RoutedExperts",

@@ -56,6 +56,7 @@ _Body: TypeAlias = bytes | bytearray | memoryview | str | dict[str, Any] | _Resp
 _Overlap: TypeAlias = Literal["keep", "replace", "check"]
 _Pad: TypeAlias = Literal["repeat", "zero"]
 _Format: TypeAlias = Literal["compact", "vllm_npy", "sglang", "nemo", "lists"]
+FORMATS: tuple[_Format, ...]  # every format's name, in the order detection reports them
 _IntArray: TypeAlias = np.ndarray[Any, np.dtype[np.integer[Any]]]
 _FloatArray: TypeAlias = np.ndarray[Any, np.dtype[np.float64]]
 _BoolArray: TypeAlias = np.ndarray[Any, np.dtype[np.bool_]]

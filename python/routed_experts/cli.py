@@ -587,7 +587,7 @@ COMMANDS: list[Command] = [
             arg(
                 "--to",
                 required=True,
-                choices=["compact", "vllm_npy", "sglang", "nemo", "lists"],
+                choices=rx.FORMATS,
                 help="the format to write",
             ),
             arg("--choice", type=_count(0), default=0, help="choice in a response body"),

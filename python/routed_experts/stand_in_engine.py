@@ -59,11 +59,13 @@ def prompt_tokens(body: dict[str, Any]) -> list[int]:
     return list(str(prompt).encode())
 
 
-def routing_of(tokens: list[int], generated: int, model: str) -> np.ndarray:
+def routing_of(
+    tokens: list[int], generated: int, model: str | tuple[int, int, int]
+) -> np.ndarray:
     """The routing a monolithic engine would record for `tokens` and `generated` more: rows
     [0, P + G - 1), each row `top_k` distinct experts per layer, a function of the tokens up to
-    its position."""
-    layers, top_k, experts = MODELS[model]
+    its position. `model`: a name of MODELS, or (layers, top_k, experts)."""
+    layers, top_k, experts = _dims(model)
     rows = len(tokens) + generated - 1
     hashes = np.empty(max(rows, 0), dtype=np.uint64)
     h = 0
@@ -106,9 +108,268 @@ class PrefixCache:
         return cached * BLOCK
 
 
+def _dims(model: str | tuple[int, int, int]) -> tuple[int, int, int]:
+    if isinstance(model, tuple):
+        layers, top_k, experts = model
+        if not (layers > 0 and 0 < top_k <= experts <= 1 << 16):
+            raise ValueError(f"model: expected (layers, top_k, experts) with "
+                             f"0 < top_k <= experts <= 65536, got {model!r}")
+        return model
+    if model not in MODELS:
+        raise ValueError(f"model: expected one of {', '.join(sorted(MODELS))}, got {model!r}")
+    return MODELS[model]
+
+
+class VllmAnswers:
+    """What one vLLM engine (`role` "prefill" or "decode") answers a request: a function of the
+    request (and of the prefix cache). `StandInEngine` serves it on a port; the proxy's tests
+    serve it behind their fault injection (tests/engines.py), so every stand-in answers alike.
+
+    The defaults are vLLM 0.32's. The other settings are what other engines do:
+    `uncomputed_rows="zeros"` (vLLM before 0.32: decode answers rows it never computed, zeroed),
+    `routing_format="compact"` (an engine that encodes with this library), `stream_routing=True`
+    (routing on the finishing event of completions and chat streams too, as generate streams
+    carry it: no vLLM release through 0.33 does, and the proxy's streaming merge is the same for
+    every path), `release="0.27"` (vLLM 0.25 to 0.27: completions and chat ignore the start and
+    send rows from 0), `release="0.21"` (vLLM 0.21's split routing, format.md §3.4: the start
+    ignored, the prompt's rows as nested lists at the top, the generated ones in the choice).
+    """
+
+    def __init__(
+        self,
+        role: str,
+        model: str | tuple[int, int, int] = "qwen3-30b-a3b",
+        *,
+        prefill_us_per_token: float = 0.0,
+        cache_blocks: int = 0,
+        decode_ms: float = 0.0,
+        uncomputed_rows: str = "error",
+        routing_format: str = "vllm_npy",
+        stream_routing: bool = False,
+        release: str = "0.32",
+        engine_id: str | None = None,
+    ) -> None:
+        if role not in ("prefill", "decode"):
+            raise ValueError(f'role: expected "prefill" or "decode", got {role!r}')
+        if uncomputed_rows not in ("error", "zeros"):
+            got = repr(uncomputed_rows)
+            raise ValueError(f'uncomputed_rows: expected "error" or "zeros", got {got}')
+        if routing_format not in ("vllm_npy", "compact"):
+            got = repr(routing_format)
+            raise ValueError(f'routing_format: expected "vllm_npy" or "compact", got {got}')
+        if release not in ("0.32", "0.27", "0.21"):
+            raise ValueError(f'release: expected "0.32", "0.27" or "0.21", got {release!r}')
+        self.layers, self.top_k, self.num_experts = _dims(model)
+        self.role, self.model = role, model if isinstance(model, str) else "moe"
+        self._dims = (self.layers, self.top_k, self.num_experts)
+        self.uncomputed_rows, self.routing_format = uncomputed_rows, routing_format
+        self.stream_routing, self.release = stream_routing, release
+        self.prefill_us_per_token, self.decode_ms = prefill_us_per_token, decode_ms
+        self.cache = PrefixCache(cache_blocks) if cache_blocks > 0 else None
+        self.compute = threading.Lock()  # one prompt's compute at a time
+        self.stats_lock = threading.Lock()
+        self.stats: dict[str, int] = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
+        self.engine_id = engine_id or f"stand-in-{role}-{id(self):x}"
+
+    def truth(self, tokens: list[int], generated: int) -> np.ndarray:
+        """Rows [0, P + G - 1) as a monolithic engine records them (`routing_of`)."""
+        return routing_of(tokens, generated, self._dims)
+
+    def routed_rows(
+        self, tokens: list[int], generated: int, start: int
+    ) -> tuple[np.ndarray, int]:
+        """The rows this engine answers for a request asked from `start`, and their start."""
+        return self.truth(tokens, generated)[start:], start
+
+    def routing_value(self, rows: np.ndarray, start: int) -> Any:
+        """The routing value written into a reply: vLLM's base64 `.npy` (no start in it), or
+        a compact sidecar."""
+        p = RoutedExperts.from_array(rows, start=start, num_experts=self.num_experts)
+        return encode(p, "compact" if self.routing_format == "compact" else "vllm_npy")
+
+    def kv_transfer_params(self, tokens: list[int]) -> dict[str, Any]:
+        """What prefill returns for decode to load the prompt's KV from."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_block_ids": list(range(len(tokens) // BLOCK + 1)),
+            "remote_host": "127.0.0.1",
+            "remote_port": 14579,
+        }
+
+    def answer(self, path: str, body: dict[str, Any]) -> tuple[int, str, bytes]:
+        """(status, content type, body) for a completion request's JSON `body`."""
+        status, reply = self.reply(path, body)
+        if isinstance(reply, list):
+            events = [b"data: " + json.dumps(doc).encode() + b"\n\n" for doc in reply]
+            return status, "text/event-stream", b"".join([*events, b"data: [DONE]\n\n"])
+        return status, "application/json", json.dumps(reply).encode()
+
+    def reply(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        """(status, reply): a JSON document, or a stream's events as a list of documents
+        (`data: [DONE]` follows them)."""
+        generate = path == "/inference/v1/generate"
+        tokens = prompt_tokens(body)
+        if not tokens:
+            return _error_doc(400, "the prompt is empty")
+        limits = body.get("sampling_params") or {} if generate else body
+        if not isinstance(limits, dict):
+            return _error_doc(400, "sampling_params must be an object")
+        generated = int(limits.get("max_completion_tokens") or limits.get("max_tokens") or 16)
+        start = limits.get("routed_experts_prompt_start") or 0
+        if self.release == "0.21" or (self.release == "0.27" and not generate):
+            start = 0  # 0.21 takes no start; 0.25 to 0.27 take it on generate only
+        if not isinstance(start, int) or not 0 <= start < len(tokens):
+            return _error_doc(400, f"routed_experts_prompt_start must be in 0..{len(tokens) - 1}")
+        kv = body.get("kv_transfer_params") or {}
+        if self.role == "prefill":
+            if not kv.get("do_remote_decode"):
+                return _error_doc(400, "a prefill server takes kv_transfer_params.do_remote_decode")
+            self._prefill_compute(tokens)
+            if self.release == "0.21":
+                return 200, self._split_reply(path, tokens, 1, kv_for=tokens)
+            rows, at = self.routed_rows(tokens, 1, start)
+            doc = self._reply(path, "x", rows, at, len(tokens), 1, body)
+            doc["kv_transfer_params"] = self.kv_transfer_params(tokens)
+            return 200, doc
+        if not kv.get("do_remote_prefill") or not kv.get("remote_engine_id"):
+            return _error_doc(400, "a decode server needs the kv_transfer_params prefill returned")
+        if self.release == "0.21":
+            if body.get("stream"):
+                return _error_doc(400, "the stand-in's vLLM 0.21 does not stream")
+            return 200, self._split_reply(path, tokens, generated, kv_for=None)
+        # The prompt's whole blocks came over the KV connector, all but its last position at
+        # least: decode computed positions from `received` on and has no routing before.
+        received = (len(tokens) - 1) // BLOCK * BLOCK
+        if start < received and self.uncomputed_rows == "error":
+            return _error_doc(
+                500,
+                f"routing asked from position {start}, but positions before {received} came over "
+                "the KV connector and were never computed here (a real vLLM 0.32 decode engine "
+                "dies: BlockObjectStoreError, EngineDeadError)",
+            )
+        if self.decode_ms:
+            time.sleep(self.decode_ms / 1000)
+        rows, at = self.routed_rows(tokens, generated, start)
+        if at < len(tokens) and self.uncomputed_rows == "zeros":
+            rows = rows.copy()
+            rows[: len(tokens) - at] = 0  # the prompt's rows, never computed here
+        if body.get("stream"):
+            return 200, self._stream(path, rows, at, len(tokens), generated, body)
+        return 200, self._reply(path, " tok" * generated, rows, at, len(tokens), generated, body)
+
+    def _prefill_compute(self, tokens: list[int]) -> None:
+        with self.compute:
+            cached = self.cache.lookup_and_insert(tokens) if self.cache else 0
+            if self.prefill_us_per_token:
+                time.sleep((len(tokens) - cached) * self.prefill_us_per_token / 1e6)
+        with self.stats_lock:
+            self.stats["requests"] += 1
+            self.stats["prompt_tokens"] += len(tokens)
+            self.stats["cached_tokens"] += cached
+
+    def _choice(
+        self, path: str, text: str, generated: int, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if path == "/v1/chat/completions":
+            choice["message"] = {"role": "assistant", "content": text}
+        elif path == "/v1/completions":
+            choice["text"] = text
+        else:
+            choice["token_ids"] = [7] * generated
+        choice["logprobs"] = _logprobs(path, generated) if body.get("logprobs") else None
+        choice["finish_reason"] = "length"
+        return choice
+
+    def _reply(
+        self, path: str, text: str, rows: np.ndarray, start: int, prompt: int, generated: int,
+        body: dict[str, Any],
+    ) -> dict[str, Any]:
+        choice = self._choice(path, text, generated, body)
+        choice["routed_experts"] = self.routing_value(rows, start)
+        usage = {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + generated,
+            "completion_tokens": generated,
+        }
+        if path == "/inference/v1/generate":
+            return {"request_id": f"generate-tokens-{self.role}", "model": self.model,
+                    "usage": usage, "prompt_token_ids": None, "kv_transfer_params": None,
+                    "choices": [choice]}  # fmt: skip
+        return {
+            "id": f"cmpl-{self.role}",
+            "object": "chat.completion" if path == "/v1/chat/completions" else "text_completion",
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage,
+            "kv_transfer_params": None,
+        }
+
+    def _split_reply(
+        self, path: str, tokens: list[int], generated: int, kv_for: list[int] | None
+    ) -> dict[str, Any]:
+        """vLLM 0.21's body: the prompt's rows at the top (nested lists), the generated rows in
+        the choice (none for prefill's one token); decode loaded the prompt's KV and ran none
+        of it, so its prompt rows are zero."""
+        P = len(tokens)
+        full = self.truth(tokens, generated)
+        prompt_rows = full[:P].copy()
+        if kv_for is None:
+            prompt_rows[:] = 0
+        text = "x" if kv_for is not None else " tok" * generated
+        message = ({"message": {"role": "assistant", "content": text}}
+                   if path == "/v1/chat/completions" else {"text": text})
+        return {"id": f"cmpl-{self.role}", "object": "text_completion", "model": self.model,
+                "prompt_routed_experts": prompt_rows.tolist(),
+                "choices": [{"index": 0, **message, "finish_reason": "length",
+                             "routed_experts": full[P:].tolist() or None}],
+                "usage": {"prompt_tokens": P, "completion_tokens": generated,
+                          "total_tokens": P + generated},
+                "kv_transfer_params": self.kv_transfer_params(kv_for) if kv_for else None}
+
+    def _stream(
+        self, path: str, rows: np.ndarray, start: int, prompt: int, generated: int,
+        body: dict[str, Any],
+    ) -> list[dict[str, Any]]:
+        """As vLLM 0.32 streams: routing only on `/inference/v1/generate`, the whole value on
+        the finishing event (`null` before it); none on completions and chat streams (unless
+        `stream_routing`); a usage-only event last when `stream_options.include_usage`."""
+        chat, generate = path == "/v1/chat/completions", path == "/inference/v1/generate"
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        events: list[dict[str, Any]] = []
+        for i in range(generated):
+            choice: dict[str, Any] = {"index": 0}
+            if chat:
+                choice["delta"] = {"content": " tok"}
+            elif generate:
+                choice["token_ids"] = [7]
+            else:
+                choice["text"] = " tok"
+            last = i == generated - 1
+            choice["finish_reason"] = "length" if last else None
+            if generate:
+                choice["routed_experts"] = self.routing_value(rows, start) if last else None
+                doc = {"request_id": "generate-tokens-decode", "usage": None, "choices": [choice]}
+            else:
+                if last and self.stream_routing:
+                    choice["routed_experts"] = self.routing_value(rows, start)
+                doc = {"id": "cmpl-decode", "object": kind, "model": self.model,
+                       "choices": [choice]}  # fmt: skip
+            events.append(doc)
+        options = body.get("stream_options")
+        if not generate and isinstance(options, dict) and options.get("include_usage"):
+            usage = {"prompt_tokens": prompt, "total_tokens": prompt + generated,
+                     "completion_tokens": generated}
+            events.append({"id": "cmpl-decode", "object": kind, "model": self.model,
+                           "choices": [], "usage": usage})
+        return events
+
+
 class StandInEngine:
-    """One stand-in engine (`role` "prefill" or "decode") serving on `host:port` (0: a free
-    port) on threads of its own; a context manager, or `serve_forever()`."""
+    """One stand-in engine (`role` "prefill" or "decode") serving `VllmAnswers` on `host:port`
+    (0: a free port) on threads of its own; a context manager, or `serve_forever()`."""
 
     def __init__(
         self,
@@ -121,27 +382,20 @@ class StandInEngine:
         decode_ms: float = 0.0,
         uncomputed_rows: str = "error",
     ) -> None:
-        if role not in ("prefill", "decode"):
-            raise ValueError(f'role: expected "prefill" or "decode", got {role!r}')
-        if uncomputed_rows not in ("error", "zeros"):
-            got = repr(uncomputed_rows)
-            raise ValueError(f'uncomputed_rows: expected "error" or "zeros", got {got}')
-        # "zeros": decode answers a start before the positions it computed with those rows
-        # zeroed, as vLLM before 0.32 did (for fronts that ask from 0, such as vllm-router).
-        self.uncomputed_rows = uncomputed_rows
-        if model not in MODELS:
-            raise ValueError(f"model: expected one of {', '.join(sorted(MODELS))}, got {model!r}")
+        self.answers = VllmAnswers(
+            role, model, prefill_us_per_token=prefill_us_per_token, cache_blocks=cache_blocks,
+            decode_ms=decode_ms, uncomputed_rows=uncomputed_rows,
+        )
         self.role, self.model = role, model
-        self.num_experts = MODELS[model][2]
-        self.prefill_us_per_token, self.decode_ms = prefill_us_per_token, decode_ms
-        self.cache = PrefixCache(cache_blocks) if cache_blocks > 0 else None
-        self.compute = threading.Lock()  # one prompt's compute at a time
-        self.stats_lock = threading.Lock()
-        self.stats: dict[str, int] = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
-        self.engine_id = f"stand-in-{role}-{id(self):x}"
         self.server = ThreadingHTTPServer((host, port), self._handler())
         self.server.daemon_threads = True
         self._thread: threading.Thread | None = None
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Requests, prompt tokens and cached tokens so far (prefill's; `GET /stats`)."""
+        with self.answers.stats_lock:
+            return dict(self.answers.stats)
 
     @property
     def url(self) -> str:
@@ -161,140 +415,8 @@ class StandInEngine:
         self.server.shutdown()
         self.server.server_close()
 
-    def answer(self, path: str, body: dict[str, Any]) -> tuple[int, str, bytes]:
-        """(status, content type, body) for a completion request's JSON `body`."""
-        generate = path == "/inference/v1/generate"
-        tokens = prompt_tokens(body)
-        if not tokens:
-            return _error(400, "the prompt is empty")
-        limits = body.get("sampling_params") or {} if generate else body
-        if not isinstance(limits, dict):
-            return _error(400, "sampling_params must be an object")
-        generated = int(limits.get("max_completion_tokens") or limits.get("max_tokens") or 16)
-        start = limits.get("routed_experts_prompt_start") or 0
-        if not isinstance(start, int) or not 0 <= start < len(tokens):
-            return _error(400, f"routed_experts_prompt_start must be in 0..{len(tokens) - 1}")
-        kv = body.get("kv_transfer_params") or {}
-        if self.role == "prefill":
-            if not kv.get("do_remote_decode"):
-                return _error(400, "a prefill server takes kv_transfer_params.do_remote_decode")
-            self._prefill_compute(tokens)
-            rows = routing_of(tokens, 1, self.model)[start:]
-            params = {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "remote_engine_id": self.engine_id,
-                "remote_block_ids": list(range(len(tokens) // BLOCK + 1)),
-                "remote_host": "127.0.0.1",
-                "remote_port": 14579,
-            }
-            doc = self._reply(path, "x", rows, start, len(tokens), 1)
-            doc["kv_transfer_params"] = params
-            return 200, "application/json", json.dumps(doc).encode()
-        if not kv.get("do_remote_prefill") or not kv.get("remote_engine_id"):
-            return _error(400, "a decode server needs the kv_transfer_params prefill returned")
-        # The prompt's whole blocks came over the KV connector, all but its last position at
-        # least: decode computed positions from `received` on and has no routing before.
-        received = (len(tokens) - 1) // BLOCK * BLOCK
-        if start < received and self.uncomputed_rows == "error":
-            return _error(
-                500,
-                f"routing asked from position {start}, but positions before {received} came over "
-                "the KV connector and were never computed here (a real vLLM 0.32 decode engine "
-                "dies: BlockObjectStoreError, EngineDeadError)",
-            )
-        if self.decode_ms:
-            time.sleep(self.decode_ms / 1000)
-        rows = routing_of(tokens, generated, self.model)[start:]
-        if start < len(tokens) and self.uncomputed_rows == "zeros":
-            rows[: len(tokens) - start] = 0  # the prompt's rows, never computed here
-        if body.get("stream"):
-            events = self._stream(path, rows, start, len(tokens), generated)
-            return 200, "text/event-stream", events
-        doc = self._reply(path, " tok" * generated, rows, start, len(tokens), generated)
-        return 200, "application/json", json.dumps(doc).encode()
-
-    def _prefill_compute(self, tokens: list[int]) -> None:
-        with self.compute:
-            cached = self.cache.lookup_and_insert(tokens) if self.cache else 0
-            if self.prefill_us_per_token:
-                time.sleep((len(tokens) - cached) * self.prefill_us_per_token / 1e6)
-        with self.stats_lock:
-            self.stats["requests"] += 1
-            self.stats["prompt_tokens"] += len(tokens)
-            self.stats["cached_tokens"] += cached
-
-    def _routing(self, rows: np.ndarray, start: int) -> str:
-        """vLLM's routing value: base64 of the rows' `np.save` file (no start in it)."""
-        p = RoutedExperts.from_array(rows, start=start, num_experts=self.num_experts)
-        value = encode(p, "vllm_npy")
-        assert isinstance(value, str)
-        return value
-
-    def _choice(self, path: str, text: str, generated: int) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
-        if path == "/v1/chat/completions":
-            choice["message"] = {"role": "assistant", "content": text}
-        elif path == "/v1/completions":
-            choice["text"] = text
-        else:
-            choice["token_ids"] = [7] * generated
-        choice["finish_reason"] = "length"
-        return choice
-
-    def _reply(
-        self, path: str, text: str, rows: np.ndarray, start: int, prompt: int, generated: int
-    ) -> dict[str, Any]:
-        choice = self._choice(path, text, generated)
-        choice["routed_experts"] = self._routing(rows, start)
-        usage = {
-            "prompt_tokens": prompt,
-            "total_tokens": prompt + generated,
-            "completion_tokens": generated,
-        }
-        if path == "/inference/v1/generate":
-            return {"request_id": f"generate-tokens-{self.role}", "model": self.model,
-                    "usage": usage, "prompt_token_ids": None, "kv_transfer_params": None,
-                    "choices": [choice]}  # fmt: skip
-        return {
-            "id": f"cmpl-{self.role}",
-            "object": "chat.completion" if path == "/v1/chat/completions" else "text_completion",
-            "model": self.model,
-            "choices": [choice],
-            "usage": usage,
-            "kv_transfer_params": None,
-        }
-
-    def _stream(
-        self, path: str, rows: np.ndarray, start: int, prompt: int, generated: int
-    ) -> bytes:
-        """As vLLM 0.32 streams: routing only on `/inference/v1/generate`, the whole value on
-        the finishing event (`null` before it); none on completions and chat streams."""
-        chat, generate = path == "/v1/chat/completions", path == "/inference/v1/generate"
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        events = []
-        for i in range(generated):
-            choice: dict[str, Any] = {"index": 0}
-            if chat:
-                choice["delta"] = {"content": " tok"}
-            elif generate:
-                choice["token_ids"] = [7]
-            else:
-                choice["text"] = " tok"
-            last = i == generated - 1
-            choice["finish_reason"] = "length" if last else None
-            if generate:
-                choice["routed_experts"] = self._routing(rows, start) if last else None
-                doc = {"request_id": "generate-tokens-decode", "usage": None, "choices": [choice]}
-            else:
-                doc = {"id": "cmpl-decode", "object": kind, "model": self.model,
-                       "choices": [choice]}  # fmt: skip
-            events.append(b"data: " + json.dumps(doc).encode() + b"\n\n")
-        events.append(b"data: [DONE]\n\n")
-        return b"".join(events)
-
     def _handler(self) -> type[BaseHTTPRequestHandler]:
-        engine = self
+        engine, answers, model = self, self.answers, self.model
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"  # keep-alive, as the proxy's pooled client expects
@@ -313,12 +435,10 @@ class StandInEngine:
                 if self.path == "/health":
                     self._send(200, "application/json", b"{}")
                 elif self.path == "/v1/models":
-                    doc = {"object": "list", "data": [{"id": engine.model, "object": "model"}]}
+                    doc = {"object": "list", "data": [{"id": model, "object": "model"}]}
                     self._send(200, "application/json", json.dumps(doc).encode())
                 elif self.path == "/stats":
-                    with engine.stats_lock:
-                        stats = dict(engine.stats)
-                    self._send(200, "application/json", json.dumps(stats).encode())
+                    self._send(200, "application/json", json.dumps(engine.stats).encode())
                 else:
                     self._send(*_error(404, f"no GET {self.path[:100]}"))
 
@@ -332,21 +452,38 @@ class StandInEngine:
                     self._send(*_error(413, f"a body of {length} bytes is over {MAX_BODY}"))
                     return
                 raw = self.rfile.read(length)
-                if self.path not in ("/v1/completions", "/v1/chat/completions",
-                                     "/inference/v1/generate"):
+                if self.path not in PATHS:
                     self._send(*_error(404, f"no POST {self.path[:100]}"))
                     return
                 try:
                     body = json.loads(raw)
                     if not isinstance(body, dict):
                         raise ValueError("the body is not a JSON object")
-                    self._send(*engine.answer(self.path, body))
+                    self._send(*answers.answer(self.path, body))
                 except (ValueError, TypeError) as e:
                     self._send(*_error(400, str(e)))
 
         return Handler
 
 
+PATHS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
+
+
+def _logprobs(path: str, generated: int) -> dict[str, Any]:
+    """Each generated token's log-probability, as the request's endpoint writes them (one
+    long float, so a merge that re-spelled numbers would show)."""
+    lp = -0.12345678901234568
+    if path == "/v1/chat/completions":
+        return {"content": [{"token": " tok", "logprob": lp, "bytes": [32, 116, 111, 107],
+                             "top_logprobs": []} for _ in range(generated)]}
+    return {"tokens": [" tok"] * generated, "token_logprobs": [lp] * generated,
+            "top_logprobs": None, "text_offset": [4 * i for i in range(generated)]}
+
+
+def _error_doc(status: int, message: str) -> tuple[int, dict[str, Any]]:
+    return status, {"error": {"message": message, "type": "invalid_request_error",
+                              "code": status}}
+
+
 def _error(status: int, message: str) -> tuple[int, str, bytes]:
-    doc = {"error": {"message": message, "type": "invalid_request_error", "code": status}}
-    return status, "application/json", json.dumps(doc).encode()
+    return status, "application/json", json.dumps(_error_doc(status, message)[1]).encode()

@@ -1,6 +1,7 @@
 //! The proxy's request life, end to end in one process: stand-in prefill and decode engines
-//! (hyper servers speaking vLLM's P/D protocol) behind a real `Server`, and a client. A change
-//! to the proxy is tested here without building the Python extension.
+//! (hyper servers answering as vLLM 0.32 does in P/D, as `routed_experts.stand_in_engine`
+//! does in Python) behind a real `Server`, and a client. A change to the proxy is tested here
+//! without building the Python extension.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -15,13 +16,16 @@ use hyper::service::service_fn;
 use hyper::{Request, Response};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use routed_experts::{encode_sidecar, from_response, DTypeChoice, Hints, Payload, Shape};
+use routed_experts::formats::encode_json;
+use routed_experts::{from_response, DTypeChoice, Format, Hints, Payload, Shape};
 use routed_experts_proxy::{Config, Server, Stop};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
 const LAYERS: usize = 3;
 const TOP_K: usize = 2;
+/// Tokens per KV block: decode receives the prompt's whole blocks but the last position's.
+const BLOCK: usize = 16;
 
 /// The routing a monolithic engine would record at `pos`: distinct, nonzero, below 256.
 fn truth(pos: usize) -> Vec<i64> {
@@ -30,21 +34,13 @@ fn truth(pos: usize) -> Vec<i64> {
         .collect()
 }
 
-/// Rows `[start, stop)` of the truth as a compact sidecar, with `zero_below` rows zeroed (decode
-/// never computed the prompt).
-fn sidecar(start: usize, stop: usize, zero_below: usize) -> Value {
-    let values: Vec<i64> = (start..stop)
-        .flat_map(|p| {
-            if p < zero_below {
-                vec![0; LAYERS * TOP_K]
-            } else {
-                truth(p)
-            }
-        })
-        .collect();
+/// Rows `[start, stop)` of the truth as vLLM writes them: base64 of the rows' `.npy` file (a
+/// JSON string; no start in it).
+fn npy_routing(start: usize, stop: usize) -> Value {
+    let values: Vec<i64> = (start..stop).flat_map(truth).collect();
     let shape = Shape::new(stop - start, LAYERS, TOP_K);
     let p = Payload::from_values(&values, shape, start as u64, DTypeChoice::Compact).unwrap();
-    serde_json::from_slice(&encode_sidecar(&p)).unwrap()
+    serde_json::from_slice(&encode_json(&p, Format::VllmNpy).unwrap()).unwrap()
 }
 
 /// How a stand-in engine answers.
@@ -58,55 +54,80 @@ enum Engine {
     Crashes,
 }
 
-const KV: &str = r#"{"do_remote_prefill":true,"remote_engine_id":"p1","remote_block_ids":[3]}"#;
+/// What a request asks, wherever its endpoint keeps it: (prompt length, tokens to generate,
+/// routing start).
+fn asked(req: &Value) -> (usize, usize, usize) {
+    let generate = req.get("token_ids").is_some();
+    let (prompt, limits) = match generate {
+        true => (&req["token_ids"], &req["sampling_params"]),
+        false => (&req["prompt"], req),
+    };
+    let count = |v: &Value, default: u64| v.as_u64().unwrap_or(default) as usize;
+    (
+        prompt.as_array().map_or(0, Vec::len),
+        count(&limits["max_tokens"], 4),
+        count(&limits["routed_experts_prompt_start"], 0),
+    )
+}
 
+/// vLLM 0.32's answer: prefill rows `[S, P)` with the `kv_transfer_params` decode needs;
+/// decode rows `[S, P + G - 1)`, or a 500 when asked for rows of KV it received (a real one
+/// dies); streams carry routing on generate's finishing event only, none on completions.
 fn answer(engine: Engine, body: &[u8]) -> Response<Full<Bytes>> {
-    let json_reply = |status: u16, v: Value| {
-        let mut r = Response::new(Full::new(Bytes::from(v.to_string())));
+    let reply = |status: u16, kind: &'static str, text: String| {
+        let mut r = Response::new(Full::new(Bytes::from(text)));
         *r.status_mut() = hyper::StatusCode::from_u16(status).unwrap();
         r.headers_mut()
-            .insert("content-type", "application/json".parse().unwrap());
+            .insert("content-type", kind.parse().unwrap());
         r
     };
+    let json_reply = |status: u16, v: Value| reply(status, "application/json", v.to_string());
     if engine == Engine::Crashes {
         return json_reply(500, json!({"error": "engine crashed"}));
     }
     let req: Value = serde_json::from_slice(body).unwrap();
-    let prompt = req["prompt"].as_array().map_or(0, Vec::len);
-    let generated = req["max_tokens"].as_u64().unwrap_or(4) as usize;
+    let generate = req.get("token_ids").is_some();
+    let (prompt, generated, start) = asked(&req);
     let kv = &req["kv_transfer_params"];
     if kv["do_remote_decode"] == json!(true) {
         let mut choice = json!({"index": 0, "text": "x", "finish_reason": "length"});
         if engine != Engine::NoRouting {
-            choice["routed_experts"] = sidecar(0, prompt, 0);
+            choice["routed_experts"] = npy_routing(start, prompt);
         }
-        let kv: Value = serde_json::from_str(KV).unwrap();
+        let kv = json!({"do_remote_prefill": true, "remote_engine_id": "p1",
+                        "remote_block_ids": [3]});
         return json_reply(
             200,
             json!({"id": "p", "choices": [choice], "kv_transfer_params": kv}),
         );
     }
-    if *kv != serde_json::from_str::<Value>(KV).unwrap() {
-        return json_reply(
-            400,
-            json!({"error": "decode needs prefill's kv_transfer_params"}),
-        );
+    if kv["do_remote_prefill"] != json!(true) || !kv["remote_engine_id"].is_string() {
+        let error = json!({"error": "decode needs prefill's kv_transfer_params"});
+        return json_reply(400, error);
     }
-    let rows = sidecar(0, prompt + generated - 1, prompt);
+    let received = (prompt - 1) / BLOCK * BLOCK;
+    if start < received {
+        let error = format!(
+            "routing asked from {start}; positions before {received} came over \
+                             the KV connector (a real vLLM 0.32 decode engine dies)"
+        );
+        return json_reply(500, json!({"error": error}));
+    }
+    let rows = npy_routing(start, prompt + generated - 1);
     if req["stream"] == json!(true) {
         let mut text = String::new();
         for i in 0..generated {
-            let mut chunk = json!({"id": "d", "choices": [{"index": 0, "text": " tok"}]});
-            if i == generated - 1 {
-                chunk["choices"][0]["routed_experts"] = rows.clone();
+            let last = i == generated - 1;
+            let mut chunk = json!({"id": "d", "choices": [{"index": 0, "text": " tok",
+                                   "finish_reason": if last { json!("length") } else { Value::Null }}]});
+            if generate {
+                let value = if last { rows.clone() } else { Value::Null };
+                chunk["choices"][0]["routed_experts"] = value;
             }
             text.push_str(&format!("data: {chunk}\n\n"));
         }
         text.push_str("data: [DONE]\n\n");
-        let mut r = Response::new(Full::new(Bytes::from(text)));
-        r.headers_mut()
-            .insert("content-type", "text/event-stream".parse().unwrap());
-        return r;
+        return reply(200, "text/event-stream", text);
     }
     let choice =
         json!({"index": 0, "text": " tok", "finish_reason": "length", "routed_experts": rows});
@@ -244,12 +265,19 @@ async fn call(method: hyper::Method, addr: SocketAddr, path: &str, body: &str) -
     send(req).await
 }
 
-const PROMPT: usize = 9;
+/// Long enough for whole KV blocks: decode asked for their rows would die.
+const PROMPT: usize = 40;
 const GENERATED: usize = 5;
 
 fn completion(stream: bool) -> String {
     let prompt: Vec<usize> = (0..PROMPT).collect();
     json!({"model": "moe", "prompt": prompt, "max_tokens": GENERATED, "stream": stream}).to_string()
+}
+
+fn generate(stream: bool) -> String {
+    let ids: Vec<usize> = (0..PROMPT).collect();
+    json!({"token_ids": ids, "sampling_params": {"max_tokens": GENERATED}, "stream": stream})
+        .to_string()
 }
 
 /// The routing in a body (or a stream event's JSON) equals the truth for every position.
@@ -294,7 +322,8 @@ async fn a_stream_relays_every_event_and_merges_the_routing_event() {
         engine(Engine::Working, p).await,
         engine(Engine::Working, d).await,
     );
-    let (status, body) = post(proxy.addr, "/v1/completions", &completion(true)).await;
+    // vLLM 0.32 streams routing on generate only, the whole value on the finishing event.
+    let (status, body) = post(proxy.addr, "/inference/v1/generate", &generate(true)).await;
     assert_eq!(status, 200);
     let text = String::from_utf8(body).unwrap();
     let events: Vec<&str> = text
@@ -305,10 +334,62 @@ async fn a_stream_relays_every_event_and_merges_the_routing_event() {
     assert_eq!(*events.last().unwrap(), "[DONE]");
     let routed: Vec<&&str> = events
         .iter()
-        .filter(|e| e.contains("routed_experts"))
+        .filter(|e| e.contains("\"routed_experts\":\"") || e.contains("\"shape\""))
         .collect();
-    assert_eq!(routed.len(), 1);
+    assert_eq!(routed.len(), 1, "{text}");
+    assert!(routed[0].contains("\"finish_reason\":\"length\""));
     assert_truth(routed[0].as_bytes());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completions_stream_without_routing_ends_in_an_error_never_in_done() {
+    // vLLM 0.32 sends no routing on completions streams: the client gets every token, then
+    // the proxy's error as the last event, and no [DONE] it would stop reading at.
+    let (p, d) = counters();
+    let proxy = Running::start(
+        engine(Engine::Working, p).await,
+        engine(Engine::Working, d).await,
+    );
+    let (status, body) = post(proxy.addr, "/v1/completions", &completion(true)).await;
+    assert_eq!(status, 200);
+    let text = String::from_utf8(body).unwrap();
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .collect();
+    assert_eq!(events.len(), GENERATED + 1, "{text}");
+    assert!(!text.contains("[DONE]"), "{text}");
+    assert!(
+        events[GENERATED].contains("missing routing on the decode side"),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_is_asked_only_for_rows_it_computed() {
+    // The engine answers 500 for rows of KV it received, as a real vLLM 0.32 dies: a 200
+    // here, with the client's start below the received blocks, shows the proxy asked for
+    // the prompt's last position on.
+    let (p, d) = counters();
+    let proxy = Running::start(
+        engine(Engine::Working, p).await,
+        engine(Engine::Working, d).await,
+    );
+    for start in [0u64, 3, 31] {
+        let mut body: Value = serde_json::from_str(&completion(false)).unwrap();
+        body["routed_experts_prompt_start"] = json!(start);
+        let (status, reply) = post(proxy.addr, "/v1/completions", &body.to_string()).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&reply));
+        let hints = Hints {
+            start: Some(start),
+            ..Hints::default()
+        };
+        let p = from_response(&reply, 0, &hints, 1 << 20).unwrap().unwrap();
+        assert_eq!(
+            (p.start(), p.stop()),
+            (start, (PROMPT + GENERATED - 1) as u64)
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -331,7 +412,11 @@ async fn routing_missing_on_prefill_is_a_502_that_blames_prefill_never_a_200() {
         engine(Engine::NoRouting, p).await,
         engine(Engine::Working, d).await,
     );
-    let (status, body) = post(proxy.addr, "/v1/completions", &completion(false)).await;
+    // Without prefill's routing the proxy cannot tell the prompt's length, so decode is asked
+    // from the client's start: one past the received blocks here, which decode computed.
+    let mut body: Value = serde_json::from_str(&completion(false)).unwrap();
+    body["routed_experts_prompt_start"] = json!(PROMPT - 1);
+    let (status, body) = post(proxy.addr, "/v1/completions", &body.to_string()).await;
     assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
     assert_eq!(error_side(&body), "prefill");
     assert!(String::from_utf8_lossy(&body).contains("missing routing on the prefill side"));

@@ -211,6 +211,10 @@ mod _core {
             .filter(log::LevelFilter::Info);
         // Another extension may have installed a `log` logger first; then ours stays off.
         let _ = logger.install();
+        // The formats' names, in the core's order: Python's choices come from here, not a list
+        // of its own (tests/test_new_user.py holds the stub's `_Format` to it).
+        let names = routed_experts::Format::ALL.map(routed_experts::Format::name);
+        m.add("FORMATS", pyo3::types::PyTuple::new(m.py(), names)?)?;
         Ok(())
     }
 }
