@@ -10,6 +10,7 @@ __version__: str
 
 __all__ = [
     "__version__",
+    "FORMATS",
     "Agreement",
     "ConfigError",
     "ExpertLoad",
