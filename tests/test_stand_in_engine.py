@@ -15,7 +15,13 @@ from hypothesis import strategies as st
 
 import routed_experts as rx
 from routed_experts.proxy import ProxyServer
-from routed_experts.stand_in_engine import BLOCK, PrefixCache, StandInEngine, routing_of
+from routed_experts.stand_in_engine import (
+    BLOCK,
+    PrefixCache,
+    StandInEngine,
+    VllmAnswers,
+    routing_of,
+)
 
 
 def _post(url: str, body: Any, path: str = "/v1/completions") -> tuple[int, bytes]:
@@ -43,6 +49,42 @@ def test_a_rows_routing_depends_only_on_the_tokens_up_to_it(tokens: list[int], m
     assert rows.min() >= 0 and rows.max() < 256
     ordered = np.sort(rows, axis=-1)
     assert (np.diff(ordered, axis=-1) > 0).all()
+
+
+@given(st.lists(st.integers(0, 255), min_size=1, max_size=70), st.integers(1, 6),
+       st.integers(0, 69), st.sampled_from(["0.32", "0.27"]),
+       st.sampled_from(["/v1/completions", "/inference/v1/generate"]))
+def test_each_half_answers_its_rows_of_the_truth_or_refuses(
+    tokens: list[int], generated: int, start: int, release: str, path: str
+) -> None:
+    # Prefill: rows [S, P). Decode: rows [S, P + G - 1) when it computed them, else a 500 (a
+    # real vLLM 0.32 decode dies). Release 0.27 ignores the start on completions (rows from 0).
+    model = (2, 2, 16)
+    truth = routing_of(tokens, generated, model)
+    P = len(tokens)
+    if path.endswith("generate"):
+        body: dict[str, Any] = {"token_ids": tokens, "sampling_params": {
+            "max_tokens": generated, "routed_experts_prompt_start": start}}
+    else:
+        body = {"prompt": tokens, "max_tokens": generated, "routed_experts_prompt_start": start}
+    ignored = release == "0.27" and not path.endswith("generate")
+    S = 0 if ignored else start
+    for role in ("prefill", "decode"):
+        answers = VllmAnswers(role, model, release=release)
+        kv = ({"do_remote_decode": True} if role == "prefill"
+              else answers.kv_transfer_params(tokens) | {"remote_engine_id": "p"})
+        status, doc = answers.reply(path, {**body, "kv_transfer_params": kv})
+        if S >= P:
+            assert status == 400 and "routed_experts_prompt_start" in doc["error"]["message"]
+            continue
+        if role == "decode" and S < (P - 1) // BLOCK * BLOCK:
+            assert status == 500 and "never computed" in doc["error"]["message"]
+            continue
+        assert status == 200, doc
+        stop = P if role == "prefill" else P + generated - 1
+        p = rx.from_response(json.dumps(doc), start=S)
+        assert p is not None and (p.start, p.stop) == (S, stop)
+        np.testing.assert_array_equal(p.to_numpy(), truth[S:stop])
 
 
 def test_the_prefix_cache_matches_whole_leading_blocks_and_evicts_the_least_recent() -> None:
