@@ -3,6 +3,8 @@ GPU: `routed-experts engine --role prefill|decode`. It speaks vLLM's disaggregat
 protocol as the proxy drives it, returns synthetic routing of a real model's size, and can model
 a prefix cache. Standard library and numpy only, so it needs no extra.
 
+What it answers is `VllmAnswers`, apart from the server: the proxy's tests serve the same
+answers behind their fault injection (tests/engines.py), so there is one stand-in engine.
 It answers as vLLM 0.32 does (held to the bodies a real vLLM 0.32 sent, tests/real/vllm/, by
 tests/test_stand_in_engine.py): routing as base64 `.npy` at `choices[i].routed_experts`, rows
 `[S, P + G - 1)` for the `routed_experts_prompt_start` S a request asks for (top level on
