@@ -26,22 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Union, cast
 
-import numpy as np
-
 import routed_experts as rx
+from routed_experts.stand_in_engine import VllmAnswers
 
 # What a 200 must carry: exactly these bytes, or what the check accepts; None: anything.
 Expect = Union[bytes, Callable[[bytes], bool], None]
 _VLLM_ROUTER_HINT = "pip install vllm-router (the bench extra) adds it as a column"
 
-PREFILL_KV = {
-    "do_remote_prefill": True,
-    "do_remote_decode": False,
-    "remote_engine_id": "bench-prefill",
-    "remote_block_ids": list(range(64)),
-    "remote_host": "127.0.0.1",
-    "remote_port": 14579,
-}
 GENERATED = 512  # tokens each request generates (the last one has no row)
 # The bodies' shapes: "sidecar", the compact sidecar, decode sending the whole sequence with
 # zeroed prompt rows; "vllm", as vLLM 0.32 sends them in P/D (`.npy` text, prefill rows [0, P),
@@ -74,77 +65,39 @@ class Bodies:
         generated: int | None = None,
     ) -> Bodies:
         """`generated`: tokens decode generates (default GENERATED, at most tokens - 1); the
-        prompt is the rest."""
+        prompt is the rest. The bodies are the stand-in engine's answers (`VllmAnswers`, the
+        one every test engine serves), so the bench's engines send what the tests' do."""
         if shape not in BODY_SHAPES:
             raise ValueError(f"bench-proxy: bodies must be one of {BODY_SHAPES}, not {shape!r}")
         generated = min(generated or GENERATED, tokens - 1)
         prompt = tokens - generated + 1  # rows: prompt + generated - 1 = tokens
-        rng = np.random.default_rng(7)
-        truth = rng.integers(0, 128, size=(tokens, layers, top_k), dtype=np.uint8)
-        prefill_payload = rx.RoutedExperts.from_array(truth[:prompt], num_experts=128)
-        decode_start = None
-        if shape == "vllm":
-            decode_start = prompt - 1
-            decode_payload = rx.RoutedExperts.from_array(
-                truth[decode_start:], start=decode_start, num_experts=128
-            )
-            prefill_rows: Any = rx.encode(prefill_payload, "vllm_npy")
-            decode_rows: Any = rx.encode(decode_payload, "vllm_npy")
-        else:
-            zeroed = truth.copy()
-            zeroed[:prompt] = 0
-            prefill_rows = prefill_payload.to_dict()
-            decode_rows = rx.RoutedExperts.from_array(zeroed, num_experts=128).to_dict()
-        request = json.dumps(
-            {"model": "moe", "prompt": list(range(prompt)), "max_tokens": generated}
-        ).encode()
-        prefill = json.dumps(
-            {
-                "id": "cmpl-p",
-                "object": "text_completion",
-                "model": "moe",
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": "x",
-                        "finish_reason": "length",
-                        "routed_experts": prefill_rows,
-                    }
-                ],
-                "usage": {"prompt_tokens": prompt, "completion_tokens": 1},
-                "kv_transfer_params": PREFILL_KV,
-            }
-        ).encode()
-        text = " tok" * generated
-        decode = json.dumps(
-            {
-                "id": "cmpl-d",
-                "object": "text_completion",
-                "model": "moe",
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": text,
-                        "finish_reason": "length",
-                        "routed_experts": decode_rows,
-                    }
-                ],
-                "usage": {"prompt_tokens": prompt, "completion_tokens": generated},
-            }
-        ).encode()
-        events = []
-        for i in range(generated):
-            choice: dict[str, Any] = {"index": 0, "text": " tok"}
-            if i == generated - 1:  # vLLM sends the routing with the last chunk
-                choice.update(finish_reason="length", routed_experts=decode_rows)
-            events.append(b"data: " + json.dumps({"id": "cmpl-d", "choices": [choice]}).encode())
+        model, fmt = (layers, top_k, 128), ("vllm_npy" if shape == "vllm" else "compact")
+        path, asked = "/v1/completions", {"model": "moe", "prompt": list(range(prompt)),
+                                          "max_tokens": generated}
+        # Prefill: rows [0, P). Decode: "vllm" asked from P - 1, as the proxy asks (vLLM 0.32
+        # answers those rows); "sidecar" asked from 0 by an engine that answers rows it did not
+        # compute zeroed. Both stream the routing on the finishing event.
+        prefill = VllmAnswers("prefill", model, routing_format=fmt, engine_id="bench-prefill")
+        decode = VllmAnswers("decode", model, routing_format=fmt, stream_routing=True,
+                             uncomputed_rows="error" if shape == "vllm" else "zeros")
+        kv = {"do_remote_decode": True}
+        prefill_doc = _answered(prefill, path, {**asked, "max_tokens": 1, "kv_transfer_params": kv})
+        decode_start = prompt - 1 if shape == "vllm" else None
+        asked_decode = {**asked, "kv_transfer_params": prefill_doc["kv_transfer_params"],
+                        "routed_experts_prompt_start": decode_start or 0}
+        decode_doc = _answered(decode, path, asked_decode)
+        events = [b"data: " + json.dumps(e).encode()
+                  for e in _answered(decode, path, {**asked_decode, "stream": True})]
+        request = json.dumps(asked).encode()
+        prefill_body = json.dumps(prefill_doc).encode()
+        decode_body = json.dumps(decode_doc).encode()
         stream = b"\n\n".join([*events, b"data: [DONE]"]) + b"\n\n"
-        merged = rx.merge_response(prefill, decode, decode_start=decode_start)
-        last = events[-1][6:]
+        merged = rx.merge_response(prefill_body, decode_body, decode_start=decode_start)
+        last = events[-1][6:]  # the finishing event, with the routing
         merged_stream = stream.replace(
-            last, rx.merge_response(prefill, last, decode_start=decode_start)
+            last, rx.merge_response(prefill_body, last, decode_start=decode_start)
         )
-        return cls(request, prefill, decode, stream, merged, merged_stream, decode_start)
+        return cls(request, prefill_body, decode_body, stream, merged, merged_stream, decode_start)
 
     def without_routing(self) -> bytes:
         doc = json.loads(self.decode)
@@ -215,6 +168,13 @@ class Engine:
             head, data = _http(200, self.bodies.decode)
             return [head, data[: len(data) // 2], b""]  # b"": close the connection
         return _http(200, bodies.decode)
+
+
+def _answered(answers: VllmAnswers, path: str, body: dict[str, Any]) -> Any:
+    status, reply = answers.reply(path, body)
+    if status != 200:
+        raise RuntimeError(f"bench-proxy: the stand-in answered {status}: {reply}")
+    return reply
 
 
 # A client's request marked this way is answered with small bodies (`Engine`).
