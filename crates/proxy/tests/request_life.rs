@@ -242,6 +242,22 @@ impl Drop for Running {
     }
 }
 
+/// The proxy in front of one working prefill and one working decode engine.
+async fn working_proxy() -> Running {
+    let (p, d) = counters();
+    Running::start(
+        engine(Engine::Working, p).await,
+        engine(Engine::Working, d).await,
+    )
+}
+
+/// A stream's `data:` payloads, in order.
+fn data_lines(text: &str) -> Vec<&str> {
+    text.split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .collect()
+}
+
 /// A request's status and whole body.
 async fn send(req: Request<Full<Bytes>>) -> (u16, Vec<u8>) {
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
@@ -317,19 +333,12 @@ async fn a_plain_completion_merges_prefill_and_decode_to_the_truth() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_relays_every_event_and_merges_the_routing_event() {
-    let (p, d) = counters();
-    let proxy = Running::start(
-        engine(Engine::Working, p).await,
-        engine(Engine::Working, d).await,
-    );
+    let proxy = working_proxy().await;
     // vLLM 0.32 streams routing on generate only, the whole value on the finishing event.
     let (status, body) = post(proxy.addr, "/inference/v1/generate", &generate(true)).await;
     assert_eq!(status, 200);
     let text = String::from_utf8(body).unwrap();
-    let events: Vec<&str> = text
-        .split("\n\n")
-        .filter_map(|e| e.strip_prefix("data: "))
-        .collect();
+    let events = data_lines(&text);
     assert_eq!(events.len(), GENERATED + 1, "{text}");
     assert_eq!(*events.last().unwrap(), "[DONE]");
     let routed: Vec<&&str> = events
@@ -345,18 +354,11 @@ async fn a_stream_relays_every_event_and_merges_the_routing_event() {
 async fn a_completions_stream_without_routing_ends_in_an_error_never_in_done() {
     // vLLM 0.32 sends no routing on completions streams: the client gets every token, then
     // the proxy's error as the last event, and no [DONE] it would stop reading at.
-    let (p, d) = counters();
-    let proxy = Running::start(
-        engine(Engine::Working, p).await,
-        engine(Engine::Working, d).await,
-    );
+    let proxy = working_proxy().await;
     let (status, body) = post(proxy.addr, "/v1/completions", &completion(true)).await;
     assert_eq!(status, 200);
     let text = String::from_utf8(body).unwrap();
-    let events: Vec<&str> = text
-        .split("\n\n")
-        .filter_map(|e| e.strip_prefix("data: "))
-        .collect();
+    let events = data_lines(&text);
     assert_eq!(events.len(), GENERATED + 1, "{text}");
     assert!(!text.contains("[DONE]"), "{text}");
     assert!(
@@ -370,11 +372,7 @@ async fn decode_is_asked_only_for_rows_it_computed() {
     // The engine answers 500 for rows of KV it received, as a real vLLM 0.32 dies: a 200
     // here, with the client's start below the received blocks, shows the proxy asked for
     // the prompt's last position on.
-    let (p, d) = counters();
-    let proxy = Running::start(
-        engine(Engine::Working, p).await,
-        engine(Engine::Working, d).await,
-    );
+    let proxy = working_proxy().await;
     for start in [0u64, 3, 31] {
         let mut body: Value = serde_json::from_str(&completion(false)).unwrap();
         body["routed_experts_prompt_start"] = json!(start);
@@ -468,11 +466,7 @@ async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_unknown_paths_and_wrong_methods_and_state_the_build() {
-    let (p, d) = counters();
-    let proxy = Running::start(
-        engine(Engine::Working, p).await,
-        engine(Engine::Working, d).await,
-    );
+    let proxy = working_proxy().await;
     assert_eq!(get(proxy.addr, "/etc/passwd").await.0, 404);
     assert_eq!(get(proxy.addr, "/v1/completions").await.0, 405);
     assert_eq!(post(proxy.addr, "/health", "{}").await.0, 405);
