@@ -162,7 +162,7 @@ class Engine:
 
     async def sse(self, docs: list[dict[str, Any]]) -> AsyncIterator[bytes]:
         """A stream's events as the stand-in wrote them, with the stream faults."""
-        routed = line = b""
+        routed = b""
         for doc in docs:
             choices = doc.get("choices") or []
             carries = any(c.get("routed_experts") is not None for c in choices)

@@ -161,9 +161,9 @@ class VllmAnswers:
             raise ValueError(f'routing_format: expected "vllm_npy" or "compact", got {got}')
         if release not in ("0.32", "0.27", "0.21"):
             raise ValueError(f'release: expected "0.32", "0.27" or "0.21", got {release!r}')
-        self.layers, self.top_k, self.num_experts = _dims(model)
+        self.dims = _dims(model)  # (layers, top_k, experts)
+        self.num_experts = self.dims[2]
         self.role, self.model = role, model if isinstance(model, str) else "moe"
-        self._dims = (self.layers, self.top_k, self.num_experts)
         self.uncomputed_rows, self.routing_format = uncomputed_rows, routing_format
         self.stream_routing, self.release = stream_routing, release
         self.prefill_us_per_token, self.decode_ms = prefill_us_per_token, decode_ms
@@ -175,7 +175,7 @@ class VllmAnswers:
 
     def truth(self, tokens: list[int], generated: int) -> np.ndarray:
         """Rows [0, P + G - 1) as a monolithic engine records them (`routing_of`)."""
-        return routing_of(tokens, generated, self._dims)
+        return routing_of(tokens, generated, self.dims)
 
     def routed_rows(
         self, tokens: list[int], generated: int, start: int
@@ -230,7 +230,7 @@ class VllmAnswers:
                 return _error_doc(400, "a prefill server takes kv_transfer_params.do_remote_decode")
             self._prefill_compute(tokens)
             if self.release == "0.21":
-                return 200, self._split_reply(path, tokens, 1, kv_for=tokens)
+                return 200, self._split_reply(path, tokens, 1)
             rows, at = self.routed_rows(tokens, 1, start)
             doc = self._reply(path, "x", rows, at, len(tokens), 1, body)
             doc["kv_transfer_params"] = self.kv_transfer_params(tokens)
@@ -240,7 +240,7 @@ class VllmAnswers:
         if self.release == "0.21":
             if body.get("stream"):
                 return _error_doc(400, "the stand-in's vLLM 0.21 does not stream")
-            return 200, self._split_reply(path, tokens, generated, kv_for=None)
+            return 200, self._split_reply(path, tokens, generated)
         # The prompt's whole blocks came over the KV connector, all but its last position at
         # least: decode computed positions from `received` on and has no routing before.
         received = (len(tokens) - 1) // BLOCK * BLOCK
@@ -291,11 +291,7 @@ class VllmAnswers:
     ) -> dict[str, Any]:
         choice = self._choice(path, text, generated, body)
         choice["routed_experts"] = self.routing_value(rows, start)
-        usage = {
-            "prompt_tokens": prompt,
-            "total_tokens": prompt + generated,
-            "completion_tokens": generated,
-        }
+        usage = _usage(prompt, generated)
         if path == "/inference/v1/generate":
             return {"request_id": f"generate-tokens-{self.role}", "model": self.model,
                     "usage": usage, "prompt_token_ids": None, "kv_transfer_params": None,
@@ -309,27 +305,24 @@ class VllmAnswers:
             "kv_transfer_params": None,
         }
 
-    def _split_reply(
-        self, path: str, tokens: list[int], generated: int, kv_for: list[int] | None
-    ) -> dict[str, Any]:
+    def _split_reply(self, path: str, tokens: list[int], generated: int) -> dict[str, Any]:
         """vLLM 0.21's body: the prompt's rows at the top (nested lists), the generated rows in
         the choice (none for prefill's one token); decode loaded the prompt's KV and ran none
         of it, so its prompt rows are zero."""
-        P = len(tokens)
+        P, prefill = len(tokens), self.role == "prefill"
         full = self.truth(tokens, generated)
         prompt_rows = full[:P].copy()
-        if kv_for is None:
+        if not prefill:
             prompt_rows[:] = 0
-        text = "x" if kv_for is not None else " tok" * generated
+        text = "x" if prefill else " tok" * generated
         message = ({"message": {"role": "assistant", "content": text}}
                    if path == "/v1/chat/completions" else {"text": text})
         return {"id": f"cmpl-{self.role}", "object": "text_completion", "model": self.model,
                 "prompt_routed_experts": prompt_rows.tolist(),
                 "choices": [{"index": 0, **message, "finish_reason": "length",
                              "routed_experts": full[P:].tolist() or None}],
-                "usage": {"prompt_tokens": P, "completion_tokens": generated,
-                          "total_tokens": P + generated},
-                "kv_transfer_params": self.kv_transfer_params(kv_for) if kv_for else None}
+                "usage": _usage(P, generated),
+                "kv_transfer_params": self.kv_transfer_params(tokens) if prefill else None}
 
     def _stream(
         self, path: str, rows: np.ndarray, start: int, prompt: int, generated: int,
@@ -362,10 +355,8 @@ class VllmAnswers:
             events.append(doc)
         options = body.get("stream_options")
         if not generate and isinstance(options, dict) and options.get("include_usage"):
-            usage = {"prompt_tokens": prompt, "total_tokens": prompt + generated,
-                     "completion_tokens": generated}
             events.append({"id": "cmpl-decode", "object": kind, "model": self.model,
-                           "choices": [], "usage": usage})
+                           "choices": [], "usage": _usage(prompt, generated)})
         return events
 
 
@@ -469,6 +460,11 @@ class StandInEngine:
 
 
 PATHS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
+
+
+def _usage(prompt: int, generated: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "total_tokens": prompt + generated,
+            "completion_tokens": generated}
 
 
 def _logprobs(path: str, generated: int) -> dict[str, Any]:
