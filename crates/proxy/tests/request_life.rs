@@ -54,9 +54,9 @@ enum Engine {
     Crashes,
 }
 
-/// What a request asks, wherever its endpoint keeps it: (prompt length, tokens to generate,
-/// routing start).
-fn asked(req: &Value) -> (usize, usize, usize) {
+/// What a request asks, wherever its endpoint keeps it: (whether it is a generate request,
+/// prompt length, tokens to generate, routing start).
+fn asked(req: &Value) -> (bool, usize, usize, usize) {
     let generate = req.get("token_ids").is_some();
     let (prompt, limits) = match generate {
         true => (&req["token_ids"], &req["sampling_params"]),
@@ -64,6 +64,7 @@ fn asked(req: &Value) -> (usize, usize, usize) {
     };
     let count = |v: &Value, default: u64| v.as_u64().unwrap_or(default) as usize;
     (
+        generate,
         prompt.as_array().map_or(0, Vec::len),
         count(&limits["max_tokens"], 4),
         count(&limits["routed_experts_prompt_start"], 0),
@@ -86,8 +87,7 @@ fn answer(engine: Engine, body: &[u8]) -> Response<Full<Bytes>> {
         return json_reply(500, json!({"error": "engine crashed"}));
     }
     let req: Value = serde_json::from_slice(body).unwrap();
-    let generate = req.get("token_ids").is_some();
-    let (prompt, generated, start) = asked(&req);
+    let (generate, prompt, generated, start) = asked(&req);
     let kv = &req["kv_transfer_params"];
     if kv["do_remote_decode"] == json!(true) {
         let mut choice = json!({"index": 0, "text": "x", "finish_reason": "length"});
