@@ -203,6 +203,12 @@ fn merge_found<'a>(p: &Found<'a>, d: &Found<'a>, opts: &MergeOptions) -> Result<
     {
         return merge_sidecars(p, d, opts);
     }
+    // vLLM's `.npy` text kept as `.npy`: copied where it lines up, not decoded and encoded.
+    if opts.keep_format && opts.splice {
+        if let Some(pieces) = super::npy_text::merge_npy_text(p, d, opts) {
+            return Ok(pieces);
+        }
+    }
     let prefill_hints = side_hints(p, opts.hints.start, opts);
     let decode_hints = side_hints(d, opts.decode_start.or(opts.hints.start), opts);
     let (_, prefill) =
@@ -346,6 +352,7 @@ fn checked_copy<'a>(
             text: &t[from..to],
             last,
             whole: t,
+            field: "data",
             context: side.to_string(),
             scanned,
         }),

@@ -1,10 +1,12 @@
 //! Routing inside whole response bodies: find it without building the rest of the body, and
 //! merge prefill and decode bodies by replacing only the routing values' bytes (format.md §4).
 //! Three jobs, a file each: reading (`read`), sampling rows for a broken engine's marks
-//! (`suspects`), and merging (`merge`, into the pieces of `spliced`); and merging one event of a
+//! (`suspects`), and merging (`merge`, into the pieces of `spliced`; vLLM's `.npy` kept as
+//! `.npy` by copying its text, `npy_text`); and merging one event of a
 //! stream as it passes (`streaming`, with prefill's rows held decoded in `prefill_rows`).
 
 mod merge;
+mod npy_text;
 mod prefill_rows;
 mod read;
 mod spliced;

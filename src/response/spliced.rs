@@ -30,6 +30,9 @@ pub(super) enum Piece<'a> {
         text: &'a [u8],
         last: bool,
         whole: &'a [u8],
+        /// The value's field, as the decoding path names it in an error (`data` of a compact
+        /// sidecar, `vllm_npy` for vLLM's text).
+        field: &'static str,
         context: String,
         /// `whole` was found to be base64 characters by the scan that read it
         /// (`SidecarFields::data_base64`): only lengths and padding are left to check.
@@ -70,15 +73,16 @@ impl Piece<'_> {
 
     /// Copy into the start of `out`, checking base64 on the way; return the rest of `out`.
     fn write<'o>(&self, out: &'o mut [MaybeUninit<u8>]) -> Result<&'o mut [MaybeUninit<u8>]> {
-        let (text, last, whole, context, scanned) = match self {
+        let (text, last, whole, field, context, scanned) = match self {
             Piece::Copy(b) => return Ok(b64::write_uninit(out, b)),
             Piece::Base64 {
                 text,
                 last,
                 whole,
+                field,
                 context,
                 scanned,
-            } => (*text, *last, *whole, context, *scanned),
+            } => (*text, *last, *whole, *field, context, *scanned),
         };
         let (head, rest) = out.split_at_mut(text.len());
         let valid = if scanned {
@@ -87,7 +91,7 @@ impl Piece<'_> {
             b64::copy_checked(text, head, last)
         };
         if !valid {
-            return Err(b64::error_in(whole, "data").context(context));
+            return Err(b64::error_in(whole, field).context(context));
         }
         Ok(rest)
     }
@@ -168,12 +172,13 @@ impl<'a> Spliced<'a> {
                 text,
                 last,
                 whole,
+                field,
                 context,
                 scanned,
             } = piece
             {
                 if !groups_valid(text, *last, *scanned) {
-                    return Err(b64::error_in(whole, "data").context(context));
+                    return Err(b64::error_in(whole, field).context(context));
                 }
             }
         }

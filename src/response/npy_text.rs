@@ -1,0 +1,372 @@
+//! Two halves of vLLM's `.npy` text merged into `.npy` text (`keep_format`) mostly by copying
+//! it: the merged file is a new header, prefill's rows, then decode's rows past prefill's, and
+//! base64 maps each 3-byte group to 4 characters, so wherever a half's rows sit on the same
+//! group boundaries in the merged file as in its own, their text is the merged file's text.
+//! Only the groups around the header and the cut are decoded and encoded again.
+
+use std::borrow::Cow;
+
+use super::merge::MergeOptions;
+use super::spliced::{groups_valid, Piece};
+use super::suspects::npy_header;
+
+use crate::body::{coverage, Found};
+use crate::formats::{check_hints, npy, Format, Hints, Rule};
+use crate::kernels::b64;
+use crate::payload::{merge, Header};
+
+/// One half's `.npy` text, its header read and checked as the decoding path checks it.
+struct NpyText<'a> {
+    /// The JSON string's content: base64 of the whole file.
+    text: &'a [u8],
+    /// The rows' header, with the start the caller gave (vLLM's text carries none).
+    header: Header,
+    /// Where the rows begin in the file.
+    data_offset: usize,
+}
+
+/// The merged value's pieces (its JSON string, quotes included) when both halves are vLLM's
+/// `.npy` text of one dtype that the decoding path would read; `None` for anything else, and
+/// for any error found before a byte is copied: the decoding path then merges or refuses the
+/// pair, with its own message. What is left to fail later (a bad character inside text that
+/// is copied) fails as the decoding path does, with the same message (`Piece::Base64`), and
+/// prefill's before decode's, as it decodes them.
+pub(super) fn merge_npy_text<'a>(
+    p: &Found<'a>,
+    d: &Found<'a>,
+    opts: &MergeOptions,
+) -> Option<Vec<Piece<'a>>> {
+    let prefill = read_side(p, opts.hints.start, opts)?;
+    let decode = read_side(d, opts.decode_start.or(opts.hints.start), opts)?;
+    if prefill.header.dtype != decode.header.dtype {
+        return None;
+    }
+    let plan = merge::plan(&prefill.header, &decode.header).ok()?;
+    let row_bytes = decode.header.row_bytes();
+    let prefill_rows = prefill.header.shape.tokens * row_bytes;
+    // Decode's rows that follow prefill's: bytes `[kept, end)` of its file.
+    let end = decode.data_offset + decode.header.shape.tokens * row_bytes;
+    let kept = decode.data_offset + plan.skip * row_bytes;
+    // Decode's text that nothing below decodes or copies is checked here (as the decoding path
+    // would read it): its header's groups are decoded, its rows before `kept` dropped.
+    let dropped = if kept < end {
+        &decode.text[..(kept / 3 * 4).min(decode.text.len())]
+    } else {
+        decode.text
+    };
+    if !groups_valid(dropped, dropped.len() == decode.text.len(), false) {
+        return None;
+    }
+    let mut join = TextJoin::default();
+    join.bytes(&npy::write_header(plan.header.dtype, plan.header.shape));
+    let rows = prefill.data_offset..prefill.data_offset + prefill_rows;
+    join.text_range(prefill.text, rows, "prefill").ok()?;
+    join.text_range(decode.text, kept..end, "decode").ok()?;
+    let mut pieces = vec![Piece::Copy(Cow::Borrowed(b"\""))];
+    pieces.extend(join.finish());
+    pieces.push(Piece::Copy(Cow::Borrowed(b"\"")));
+    Some(pieces)
+}
+
+/// `f` as `.npy` text whose header, length and counts pass every check the decoding path makes
+/// before it decodes the rows; `None` otherwise.
+fn read_side<'a>(f: &Found<'a>, start: Option<u64>, opts: &MergeOptions) -> Option<NpyText<'a>> {
+    if f.fields.is_some() || !f.plain_string {
+        return None;
+    }
+    let text = f.text.strip_prefix(b"\"")?.strip_suffix(b"\"")?;
+    let format = Format::VllmNpy;
+    if crate::formats::detect(text).ok()? != format || !f.place.allows(format) {
+        return None;
+    }
+    let rule = Rule::of(format, f.place);
+    if rule == Rule::WholeWithFiller {
+        return None;
+    }
+    let hints = Hints {
+        start,
+        dtype: opts.hints.dtype.or(f.dtype),
+        ..opts.hints
+    };
+    let (_, header, data_offset) = npy_header(f, &hints).ok()??;
+    let file = data_offset.saturating_add(header.shape.nbytes(header.dtype).ok()?);
+    crate::limits::check(file, opts.max_bytes.saturating_add(4096)).ok()?;
+    crate::limits::check_shape(header.shape, header.dtype, opts.max_bytes).ok()?;
+    check_hints(format, &header, &hints).ok()?;
+    coverage::check(rule, format, &header, &f.counts, start.is_some()).ok()?;
+    Some(NpyText {
+        text,
+        header,
+        data_offset,
+    })
+}
+
+/// The base64 text of a byte sequence built from new bytes and ranges of other base64 texts'
+/// bytes: a range whose groups fall on the output's is copied as text, except the bytes
+/// before its first whole group and after its last, which are decoded and encoded with their
+/// neighbours; a range off the output's grid is decoded whole.
+#[derive(Default)]
+struct TextJoin<'a> {
+    pieces: Vec<Piece<'a>>,
+    /// Bytes of the output not yet encoded; they begin on a group of the output.
+    pending: Vec<u8>,
+    /// Bytes of the base64 output so far, `pending`'s included.
+    at: usize,
+}
+
+impl<'a> TextJoin<'a> {
+    fn bytes(&mut self, b: &[u8]) {
+        self.pending.extend_from_slice(b);
+        self.at += b.len();
+    }
+
+    /// Bytes `range` of the file that base64 `text` encodes (`side` names it in an error).
+    fn text_range(
+        &mut self,
+        text: &'a [u8],
+        range: std::ops::Range<usize>,
+        side: &'static str,
+    ) -> crate::error::Result<()> {
+        let (from, to) = (range.start, range.end);
+        if from >= to {
+            return Ok(());
+        }
+        if self.at % 3 != from % 3 {
+            self.bytes(&b64::decode_range(text, from, to)?);
+            return Ok(());
+        }
+        // The range's first and last group boundaries, in its file and so in the output.
+        let first = from.next_multiple_of(3).min(to);
+        let last = (to / 3 * 3).max(first);
+        self.bytes(&b64::decode_range(text, from, first)?);
+        if last > first {
+            // `at` and `from` agree mod 3, so the output is now at a group boundary, and what
+            // is pending (which began at one) is whole groups.
+            debug_assert_eq!(self.pending.len() % 3, 0);
+            self.flush();
+            let (a, b) = (first / 3 * 4, last / 3 * 4);
+            self.pieces.push(Piece::Base64 {
+                text: text
+                    .get(a..b)
+                    .ok_or_else(|| b64::error_in(text, "vllm_npy"))?,
+                last: b == text.len(),
+                whole: text,
+                field: "vllm_npy",
+                context: side.to_string(),
+                scanned: false,
+            });
+            self.at += last - first;
+        }
+        self.bytes(&b64::decode_range(text, last, to)?);
+        Ok(())
+    }
+
+    /// Encode what is pending: whole groups, unless it ends the text.
+    fn flush(&mut self) {
+        if self.pending.is_empty() {
+            return;
+        }
+        self.pieces
+            .push(Piece::Copy(Cow::Owned(b64::encode(&self.pending))));
+        self.pending.clear();
+    }
+
+    /// The pieces of the whole text.
+    fn finish(mut self) -> Vec<Piece<'a>> {
+        self.flush();
+        self.pieces
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::body::read_body;
+    use crate::formats::Hints;
+    use crate::limits::DEFAULT_MAX_BYTES;
+    use crate::payload::dtype::DType;
+    use crate::payload::{DTypeChoice, Payload, Shape};
+    use crate::response::{merge_response, MergeOptions};
+
+    /// A body as vLLM sends it: one choice, its `.npy` text, the usage counts when given.
+    fn body(npy: &[u8], counts: Option<(usize, usize)>) -> Vec<u8> {
+        let usage = counts.map_or(String::new(), |(p, g)| {
+            format!(r#","usage":{{"prompt_tokens":{p},"completion_tokens":{g}}}"#)
+        });
+        let text = String::from_utf8(b64::encode(npy)).unwrap();
+        format!(r#"{{"choices":[{{"index":0,"text":"x","routed_experts":"{text}"}}]{usage}}}"#)
+            .into_bytes()
+    }
+
+    /// `rows` of `truth` as a `.npy` file, its header padded by `extra` more 64-byte blocks
+    /// than `np.save` writes (a file `np.load` reads the same, whose rows sit elsewhere).
+    fn npy_file(truth: &Payload, rows: std::ops::Range<usize>, extra: usize) -> Vec<u8> {
+        let (dtype, row) = (truth.dtype(), truth.header().row_bytes());
+        let shape = Shape {
+            tokens: rows.len(),
+            ..truth.shape()
+        };
+        let mut file = npy::write_header(dtype, shape);
+        if extra > 0 {
+            // Spaces before the header's closing newline; its length field grows with them.
+            file.pop();
+            file.extend(std::iter::repeat_n(b' ', 64 * extra));
+            file.push(b'\n');
+            let len = u16::try_from(file.len() - 10).unwrap().to_le_bytes();
+            file[8..10].copy_from_slice(&len);
+        }
+        file.extend_from_slice(&truth.bytes()[rows.start * row..rows.end * row]);
+        file
+    }
+
+    struct Case {
+        prefill: Vec<u8>,
+        decode: Vec<u8>,
+        opts: MergeOptions,
+        truth: Payload,
+        want: std::ops::Range<usize>,
+    }
+
+    /// A random P/D pair as vLLM 0.32 answers it: prefill rows `[S, P)`, decode's from a start
+    /// between `S` and `P` (the router's `max(S, P - 1)` among them) to `P + G - 1`.
+    fn case(next: &mut impl FnMut() -> u64) -> Case {
+        let dtype = DType::ALL[next() as usize % DType::ALL.len()];
+        let (layers, top_k) = (1 + next() as usize % 5, 1 + next() as usize % 4);
+        let prompt = 1 + next() as usize % 40;
+        let generated = 1 + next() as usize % 12;
+        let start = (next() % 2 == 0).then(|| next() as usize % prompt);
+        let s = start.unwrap_or(0);
+        let from = s + next() as usize % (prompt - s + 1);
+        let stop = prompt + generated - 1;
+        let values: Vec<i64> = (0..(stop * layers * top_k))
+            .map(|_| (next() % 100) as i64)
+            .collect();
+        let truth = Payload::from_values(
+            &values,
+            Shape::new(stop, layers, top_k),
+            0,
+            DTypeChoice::Exact(dtype),
+        )
+        .unwrap();
+        let counts = next() % 3 != 0;
+        let prefill_extra = usize::from(next() % 5 == 0);
+        let decode_extra = usize::from(next() % 5 == 0);
+        // Decode's zero-row value (every row in prefill) needs `from == stop`: never here,
+        // as `from <= P <= stop` and `stop == P` only for one generated token.
+        let prefill = body(
+            &npy_file(&truth, s..prompt, prefill_extra),
+            counts.then_some((prompt, 1)),
+        );
+        let decode = body(
+            &npy_file(&truth, from..stop, decode_extra),
+            counts.then_some((prompt, generated)),
+        );
+        let opts = MergeOptions {
+            hints: Hints {
+                start: start.map(|s| s as u64),
+                ..Hints::default()
+            },
+            decode_start: Some(from as u64),
+            keep_format: true,
+            ..MergeOptions::new(DEFAULT_MAX_BYTES)
+        };
+        Case {
+            prefill,
+            decode,
+            opts,
+            truth,
+            want: s..stop,
+        }
+    }
+
+    /// How many pieces of text the text merge copies (`None` when it passed the pair on).
+    fn by_text(prefill: &[u8], decode: &[u8], opts: &MergeOptions) -> Option<usize> {
+        let (p, d) = (read_body(prefill).unwrap(), read_body(decode).unwrap());
+        let pieces = merge_npy_text(&p.values[0], &d.values[0], opts)?;
+        Some(
+            pieces
+                .iter()
+                .filter(|p| matches!(p, Piece::Base64 { .. }))
+                .count(),
+        )
+    }
+
+    /// The text merge writes what decoding, merging and encoding write, byte for byte, and
+    /// that is the truth's rows; it takes every sound pair of one dtype.
+    #[test]
+    fn the_text_merge_is_the_decoding_merge() {
+        let mut next = crate::test_rng::xorshift(0x9e37_79b9_7f4a_7c15);
+        let (mut copied, mut both) = (0, 0);
+        for _ in 0..600 {
+            let c = case(&mut next);
+            let pieces = by_text(&c.prefill, &c.decode, &c.opts).expect("taken");
+            copied += usize::from(pieces > 0);
+            both += usize::from(pieces > 1);
+            let fast = merge_response(&c.prefill, &c.decode, c.opts).unwrap();
+            let slow = MergeOptions {
+                splice: false,
+                ..c.opts
+            };
+            let slow = merge_response(&c.prefill, &c.decode, slow).unwrap();
+            assert_eq!(
+                String::from_utf8_lossy(&fast),
+                String::from_utf8_lossy(&slow)
+            );
+            let merged = crate::response::from_response(&fast, 0, &c.opts.hints, DEFAULT_MAX_BYTES)
+                .unwrap()
+                .unwrap();
+            let row = c.truth.header().row_bytes();
+            assert_eq!(
+                merged.bytes(),
+                &c.truth.bytes()[c.want.start * row..c.want.end * row]
+            );
+        }
+        // Text was copied in most pairs, from both halves in some.
+        assert!(copied > 300 && both > 50, "{copied} {both}");
+    }
+
+    /// Text that cannot be read fails as the decoding path fails, with its message: a bad
+    /// character or a cut anywhere in either half.
+    #[test]
+    fn bad_text_fails_as_decoding_fails() {
+        let mut next = crate::test_rng::xorshift(0x0123_4567_89ab_cdef);
+        let flaws: [&[u8]; 5] = [b"*", b"=", b"A", b"/", b"\\u0041"];
+        let (mut failed, mut taken) = (0, 0);
+        for _ in 0..1500 {
+            let mut c = case(&mut next);
+            let half = if next() % 2 == 0 {
+                &mut c.prefill
+            } else {
+                &mut c.decode
+            };
+            let text = half.windows(2).position(|w| w == b"\"k").unwrap() + 1;
+            let len = half[text..].iter().position(|&b| b == b'"').unwrap();
+            // A third of the flaws in the last groups, where a copy ends.
+            let at = match next() % 3 {
+                0 => text + len - 1 - next() as usize % len.min(8),
+                _ => text + next() as usize % len,
+            };
+            let flaw = flaws[next() as usize % flaws.len()];
+            half.splice(at..at + usize::from(next() % 4 != 0), flaw.iter().copied());
+            let (p, d) = (read_body(&c.prefill), read_body(&c.decode));
+            if p.is_ok_and(|p| {
+                d.is_ok_and(|d| merge_npy_text(&p.values[0], &d.values[0], &c.opts).is_some())
+            }) {
+                taken += 1;
+            }
+            let fast = merge_response(&c.prefill, &c.decode, c.opts).map_err(|e| e.to_string());
+            let slow = MergeOptions {
+                splice: false,
+                ..c.opts
+            };
+            let slow = merge_response(&c.prefill, &c.decode, slow).map_err(|e| e.to_string());
+            assert_eq!(
+                fast.as_ref().map(|b| String::from_utf8_lossy(b)),
+                slow.as_ref().map(|b| String::from_utf8_lossy(b))
+            );
+            failed += usize::from(fast.is_err());
+        }
+        // Most flaws are found, some of them in text the merge took to copy.
+        assert!(failed > 1000 && taken > 200, "{failed} {taken}");
+    }
+}
