@@ -175,6 +175,56 @@ def test_generate_endpoint_merges_plain_and_streamed(
     assert decode["kv_transfer_params"] == KV_PARAMS
 
 
+def read_npy_text(text: str) -> np.ndarray:
+    """vLLM's routing text read as a client of one vLLM engine reads it: numpy, no library."""
+    import base64
+    import io
+
+    return np.load(io.BytesIO(base64.b64decode(text, validate=True)), allow_pickle=False)
+
+
+ENGINE_FORMAT = {"fmt": "vllm_npy", "proxy": {"routing_format": "engine"}}
+
+
+@pytest.mark.parametrize("stack", [ENGINE_FORMAT], indirect=True, ids=["engine_format"])
+@pytest.mark.parametrize(("endpoint", "stream"), [
+    ("/v1/completions", False), ("/v1/chat/completions", False),
+    # vLLM sends routing on no completions or chat stream: generate's only.
+    ("/inference/v1/generate", False), ("/inference/v1/generate", True)])
+@pytest.mark.parametrize("start", [0, 5])
+def test_routing_format_engine_answers_vllms_own_npy_text(
+    stack: dict[str, Any], endpoint: str, start: int, stream: bool
+) -> None:
+    """`routing_format="engine"`: the merged routing in the decode engine's format, vLLM's
+    `.npy` text holding rows `[S, P + G - 1)`, what numpy reads from one vLLM engine."""
+    if endpoint.endswith("generate"):
+        body: dict[str, Any] = {
+            **GENERATE, "stream": stream,
+            "sampling_params": {**GENERATE["sampling_params"],
+                                "routed_experts_prompt_start": start}}
+        prompt, generated = body["token_ids"], 9
+    else:
+        body = dict(CHAT if "chat" in endpoint else COMPLETION, routed_experts_prompt_start=start)
+        prompt, generated = prompt_tokens(body), max_tokens(body)
+    want = truth(prompt, generated)[start:]
+    url = stack["url"] + endpoint
+    if stream:
+        with httpx.stream("POST", url, json=body, timeout=30) as r:
+            assert r.status_code == 200
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        doc = json.loads(events[-2])
+    else:
+        r = httpx.post(url, json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        doc = json.loads(r.content)
+    text = doc["choices"][0]["routed_experts"]
+    assert isinstance(text, str) and text.startswith("k05VTVBZ")  # the .npy magic
+    got = read_npy_text(text)
+    # The dtype the engine sent (128 experts: uint8), the truth's rows.
+    assert got.dtype == np.uint8 and np.array_equal(got, want)
+
+
 def test_a_merged_body_keeps_decodes_logprobs_and_usage(stack: dict[str, Any]) -> None:
     # Fields only decode sends reach the client (the byte-for-byte property of every other
     # byte is tests/test_proxy_bytes.py's).

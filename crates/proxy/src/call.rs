@@ -11,6 +11,7 @@ use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Response};
 
 use super::budget::Share;
+use super::config::RoutingFormat;
 use super::fault::Fault;
 use super::metrics::Phase;
 use super::parts::{shared_slices, Held, PartsBody};
@@ -136,6 +137,7 @@ impl Call {
                 ..Hints::default()
             },
             decode_start,
+            keep_format: self.proxy.config.routing_format == RoutingFormat::Engine,
             ..MergeOptions::new(self.proxy.merge_max_bytes)
         }
     }

@@ -84,6 +84,8 @@ macro_rules! settings {
             /// A file listing the servers (`prefill URL` or `decode URL` a line), read at start
             /// and again on SIGHUP; then `prefill` and `decode` stay empty.
             pub upstreams_file: Option<PathBuf>,
+            /// How the merged routing is written for the client (default: a compact sidecar).
+            pub routing_format: RoutingFormat,
             $(
                 #[doc = $help]
                 pub $name: settings!(@type $unit),
@@ -100,6 +102,7 @@ macro_rules! settings {
                     decode_policy: Policy::LeastLoad,
                     session_header: None,
                     upstreams_file: None,
+                    routing_format: RoutingFormat::Compact,
                     $( $name: settings!(@default $unit, $default), )*
                 }
             }
@@ -239,6 +242,39 @@ fn below(s: &Setting, got: &str) -> ConfigError {
     ConfigError::new(s.name, message)
 }
 
+/// How the merged routing is written for the client (`routing_format`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RoutingFormat {
+    /// A compact sidecar (format.md §3.1), whatever the engines sent: one shape for every
+    /// engine, with its start.
+    Compact,
+    /// The decode engine's own format (`MergeOptions::keep_format`): vLLM's `.npy` text for
+    /// vLLM, what a client written against one engine already reads. Same-dtype `.npy` halves
+    /// are merged mostly by copying their text.
+    Engine,
+}
+
+impl RoutingFormat {
+    /// Every choice, in the order the help lists them.
+    pub const ALL: [RoutingFormat; 2] = [RoutingFormat::Compact, RoutingFormat::Engine];
+
+    /// Its name in the settings.
+    pub fn name(self) -> &'static str {
+        match self {
+            RoutingFormat::Compact => "compact",
+            RoutingFormat::Engine => "engine",
+        }
+    }
+
+    /// The choice `name` names; `Err` lists the names.
+    pub fn parse(name: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|f| f.name() == name)
+            .ok_or_else(|| format!("expected compact or engine, got {name:?}"))
+    }
+}
+
 /// The settings that take text, beside [`SETTINGS`]: `(name, default, help)`.
 pub const TEXT_SETTINGS: &[(&str, Option<&str>, &str)] = &[
     (
@@ -263,6 +299,13 @@ pub const TEXT_SETTINGS: &[(&str, Option<&str>, &str)] = &[
         None,
         "a request header whose value is the session key (e.g. X-Session-Id); without it in a \
          request, the body's session_id is the key",
+    ),
+    (
+        "routing_format",
+        Some("compact"),
+        "how the merged routing reaches the client: compact (a compact sidecar, whatever the \
+         engines sent) or engine (in the decode engine's own format, e.g. vLLM's .npy text, as \
+         a client of one engine reads it)",
     ),
     (
         "upstreams_file",
@@ -295,6 +338,10 @@ impl Config {
                 self.session_header = Some(value.to_string());
             }
             "upstreams_file" => self.upstreams_file = Some(PathBuf::from(value)),
+            "routing_format" => {
+                self.routing_format = RoutingFormat::parse(value)
+                    .map_err(|e| ConfigError::new(name, format!("{name}: {e}")))?
+            }
             _ => {
                 let message = format!("unknown proxy setting {name:?}");
                 return Err(ConfigError::new(name, message));
@@ -466,6 +513,13 @@ mod tests {
                 assert_eq!(c.set_text(name, d), Ok(()));
             }
         }
+        assert_eq!(c.routing_format, RoutingFormat::Compact);
+        assert_eq!(c.set_text("routing_format", "engine"), Ok(()));
+        assert_eq!(c.routing_format, RoutingFormat::Engine);
+        assert_eq!(
+            c.set_text("routing_format", "npy").unwrap_err().message,
+            "routing_format: expected compact or engine, got \"npy\""
+        );
         assert_eq!(c.set_text("decode_policy", "round_robin"), Ok(()));
         assert_eq!(c.decode_policy, Policy::RoundRobin);
         assert!(c
