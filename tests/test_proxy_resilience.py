@@ -494,7 +494,8 @@ def test_a_bad_setting_is_a_config_error_naming_it(value: Any) -> None:
         ProxyConfig(prefill_policy="cache_aware")
     with pytest.raises(rx.ConfigError, match="session_header: expected a header name"):
         ProxyConfig(session_header="X Session")
-    with pytest.raises(rx.ConfigError, match='routing_format: expected compact or engine, got "npy"'):
+    with pytest.raises(rx.ConfigError,
+                       match='routing_format: expected compact or engine, got "npy"'):
         ProxyConfig(routing_format="npy")
 
 

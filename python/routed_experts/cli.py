@@ -751,6 +751,14 @@ COMMANDS: list[Command] = [
                      "text; decode's rows from P - 1, the start the proxy must ask)",
             ),
             arg(
+                "--routing-format",
+                choices=["compact", "engine"],
+                default="compact",
+                help="the proxy's routing_format in the load, stream, memory and fault parts "
+                     "(engine: the merged routing in the engines' own format, vLLM's .npy text "
+                     "for --bodies vllm)",
+            ),
+            arg(
                 "--only",
                 nargs="+",
                 choices=[

@@ -31,6 +31,10 @@ pub struct Found<'a> {
     /// The value is a JSON string without escapes: its content is `text` without the quotes,
     /// as read (no second scan to unescape it).
     pub plain_string: bool,
+    /// The value is a JSON string whose content the walk found to be base64 characters then at
+    /// most two `=` (in the scan that found its end): text copied from it needs only its length
+    /// and padding checked.
+    pub base64: bool,
     /// The token counts the body gives for this value's sequence (format.md §3.3).
     pub counts: Counts,
     /// The kind of place it was found at.
@@ -771,7 +775,7 @@ fn routing_value<'a>(
     found: &mut Vec<Found<'a>>,
 ) -> Result<()> {
     // A compact sidecar is read here, in the walk's one pass over its (large) data string.
-    let mut plain_string = false;
+    let (mut plain_string, mut base64) = (false, false);
     let (span, fields) = if s.peek() == Some(b'{') {
         let start = s.pos();
         let fields = match decode.take_if(|w| w.index == index) {
@@ -781,7 +785,10 @@ fn routing_value<'a>(
         (start..s.pos(), Some(fields))
     } else if s.peek() == Some(b'"') {
         let start = s.pos();
-        plain_string = !s.string()?.escaped;
+        // Routing strings are base64 (vLLM's, SGLang's) or short (NeMo-RL's envelope): the
+        // scan for the end checks the alphabet as it goes.
+        let st = s.base64_text()?;
+        (plain_string, base64) = (!st.escaped, st.base64);
         (start..s.pos(), None)
     } else {
         (s.value()?, None)
@@ -796,6 +803,7 @@ fn routing_value<'a>(
             path: s.path(),
             fields,
             plain_string,
+            base64,
             counts: Counts::default(),
             place,
         });

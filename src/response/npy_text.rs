@@ -23,6 +23,8 @@ struct NpyText<'a> {
     header: Header,
     /// Where the rows begin in the file.
     data_offset: usize,
+    /// The walk found `text` to be base64 characters (`Found::base64`).
+    base64: bool,
 }
 
 /// The merged value's pieces (its JSON string, quotes included) when both halves are vLLM's
@@ -54,14 +56,14 @@ pub(super) fn merge_npy_text<'a>(
     } else {
         decode.text
     };
-    if !groups_valid(dropped, dropped.len() == decode.text.len(), false) {
+    if !groups_valid(dropped, dropped.len() == decode.text.len(), decode.base64) {
         return None;
     }
     let mut join = TextJoin::default();
     join.bytes(&npy::write_header(plan.header.dtype, plan.header.shape));
     let rows = prefill.data_offset..prefill.data_offset + prefill_rows;
-    join.text_range(prefill.text, rows, "prefill").ok()?;
-    join.text_range(decode.text, kept..end, "decode").ok()?;
+    join.text_range(&prefill, rows, "prefill").ok()?;
+    join.text_range(&decode, kept..end, "decode").ok()?;
     let mut pieces = vec![Piece::Copy(Cow::Borrowed(b"\""))];
     pieces.extend(join.finish());
     pieces.push(Piece::Copy(Cow::Borrowed(b"\"")));
@@ -98,6 +100,7 @@ fn read_side<'a>(f: &Found<'a>, start: Option<u64>, opts: &MergeOptions) -> Opti
         text,
         header,
         data_offset,
+        base64: f.base64,
     })
 }
 
@@ -123,10 +126,11 @@ impl<'a> TextJoin<'a> {
     /// Bytes `range` of the file that base64 `text` encodes (`side` names it in an error).
     fn text_range(
         &mut self,
-        text: &'a [u8],
+        half: &NpyText<'a>,
         range: std::ops::Range<usize>,
         side: &'static str,
     ) -> crate::error::Result<()> {
+        let text = half.text;
         let (from, to) = (range.start, range.end);
         if from >= to {
             return Ok(());
@@ -153,7 +157,7 @@ impl<'a> TextJoin<'a> {
                 whole: text,
                 field: "vllm_npy",
                 context: side.to_string(),
-                scanned: false,
+                scanned: half.base64,
             });
             self.at += last - first;
         }

@@ -62,11 +62,13 @@ class Bodies:
     @classmethod
     def make(
         cls, tokens: int, layers: int, top_k: int, shape: str = "sidecar",
-        generated: int | None = None,
+        generated: int | None = None, keep_format: bool = False,
     ) -> Bodies:
         """`generated`: tokens decode generates (default GENERATED, at most tokens - 1); the
         prompt is the rest. The bodies are the stand-in engine's answers (`VllmAnswers`, the
-        one every test engine serves), so the bench's engines send what the tests' do."""
+        one every test engine serves), so the bench's engines send what the tests' do.
+        `keep_format`: the merge the proxy returns with `routing_format` "engine" (the engines'
+        own format) instead of a compact sidecar."""
         if shape not in BODY_SHAPES:
             raise ValueError(f"bench-proxy: bodies must be one of {BODY_SHAPES}, not {shape!r}")
         generated = min(generated or GENERATED, tokens - 1)
@@ -92,11 +94,11 @@ class Bodies:
         prefill_body = json.dumps(prefill_doc).encode()
         decode_body = json.dumps(decode_doc).encode()
         stream = b"\n\n".join([*events, b"data: [DONE]"]) + b"\n\n"
-        merged = rx.merge_response(prefill_body, decode_body, decode_start=decode_start)
+        merged = rx.merge_response(prefill_body, decode_body, decode_start=decode_start,
+                                   keep_format=keep_format)
         last = events[-1][6:]  # the finishing event, with the routing
-        merged_stream = stream.replace(
-            last, rx.merge_response(prefill_body, last, decode_start=decode_start)
-        )
+        merged_stream = stream.replace(last, rx.merge_response(
+            prefill_body, last, decode_start=decode_start, keep_format=keep_format))
         return cls(request, prefill_body, decode_body, stream, merged, merged_stream, decode_start)
 
     def without_routing(self) -> bytes:
@@ -405,6 +407,11 @@ def engine_spec(
     return spec + ([fault] if fault else [])
 
 
+def _proxy_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The proxy's settings the command's flags give (the format it answers routing in)."""
+    return {"routing_format": getattr(args, "routing_format", "compact")}
+
+
 def _server(kind: str, prefill: Sequence[Any], decode: Sequence[Any], **settings: Any) -> list[str]:
     """The child spec of a front (`kind`) before servers that have a `.url`."""
     return [
@@ -557,7 +564,9 @@ def bench_load(args: argparse.Namespace, bodies: Bodies, stream: bool) -> dict[s
                     server: Child = RouterChild([p], [d])
                     stack.callback(server.stop)
                 else:
-                    (server,) = stack.enter_context(children(_server(kind, [p], [d])))
+                    settings = _proxy_settings(args) if kind == "proxy" else {}
+                    (server,) = stack.enter_context(
+                        children(_server(kind, [p], [d], **settings)))
                 # Steady state: one round at full concurrency first, so the heap has grown to
                 # what this load needs (a proxy runs for days; its first minute is not the case).
                 _measure(server, body, None, args.concurrency * 2, args.concurrency, "warm-up")
@@ -587,7 +596,9 @@ def bench_memory(args: argparse.Namespace, bodies: Bodies) -> dict[str, Any]:
     the peak."""
     rounds = []
     with children(_engine("prefill", args), _engine("decode", args)) as (p, d):
-        settings = {"max_buffered_bytes": args.memory_budget} if args.memory_budget else {}
+        settings = _proxy_settings(args)
+        if args.memory_budget:
+            settings["max_buffered_bytes"] = args.memory_budget
         with children(_server("proxy", [p], [d], **settings)) as (proxy,):
             base = proxy.memory_mb()[0]
             for i in range(3):
@@ -648,7 +659,7 @@ def bench_faults(args: argparse.Namespace, bodies: Bodies) -> dict[str, Any]:
                 "proxy",
                 ",".join(prefill_urls),
                 ",".join(c.url for c in decode),
-                json.dumps(settings),
+                json.dumps({**settings, **_proxy_settings(args)}),
             ]
             with children(server_spec) as (proxy,):
                 r = _measure(proxy, bodies.request, bodies.merged, requests, args.concurrency, name)

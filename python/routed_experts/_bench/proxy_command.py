@@ -41,10 +41,12 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0 if _reliable(rounds) else 1
     if reliability:
         raise SystemExit("bench-proxy: run lockup, slow and split apart from the other parts")
-    bodies = Bodies.make(args.tokens, args.layers, args.top_k, args.bodies)
+    keep_format = args.routing_format == "engine"
+    bodies = Bodies.make(args.tokens, args.layers, args.top_k, args.bodies, keep_format=keep_format)
     results: dict[str, Any] = {
         "shape": [args.tokens, args.layers, args.top_k],
         "bodies": args.bodies,
+        "routing_format": args.routing_format,
         "request_bytes": len(bodies.request),
         "prefill_bytes": len(bodies.prefill),
         "decode_bytes": len(bodies.decode),
@@ -54,7 +56,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "cpus": os.cpu_count(),
     }
     print(
-        f"bench-proxy: {args.tokens} x {args.layers} x {args.top_k}, {args.bodies} bodies; "
+        f"bench-proxy: {args.tokens} x {args.layers} x {args.top_k}, {args.bodies} bodies "
+        f"(the proxy answers {args.routing_format}); "
         "prefill body "
         f"{len(bodies.prefill) / 1e6:.1f} MB, decode {len(bodies.decode) / 1e6:.1f} MB, merged "
         f"{len(bodies.merged) / 1e6:.1f} MB; {args.requests} requests, {args.concurrency} in "
