@@ -166,8 +166,22 @@ fn repeated_expert<T: Element>(group: &[T]) -> Option<i64> {
     if all_zero(group) {
         return None;
     }
-    // top_k is small (8 in practice): pairwise comparison beats hashing.
-    (1..group.len()).find_map(|j| group[..j].contains(&group[j]).then(|| group[j].into()))
+    // Expert ids below 512 (every model's but the largest) are marked in a bitset, one pass;
+    // others are compared pairwise (top_k is small: 8 in practice).
+    let mut seen = [0u64; 8];
+    for (j, &v) in group.iter().enumerate() {
+        let v: i64 = v.into();
+        let Some(at) = usize::try_from(v).ok().filter(|&at| at < 512) else {
+            return (j..group.len())
+                .find_map(|j| group[..j].contains(&group[j]).then(|| group[j].into()));
+        };
+        let (word, bit) = (at / 64, 1u64 << (at % 64));
+        if seen[word] & bit != 0 {
+            return Some(v);
+        }
+        seen[word] |= bit;
+    }
+    None
 }
 
 /// Rows of a sample that look like an engine's fault rather than routing: a row zero in every
@@ -246,6 +260,30 @@ pub(crate) fn sample_rows(rows: usize, sample: usize) -> impl Iterator<Item = us
 mod tests {
     use super::*;
     use crate::payload::{DTypeChoice, Shape};
+
+    /// The bitset finds the duplicate the pairwise comparison finds (the first id seen twice),
+    /// ids past the bitset and negative ones included.
+    #[test]
+    fn repeated_expert_is_the_pairwise_answer() {
+        let pairwise = |g: &[i64]| -> Option<i64> {
+            if g.iter().all(|&v| v == 0) {
+                return None;
+            }
+            (1..g.len()).find_map(|j| g[..j].contains(&g[j]).then_some(g[j]))
+        };
+        let mut next = crate::test_rng::xorshift(0xfeed_beef_1234_5678);
+        let mut found = 0;
+        for _ in 0..20_000 {
+            let k = 1 + next() as usize % 10;
+            let span = [4, 64, 600, 70_000][next() as usize % 4];
+            let group: Vec<i64> = (0..k).map(|_| (next() % span) as i64 - 2).collect();
+            assert_eq!(repeated_expert(&group), pairwise(&group), "{group:?}");
+            found += usize::from(pairwise(&group).is_some());
+        }
+        assert!(found > 3000, "{found}");
+        let wide: Vec<u16> = vec![700, 3, 700];
+        assert_eq!(repeated_expert(&wide), Some(700));
+    }
 
     #[test]
     fn suspect_rows_are_counted_and_dense_layers_are_not_duplicates() {
