@@ -268,6 +268,16 @@ fn plain_merge(c: &mut Criterion) {
         })
     });
     g.bench_function("merge_one_pass", |b| b.iter(one_pass));
+    // The proxy's `routing_format = "engine"`: vLLM's `.npy` kept, its text copied.
+    let kept = MergeOptions {
+        keep_format: true,
+        ..opts
+    };
+    g.bench_function("merge_whole_pieces_kept_npy", |b| {
+        b.iter(|| {
+            response::merge_response_found(&prefill, &found, black_box(&decode), kept).unwrap()
+        })
+    });
     g.finish();
 }
 

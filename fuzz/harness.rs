@@ -237,6 +237,36 @@ pub fn merge_response(data: &[u8]) {
         (Err(_), Err(_)) => {}
         _ => panic!("splice {spliced:?} but general {general:?}"),
     }
+    // Written in the decode value's format: vLLM's `.npy` halves merged on their text
+    // (copied where it lines up) against decoded, merged and encoded: the same bytes, or a
+    // refusal both ways, word for word where the compact merges' refusals are (a compact
+    // sidecar's splice may find another of several flaws first).
+    let keep = MergeOptions {
+        keep_format: true,
+        ..opts
+    };
+    let kept = response::merge_response(prefill, decode, keep);
+    let decoded = response::merge_response(
+        prefill,
+        decode,
+        MergeOptions {
+            splice: false,
+            ..keep
+        },
+    );
+    match (&kept, &decoded) {
+        (Ok(a), Ok(b)) => assert_eq!(a, b, "kept-format text and decoded merges differ"),
+        (Err(a), Err(b)) => {
+            let same = |x: &Result<Vec<u8>, _>, y: &Result<Vec<u8>, _>| {
+                x.as_ref().err().map(ToString::to_string)
+                    == y.as_ref().err().map(ToString::to_string)
+            };
+            if same(&spliced, &general) {
+                assert_eq!(a.to_string(), b.to_string(), "different refusals");
+            }
+        }
+        _ => panic!("kept-format text {kept:?} but decoded {decoded:?}"),
+    }
 }
 
 /// The streaming merge of one event (`EventMerge`), fed in the pieces the input's tail says,

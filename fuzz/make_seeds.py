@@ -138,6 +138,15 @@ for doc in (
 put("formats", b"\x00" + json.dumps("nrlre1:int8:1x1x2:AAE=").encode())
 put("formats", b"\x00")
 
+# vLLM's .npy halves whose text the kept-format merge copies: decode from 0 (no start hint in
+# the harness), rows off and on the base64 grid (row bytes 8, 6 and 24 at these dtypes).
+for dt, prompt, total in (("uint8", 5, 11), ("uint16", 4, 9), ("int32", 7, 13), ("int64", 3, 3)):
+    ids = (np.arange(total * 2 * 4) % 97).astype(dt).reshape(total, 2, 4)
+    ids = np.ascontiguousarray(ids[:, :, : (3 if dt == "uint16" else 4)])
+    npy = lambda a: json.dumps(base64.b64encode(npy_file(a)).decode()).encode()  # noqa: E731
+    wrap = lambda v: b'{"choices":[{"index":0,"routed_experts":' + v + b"}]}"  # noqa: E731
+    put("merge_response", wrap(npy(ids[:prompt])) + b"\xff" + wrap(npy(ids)))
+
 # The streaming merge: every merge seed, fed whole and in small pieces (flags byte, then piece
 # lengths), and vLLM-shaped .npy events whose merge streams.
 for seed in sorted((root / "merge_response").iterdir()):

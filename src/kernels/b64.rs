@@ -331,8 +331,16 @@ fn invalid(text: &[u8], field: &str) -> Error {
 /// the text (a group from the middle ending in `=` decodes on its own, to fewer bytes): text
 /// that is not valid there is the decoding path's error, never a short or wrong slice.
 pub fn decode_range(text: &[u8], start: usize, end: usize) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    decode_range_into(text, start, end, &mut out)?;
+    Ok(out)
+}
+
+/// [`decode_range`] appended to `out` (for a caller that decodes block after block into one
+/// buffer); on an error, `out` is as it was.
+pub fn decode_range_into(text: &[u8], start: usize, end: usize, out: &mut Vec<u8>) -> Result<()> {
     if start >= end {
-        return Ok(Vec::new());
+        return Ok(());
     }
     let (first, last) = (start / 3 * 4, (end.div_ceil(3) * 4).min(text.len()));
     let groups = text
@@ -342,12 +350,22 @@ pub fn decode_range(text: &[u8], start: usize, end: usize) -> Result<Vec<u8>> {
     if last < text.len() && n != groups.len() / 4 * 3 {
         return Err(error_in(text, "data"));
     }
-    let mut out = vec![0u8; n];
-    decode_into(groups, &mut out, "data").map_err(|_| error_in(text, "data"))?;
     let offset = start - first / 4 * 3;
-    out.get(offset..offset + (end - start))
-        .map(<[u8]>::to_vec)
-        .ok_or_else(|| error_in(text, "data"))
+    if offset + (end - start) > n {
+        return Err(error_in(text, "data"));
+    }
+    let len = out.len();
+    out.reserve(n);
+    if !decode_uninit(groups, &mut out.spare_capacity_mut()[..n]) {
+        return Err(error_in(text, "data"));
+    }
+    // SAFETY: `decode_uninit` returned true, so it wrote all `n` bytes after the first `len`,
+    // within the capacity reserved above.
+    unsafe { out.set_len(len + n) };
+    // Keep only `[start, end)`: drop the group's bytes before it and after it.
+    out.truncate(len + offset + (end - start));
+    out.drain(len..len + offset);
+    Ok(())
 }
 
 /// A character of the standard base64 alphabet (padding `=` aside).

@@ -203,8 +203,9 @@ fn merge_found<'a>(p: &Found<'a>, d: &Found<'a>, opts: &MergeOptions) -> Result<
     {
         return merge_sidecars(p, d, opts);
     }
-    // vLLM's `.npy` text kept as `.npy`: copied where it lines up, not decoded and encoded.
-    if opts.keep_format && opts.splice {
+    // vLLM's `.npy` halves merged on their text: copied where it lines up (kept as `.npy`),
+    // else decoded and encoded a block at a time.
+    if opts.splice {
         if let Some(pieces) = super::npy_text::merge_npy_text(p, d, opts) {
             return Ok(pieces);
         }
