@@ -147,7 +147,9 @@ bench-proxy: build-dev $(VENV)/.test-deps
 # vLLM 0.32's P/D bodies, where the proxy sends 14 times the bytes vllm-router relays: 1.25x
 # (measured 0.60-0.69x plain, 0.60-0.91x streamed, where one run of a clean clone gave 0.91x;
 # 0.73-0.83x before the .npy merge stopped joining and copying); plain only, for CI's time (the
-# streamed round is `bench-proxy --bodies vllm`'s). About 4 minutes on 2 cores.
+# streamed round is `bench-proxy --bodies vllm`'s; the proxy answers its default, compact
+# sidecars: `--routing-format engine`, 0.48-0.56x, is measured by hand and its text copy held
+# by npy_text's tests). About 4 minutes on 2 cores.
 bench-proxy-ci: build-dev $(VENV)/.test-deps
 	routed-experts bench-proxy --only load stream --requests 300 --max-cpu-ratio 0.85 \
 		--json target/bench-proxy-ci.json

@@ -258,9 +258,10 @@ def npy_body(p: rx.RoutedExperts) -> bytes:
 def test_npy_halves_merge_to_the_canonical_sidecar_byte_for_byte(
     r: dict[str, Any], decode_dtype: str
 ) -> None:
-    # Formats that carry no start are merged by decoding them; halves of one dtype are encoded
-    # where they lie (no join), mixed ones are promoted and joined. Either way the decode body
-    # comes back with its value replaced by exactly the canonical sidecar of the merge.
+    # Formats that carry no start: halves of one dtype are merged on their text (transcoded a
+    # block at a time, or copied where kept as `.npy`), mixed ones are promoted and joined.
+    # Either way the decode body comes back with its value replaced by exactly the canonical
+    # sidecar of the merge.
     P, S, truth, dt = r["P"], r["S"], r["truth"], r["dtype"]
     if decode_dtype == "uint8" and dt == "uint16":
         decode_dtype = "uint16"  # decode's ids may need the wider dtype
@@ -273,3 +274,8 @@ def test_npy_halves_merge_to_the_canonical_sidecar_byte_for_byte(
         canonical = json.dumps(merged.to_dict(), separators=(",", ":"))
         old = json.dumps(json.loads(db)["choices"][0]["routed_experts"])
         assert out == db.replace(old.encode(), canonical.encode()), name
+        # Kept as vLLM's `.npy` (the proxy's routing_format "engine"): exactly the `.npy` text
+        # of the merge, whether its text was copied (one dtype) or decoded (promoted).
+        kept = rx.merge_response(pb, db, start=S, decode_start=decode.start, keep_format=True)
+        npy = json.dumps(rx.encode(merged, "vllm_npy"))
+        assert kept == db.replace(old.encode(), npy.encode()), name
