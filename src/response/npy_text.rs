@@ -30,11 +30,10 @@ struct NpyText<'a> {
     base64: bool,
 }
 
-/// The merged value's pieces (a JSON string with `keep_format`, else a compact sidecar's object)
-/// when both halves are vLLM's
-/// `.npy` text of one dtype that the decoding path would read; `None` for anything else, and
-/// for any error found before a byte is copied: the decoding path then merges or refuses the
-/// pair, with its own message. What is left to fail later (a bad character inside text that
+/// The merged value's pieces (a JSON string with `keep_format`, else a compact sidecar's
+/// object) when both halves are vLLM's `.npy` text of one dtype that the decoding path would
+/// read; `None` for anything else, and for any error found before a byte is copied: the
+/// decoding path then merges or refuses the pair, with its own message. What is left to fail later (a bad character inside text that
 /// is copied) fails as the decoding path does, with the same message (`Piece::Base64`), and
 /// prefill's before decode's, as it decodes them.
 pub(super) fn merge_npy_text<'a>(
