@@ -11,11 +11,12 @@ use std::borrow::Cow;
 
 use super::merge::MergeOptions;
 use super::spliced::{groups_valid, Piece};
-use super::suspects::npy_header;
+use super::suspects::checked_npy_header;
 
 use crate::body::{coverage, Found};
-use crate::formats::{check_hints, npy, sidecar, Format, Hints, Rule};
+use crate::formats::{npy, sidecar, Format, Hints, Rule};
 use crate::kernels::b64;
+use crate::kernels::b64_pieces::B64Out;
 use crate::payload::{merge, Header};
 
 /// One half's `.npy` text, its header read and checked as the decoding path checks it.
@@ -33,9 +34,9 @@ struct NpyText<'a> {
 /// The merged value's pieces (a JSON string with `keep_format`, else a compact sidecar's
 /// object) when both halves are vLLM's `.npy` text of one dtype that the decoding path would
 /// read; `None` for anything else, and for any error found before a byte is copied: the
-/// decoding path then merges or refuses the pair, with its own message. What is left to fail later (a bad character inside text that
-/// is copied) fails as the decoding path does, with the same message (`Piece::Base64`), and
-/// prefill's before decode's, as it decodes them.
+/// decoding path then merges or refuses the pair, with its own message. What is left to fail
+/// later (a bad character inside text that is copied) fails as the decoding path does, with
+/// the same message (`Piece::Base64`), and prefill's before decode's, as it decodes them.
 pub(super) fn merge_npy_text<'a>(
     p: &Found<'a>,
     d: &Found<'a>,
@@ -87,16 +88,9 @@ pub(super) fn merge_npy_text<'a>(
 /// `f` as `.npy` text whose header, length and counts pass every check the decoding path makes
 /// before it decodes the rows; `None` otherwise.
 fn read_side<'a>(f: &Found<'a>, start: Option<u64>, opts: &MergeOptions) -> Option<NpyText<'a>> {
-    if f.fields.is_some() || !f.plain_string {
-        return None;
-    }
-    let text = f.text.strip_prefix(b"\"")?.strip_suffix(b"\"")?;
     let format = Format::VllmNpy;
-    if crate::formats::detect(text).ok()? != format || !f.place.allows(format) {
-        return None;
-    }
     let rule = Rule::of(format, f.place);
-    if rule == Rule::WholeWithFiller {
+    if f.fields.is_some() || rule == Rule::WholeWithFiller {
         return None;
     }
     let hints = Hints {
@@ -104,11 +98,9 @@ fn read_side<'a>(f: &Found<'a>, start: Option<u64>, opts: &MergeOptions) -> Opti
         dtype: opts.hints.dtype.or(f.dtype),
         ..opts.hints
     };
-    let (_, header, data_offset) = npy_header(f, &hints).ok()??;
+    let (text, header, data_offset) = checked_npy_header(f, &hints, opts.max_bytes)?;
     let file = data_offset.saturating_add(header.shape.nbytes(header.dtype).ok()?);
     crate::limits::check(file, opts.max_bytes.saturating_add(4096)).ok()?;
-    crate::limits::check_shape(header.shape, header.dtype, opts.max_bytes).ok()?;
-    check_hints(format, &header, &hints).ok()?;
     coverage::check(rule, format, &header, &f.counts, start.is_some()).ok()?;
     Some(NpyText {
         text,
@@ -134,31 +126,19 @@ struct TextJoin<'a> {
     pieces: Vec<Piece<'a>>,
     /// Text encoded since the last piece.
     encoded: Vec<u8>,
-    /// The last bytes not yet encoded, fewer than a group (they begin on a group).
-    pending: Vec<u8>,
-    /// Bytes of the output so far, `pending`'s included.
+    /// The encoder, which holds the `at % 3` bytes of an unfinished group.
+    enc: B64Out,
+    /// Bytes of the output so far, those of an unfinished group included.
     at: usize,
     /// A block of decoded rows.
     scratch: Vec<u8>,
 }
 
 impl<'a> TextJoin<'a> {
-    /// Bytes of the output: encoded, but for a last partial group, kept pending.
-    fn bytes(&mut self, mut b: &[u8]) {
+    /// Bytes of the output: encoded, but for an unfinished last group.
+    fn bytes(&mut self, b: &[u8]) {
         self.at += b.len();
-        if !self.pending.is_empty() {
-            let fill = (3 - self.pending.len()).min(b.len());
-            self.pending.extend_from_slice(&b[..fill]);
-            b = &b[fill..];
-            if self.pending.len() < 3 {
-                return;
-            }
-            encode_append(&self.pending, &mut self.encoded);
-            self.pending.clear();
-        }
-        let whole = b.len() / 3 * 3;
-        encode_append(&b[..whole], &mut self.encoded);
-        self.pending.extend_from_slice(&b[whole..]);
+        self.enc.push(b, &mut self.encoded);
     }
 
     /// Bytes `[from, to)` of the file base64 `text` encodes, decoded a block at a time.
@@ -196,9 +176,9 @@ impl<'a> TextJoin<'a> {
         let last = (to / 3 * 3).max(first);
         self.decoded(text, from, first)?;
         if last > first {
-            // `at` and `from` agree mod 3, so the output is now at a group boundary: nothing
-            // is pending.
-            debug_assert!(self.pending.is_empty());
+            // `at` and `from` agree mod 3, so the output is now at a group boundary: no
+            // unfinished group is held.
+            debug_assert_eq!(self.at % 3, 0);
             self.flush();
             let (a, b) = (first / 3 * 4, last / 3 * 4);
             self.pieces.push(Piece::Base64 {
@@ -226,22 +206,10 @@ impl<'a> TextJoin<'a> {
 
     /// The pieces of the whole text (a last partial group padded).
     fn finish(mut self) -> Vec<Piece<'a>> {
-        let pending = std::mem::take(&mut self.pending);
-        encode_append(&pending, &mut self.encoded);
+        self.enc.finish(&mut self.encoded);
         self.flush();
         self.pieces
     }
-}
-
-/// `bytes` encoded onto the end of `out`.
-fn encode_append(bytes: &[u8], out: &mut Vec<u8>) {
-    let n = b64::encoded_len(bytes.len());
-    out.reserve(n);
-    let len = out.len();
-    b64::encode_into(bytes, &mut out.spare_capacity_mut()[..n]);
-    // SAFETY: `encode_into` wrote all `n` bytes after the first `len` (its contract, checked
-    // by its assertion of the output's length), within the capacity reserved above.
-    unsafe { out.set_len(len + n) };
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use std::borrow::Cow;
 use serde_json::Value;
 
 use super::merge::side_hints;
-use super::suspects::npy_header;
+use super::suspects::checked_npy_header;
 use super::{decode_found, MergeOptions};
 use crate::body::{split, BodyRouting, Found};
 use crate::error::{Error, Result};
@@ -17,7 +17,6 @@ use crate::formats::sidecar::{self, DataField, SidecarFields};
 use crate::formats::{check_hints, Format, Hints};
 use crate::kernels::b64;
 use crate::kernels::b64_pieces::B64Out;
-use crate::limits;
 use crate::payload::dtype::DType;
 use crate::payload::{Header, Payload};
 
@@ -218,12 +217,7 @@ fn in_text<'b>(f: &Found<'b>, hints: &Hints, max_bytes: usize) -> Option<Prefill
             rows: Rows::Base64 { text, skip: 0 },
         });
     }
-    if !f.plain_string || !f.place.allows(Format::VllmNpy) {
-        return None;
-    }
-    let (text, header, skip) = npy_header(f, hints).ok()??;
-    limits::check_shape(header.shape, header.dtype, max_bytes).ok()?;
-    check_hints(Format::VllmNpy, &header, hints).ok()?;
+    let (text, header, skip) = checked_npy_header(f, hints, max_bytes)?;
     Some(PrefillValue {
         header,
         rows: Rows::Base64 { text, skip },

@@ -110,6 +110,23 @@ pub(crate) fn npy_header<'t>(
     )))
 }
 
+/// [`npy_header`] of a plain JSON string at a place vLLM writes, its shape within `max_bytes`
+/// and held to `hints`, as the whole decode holds it: for readers that take the rows from the
+/// text (`None`: decoded whole instead, for its errors).
+pub(crate) fn checked_npy_header<'t>(
+    f: &Found<'t>,
+    hints: &Hints,
+    max_bytes: usize,
+) -> Option<(&'t [u8], Header, usize)> {
+    if !f.plain_string || !f.place.allows(formats::Format::VllmNpy) {
+        return None;
+    }
+    let (text, header, offset) = npy_header(f, hints).ok()??;
+    crate::limits::check_shape(header.shape, header.dtype, max_bytes).ok()?;
+    formats::check_hints(formats::Format::VllmNpy, &header, hints).ok()?;
+    Some((text, header, offset))
+}
+
 /// Rows a router samples from each side of a merge that went through: up to `sample` a value,
 /// decode's from the end of prefill's rows on (its prompt rows are zeros by design). Values
 /// that cannot be read are skipped (the merge has read them all already).
