@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Union, cast
 
 import routed_experts as rx
+from routed_experts._bench import load_client
 from routed_experts.stand_in_engine import VllmAnswers
 
 # What a 200 must carry: exactly these bytes, or what the check accepts; None: anything.
@@ -432,6 +433,7 @@ class Round:
     requests: int = 0
     seconds: float = 0.0
     cpu_seconds: float = 0.0
+    client_cpu_seconds: float = 0.0  # the load generator's own (this process)
     statuses: dict[int, int] = field(default_factory=dict)
     wrong_200: int = 0  # a 200 whose body is not the expected merge
     latencies: list[float] = field(default_factory=list)
@@ -450,6 +452,9 @@ class Round:
             "statuses": {str(k): v for k, v in sorted(self.statuses.items())},
             "requests_per_s": round(self.requests / self.seconds, 1) if self.seconds else 0.0,
             "cpu_ms_per_request": round(self.cpu_seconds / max(self.requests, 1) * 1e3, 2),
+            "client_cpu_ms_per_request": round(
+                self.client_cpu_seconds / max(self.requests, 1) * 1e3, 2
+            ),
             "p50_ms": round(lat[len(lat) // 2] * 1e3, 1),
             "p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3, 1),
         }
@@ -464,47 +469,41 @@ async def _load(
     timeout: float,
     name: str,
 ) -> Round:
-    """`requests` POSTs, `concurrency` at a time, each bounded by `timeout` seconds; a 200 must
-    carry exactly `expect` (when given)."""
-    import aiohttp
-
+    """`requests` POSTs, `concurrency` at a time (a keep-alive connection each), each bounded by
+    `timeout` seconds; a 200 must carry exactly `expect` (when given)."""
+    host, port = url.rsplit("//", 1)[-1].rsplit(":", 1)
     r = Round(name, requests)
     todo = iter(range(requests))
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)
-    ) as session:
 
-        async def worker() -> None:
+    async def worker() -> None:
+        conn = load_client.Connection(host, int(port))
+        try:
             for i in todo:
                 began = time.perf_counter()
+                headers = {"content-type": "application/json", "x-request-id": f"b{i}"}
                 try:
-                    async with session.post(
-                        url + "/v1/completions",
-                        data=body,
-                        headers={"content-type": "application/json", "x-request-id": f"b{i}"},
-                    ) as resp:
-                        content = await resp.read()
-                        status = resp.status
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    status, content = await conn.post("/v1/completions", body, headers, timeout)
+                except (OSError, load_client.HttpError, asyncio.TimeoutError):
                     status, content = 0, b""  # no answer in time: counted as status 0
                 r.latencies.append(time.perf_counter() - began)
                 r.statuses[status] = r.statuses.get(status, 0) + 1
                 if status == 200 and not _as_expected(expect, content):
                     r.wrong_200 += 1
+        finally:
+            conn.close()
 
-        began = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        r.seconds = time.perf_counter() - began
+    began = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    r.seconds = time.perf_counter() - began
     return r
 
 
-def _as_expected(expect: Expect, content: bytes) -> bool:
+def _as_expected(expect: Expect, content: bytes | bytearray) -> bool:
     if expect is None:
         return True
     if isinstance(expect, bytes):
         return content == expect
-    return expect(content)
+    return expect(bytes(content))
 
 
 def _measure(
@@ -516,9 +515,12 @@ def _measure(
     name: str,
     timeout: float = 60.0,
 ) -> Round:
-    cpu = target.cpu_seconds()
-    r = asyncio.run(_load(target.url, body, expect, requests, concurrency, timeout, name))
+    cpu, own = target.cpu_seconds(), time.process_time()
+    r: Round = load_client.run(
+        _load(target.url, body, expect, requests, concurrency, timeout, name)
+    )
     r.cpu_seconds = target.cpu_seconds() - cpu
+    r.client_cpu_seconds = time.process_time() - own
     return r
 
 

@@ -132,7 +132,8 @@ def _reliable(results: dict[str, Any]) -> bool:
 
 
 def _print_load(title: str, r: dict[str, Any]) -> None:
-    print(f"\n{title}: requests/s, server CPU per request, latency p50/p99, statuses")
+    print(f"\n{title}: requests/s, server CPU per request (the load client's), latency p50/p99,"
+          " statuses")
     if "vllm-router" not in r:
         print(f"  (vllm-router not installed: {_VLLM_ROUTER_HINT})")
     for kind in ("passthrough", "vllm-router", "proxy"):
@@ -141,6 +142,7 @@ def _print_load(title: str, r: dict[str, Any]) -> None:
         s = r[kind]
         print(
             f"  {kind:12} {s['requests_per_s']:7.1f} req/s  {s['cpu_ms_per_request']:6.2f} ms CPU"
+            f" ({s['client_cpu_ms_per_request']:.2f})"
             f"  p50 {s['p50_ms']:7.1f} ms  p99 {s['p99_ms']:7.1f} ms  {s['statuses']}"
             f"  wrong 200s: {s['wrong_200']}"
         )
