@@ -140,6 +140,18 @@ pub fn response(data: &[u8]) {
         return;
     };
     let read = body::read_prefill(body);
+    // The proxy's read of a body whose base64 runs were found as it arrived, in pieces of a
+    // size the flags choose: the same read.
+    let mut runs = body::Base64Runs::new();
+    let piece = 1 + usize::from(flags >> 4) * 3;
+    for end in (piece..body.len()).step_by(piece).chain([body.len()]) {
+        runs.extend(&body[..end]);
+    }
+    assert_eq!(
+        format!("{:?}", body::read_prefill_scanned(body, Some(&runs))),
+        format!("{read:?}"),
+        "read with the runs found in pieces of {piece}"
+    );
     let Ok(found) = body::find_routing(body) else {
         assert!(
             read.is_err(),

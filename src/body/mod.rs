@@ -3,7 +3,10 @@
 //! rows are checked against (§3.3), and any routing-like key at a place no producer uses.
 
 pub(crate) mod coverage;
+mod runs;
 pub(crate) mod split;
+
+pub use runs::Base64Runs;
 
 use std::ops::Range;
 
@@ -200,7 +203,7 @@ pub fn find_routing(body: &[u8]) -> Result<Vec<Found<'_>>> {
 /// Everything [`find_routing`] finds, and vLLM 0.21's prompt rows, each choice's token counts
 /// and any routing weights, in the same one walk.
 pub fn read_body(body: &[u8]) -> Result<BodyRouting<'_>> {
-    walk(body, false, None)
+    walk(body, false, None, None)
 }
 
 /// [`read_body`], and the first routing value of choice `index`, when it is a compact sidecar,
@@ -211,12 +214,20 @@ pub(crate) fn read_body_decoding(
     index: u64,
     max_bytes: usize,
 ) -> Result<BodyRouting<'_>> {
-    walk(body, false, Some(Wanted { index, max_bytes }))
+    walk(body, false, Some(Wanted { index, max_bytes }), None)
 }
 
-/// Walk a body; `want_kv` also reads (and polices) top-level `kv_transfer_params`.
-fn walk(body: &[u8], want_kv: bool, decode: Option<Wanted>) -> Result<BodyRouting<'_>> {
-    let mut s = Scanner::new(body, "response body").watch(ROUTING_WATCH);
+/// Walk a body; `want_kv` also reads (and polices) top-level `kv_transfer_params`; `runs`, the
+/// body's base64 runs found as it arrived.
+fn walk<'a>(
+    body: &'a [u8],
+    want_kv: bool,
+    decode: Option<Wanted>,
+    runs: Option<&Base64Runs>,
+) -> Result<BodyRouting<'a>> {
+    let mut s = Scanner::new(body, "response body")
+        .watch(ROUTING_WATCH)
+        .with_runs(runs);
     let mut w = BodyRouting {
         decode,
         ..BodyRouting::default()
@@ -312,7 +323,17 @@ pub struct PrefillBody<'a> {
 /// [`read_body`] is (a `kv_transfer_params` key given twice is a `PayloadError` too: the two
 /// halves of a request must never be joined by a guess).
 pub fn read_prefill(body: &[u8]) -> Result<PrefillBody<'_>> {
-    let w = walk(body, true, None)?;
+    read_prefill_scanned(body, None)
+}
+
+/// [`read_prefill`] of a body whose long base64 runs were found as it arrived (`runs`, built
+/// over exactly these bytes; ignored otherwise): a routing string among them is not scanned
+/// again. The result is the same as `read_prefill`'s.
+pub fn read_prefill_scanned<'a>(
+    body: &'a [u8],
+    runs: Option<&Base64Runs>,
+) -> Result<PrefillBody<'a>> {
+    let w = walk(body, true, None, runs)?;
     let kv_transfer_params = w
         .kv_transfer_params
         .clone()

@@ -10,6 +10,7 @@ use std::borrow::Cow;
 use std::mem::MaybeUninit;
 use std::ops::Range;
 
+use crate::body::Base64Runs;
 use crate::error::{Error, ErrorKind, Result};
 use crate::kernels::b64::Streamed;
 
@@ -25,6 +26,10 @@ pub struct Scanner<'a> {
     path: Vec<Seg>,
     /// Keys that must not appear in any object `value` skips (see `watch`).
     watched: Option<Watch>,
+    /// Long base64 runs of `buf` found as it arrived (`with_runs`), so `base64_text` need not
+    /// scan them again.
+    /// (A copy: a few ranges, so the walk's result borrows the body alone.)
+    runs: Option<Base64Runs>,
 }
 
 /// Keys a caller reads only at places it walks itself: `matches` picks them out, `what` names
@@ -62,7 +67,16 @@ impl<'a> Scanner<'a> {
             what,
             path: Vec::new(),
             watched: None,
+            runs: None,
         }
+    }
+
+    /// Take the base64 runs found in `buf` as it arrived: `base64_text` ends a string whose run
+    /// is known there without scanning it. Ignored unless `runs` scanned all of `buf` (and
+    /// nothing more).
+    pub fn with_runs(mut self, runs: Option<&Base64Runs>) -> Self {
+        self.runs = runs.filter(|r| r.scanned() == self.buf.len()).cloned();
+        self
     }
 
     /// Make the keys `watch` matches an error wherever `value` (or `skip_member`) skips them:
@@ -197,7 +211,10 @@ impl<'a> Scanner<'a> {
     pub fn base64_text(&mut self) -> Result<Str> {
         self.eat(b'"', "a string")?;
         let start = self.pos;
-        let run = start + crate::kernels::strscan::base64_run(&self.buf[start..]);
+        let run = match self.runs.as_ref().and_then(|r| r.run_from(start)) {
+            Some(end) => end,
+            None => start + crate::kernels::strscan::base64_run(&self.buf[start..]),
+        };
         let mut end = run;
         while end - run < 2 && self.buf.get(end) == Some(&b'=') {
             end += 1;

@@ -63,6 +63,23 @@ pub fn base64_run(s: &[u8]) -> usize {
     }
 }
 
+/// Length of the run of standard base64 characters that `s` ends with: [`base64_run`] over
+/// blocks from the end, then the one block holding the last other byte searched back.
+pub fn trailing_base64(s: &[u8]) -> usize {
+    const BLOCK: usize = 4096;
+    let mut end = s.len();
+    while end > 0 {
+        let from = end.saturating_sub(BLOCK);
+        let block = &s[from..end];
+        if base64_run(block) < block.len() {
+            let last = block.iter().rposition(|&c| !is_base64(c)).unwrap_or(0);
+            return s.len() - (from + last + 1);
+        }
+        end = from;
+    }
+    s.len()
+}
+
 /// A character of the standard base64 alphabet (padding `=` aside).
 pub fn is_base64(c: u8) -> bool {
     c.is_ascii_alphanumeric() || c == b'+' || c == b'/'
@@ -350,6 +367,22 @@ mod tests {
             }
         }
         assert_eq!(find_special(&text), None);
+    }
+
+    #[test]
+    fn the_trailing_run_is_the_scalar_count_back_from_the_end() {
+        let mut text: Vec<u8> = (0..9000).map(|i| b"Az09+/"[i % 6]).collect();
+        assert_eq!(trailing_base64(&text), 9000);
+        assert_eq!(trailing_base64(b""), 0);
+        for at in [0, 1, 4095, 4096, 4903, 4904, 4905, 8999] {
+            for c in [b'"', b'=', b'\\', 0xc3, b'\n'] {
+                let saved = std::mem::replace(&mut text[at], c);
+                let want = text.iter().rev().take_while(|&&c| is_base64(c)).count();
+                assert_eq!(want, 8999 - at);
+                assert_eq!(trailing_base64(&text), want, "byte {c:#x} at {at}");
+                text[at] = saved;
+            }
+        }
     }
 
     #[test]

@@ -19,7 +19,7 @@ use super::pool::{Lease, Outcome, Side};
 use super::request::{decode_start, ClientBody};
 use super::stream::SAMPLE_ROWS;
 use super::upstream::CallError;
-use routed_experts::body::{read_prefill, PrefillBody};
+use routed_experts::body::{read_prefill_scanned, Base64Runs, PrefillBody};
 use routed_experts::response::{merge_response_found, merge_suspects, suspect_rows, MergeOptions};
 use routed_experts::Hints;
 
@@ -61,17 +61,26 @@ impl Call {
             lease: Some(lease),
         };
         let prefill_json = body.prefill_request();
-        let (prefill_body, mut prefill_share) =
-            self.prefill(ex, prefill_json, body.session).await?;
+        let (prefill, mut prefill_share) = self.prefill(ex, prefill_json, body.session).await?;
         if ex.stream {
-            let prefill = (prefill_body, prefill_share);
-            return self.stream(ex, body, lease, prefill, slot).await;
+            return self
+                .stream(ex, body, lease, (prefill, prefill_share), slot)
+                .await;
         }
-        let (read, decode_start) = self.read_prefill(&prefill_body, body.start)?;
+        let Reply {
+            body: prefill_body,
+            runs,
+        } = prefill;
+        let (read, decode_start) = self.read_prefill(&prefill_body, runs.as_ref(), body.start)?;
         let decode_json = body.decode_request(read.kv_transfer_params, decode_start);
         let lease = lease.take();
         ex.decode = lease.upstream.url.clone();
-        let (decode_body, decode_share) = self
+        let (
+            Reply {
+                body: decode_body, ..
+            },
+            decode_share,
+        ) = self
             .fetch(
                 ex,
                 Side::Decode,
@@ -142,18 +151,20 @@ impl Call {
         }
     }
 
-    /// The prefill body read once (`kv_transfer_params` and its routing, which the merge
+    /// The prefill body read once (`runs`: its base64 runs found as it arrived;
+    /// `kv_transfer_params` and its routing, which the merge
     /// reuses), the client's prompt start checked against the prompt's length, and where
     /// decode is to be asked to start its routing ([`decode_start`]; `None` when prefill
     /// returned no routing, so decode is asked as the client asked).
     pub(crate) fn read_prefill<'b>(
         &self,
         body: &'b [u8],
+        runs: Option<&Base64Runs>,
         start: Option<u64>,
     ) -> Result<(PrefillBody<'b>, Option<u64>), Fault> {
         let max_bytes = self.proxy.merge_max_bytes;
         let (read, prompt) = blocking_if(body.len() >= BLOCKING_BYTES, || {
-            prefill_prompt(body, start, max_bytes)
+            prefill_prompt(body, runs, start, max_bytes)
         })
         .map_err(|e| Fault::new(Blame::Prefill, 502, format!("malformed prefill body: {e}")))?;
         let Some(prompt) = prompt else {
@@ -177,7 +188,7 @@ impl Call {
         ex: &mut Exchange,
         data: Vec<u8>,
         session: Option<u64>,
-    ) -> Result<(Bytes, Share), Fault> {
+    ) -> Result<(Reply, Share), Fault> {
         let proxy = &self.proxy;
         let lease = proxy.lease(Side::Prefill, session).await?;
         let first = Arc::clone(&lease.upstream);
@@ -239,16 +250,18 @@ impl Call {
         side: Side,
         r: Response<Incoming>,
         mut share: Share,
-    ) -> Result<(Bytes, Share), CallError> {
+    ) -> Result<(Reply, Share), CallError> {
         let proxy = &self.proxy;
         let limit = proxy.config.max_upstream_bytes;
         let (ceiling, deadline) = (self.ceiling(side), proxy.wait_deadline(self.deadline));
-        let set_aside = side == Side::Prefill;
-        let body = proxy
+        // Prefill's reply is walked for its routing before the merge: its runs are found as
+        // it arrives.
+        let prefill = side == Side::Prefill;
+        let (body, runs) = proxy
             .upstreams
-            .read_body(r, limit, &mut share, (ceiling, set_aside), deadline)
+            .read_body(r, limit, &mut share, (ceiling, prefill), deadline, prefill)
             .await?;
-        Ok((body, share))
+        Ok((Reply { body, runs }, share))
     }
 
     /// POST to an upstream and read its JSON reply, recording the upstream's health.
@@ -259,7 +272,7 @@ impl Call {
         lease: Lease,
         data: Bytes,
         share: Share,
-    ) -> Result<(Bytes, Share), Fault> {
+    ) -> Result<(Reply, Share), Fault> {
         let proxy = &self.proxy;
         let upstream = Arc::clone(&lease.upstream);
         let url = &upstream.url;
@@ -287,7 +300,7 @@ impl Call {
         let (status, json, body, share) = reply?;
         guard.outcome = Outcome::of_status(status);
         if status >= 400 {
-            return Err(status_fault(side, url, status, &body));
+            return Err(status_fault(side, url, status, &body.body));
         }
         let s = side.name();
         if !json {
@@ -300,6 +313,13 @@ impl Call {
         }
         Ok((body, share))
     }
+}
+
+/// An upstream's whole reply body, and for prefill's its long base64 runs, found as it arrived
+/// (the walk for its routing takes them instead of scanning those megabytes again).
+pub(crate) struct Reply {
+    pub(crate) body: Bytes,
+    pub(crate) runs: Option<Base64Runs>,
 }
 
 /// Gives a lease back when a request ends before its upstream call starts.
@@ -343,12 +363,13 @@ impl Drop for ReleaseGuard<'_> {
 /// routing: the count the body states (`usage.prompt_tokens`, prompt ids), else where its first
 /// routing value ends (a prefill half generates one token, so its rows end at the prompt's
 /// length: vLLM 0.24's generate bodies state no counts).
-pub(crate) fn prefill_prompt(
-    body: &[u8],
+pub(crate) fn prefill_prompt<'b>(
+    body: &'b [u8],
+    runs: Option<&Base64Runs>,
     start: Option<u64>,
     max_bytes: usize,
-) -> routed_experts::Result<(PrefillBody<'_>, Option<u64>)> {
-    let read = read_prefill(body)?;
+) -> routed_experts::Result<(PrefillBody<'b>, Option<u64>)> {
+    let read = read_prefill_scanned(body, runs)?;
     let Some(first) = read.routing.values.first() else {
         return Ok((read, None));
     };
@@ -442,16 +463,20 @@ mod tests {
         );
         let max = routed_experts::DEFAULT_MAX_BYTES;
         assert_eq!(
-            prefill_prompt(counted.as_bytes(), None, max).unwrap().1,
+            prefill_prompt(counted.as_bytes(), None, None, max)
+                .unwrap()
+                .1,
             Some(3)
         );
         let uncounted = format!(r#"{{"choices":[{{"index":0,"routed_experts":{routing}}}]}}"#);
         assert_eq!(
-            prefill_prompt(uncounted.as_bytes(), None, max).unwrap().1,
+            prefill_prompt(uncounted.as_bytes(), None, None, max)
+                .unwrap()
+                .1,
             Some(3)
         );
         let none = br#"{"choices":[{"index":0,"text":"x"}]}"#;
-        assert_eq!(prefill_prompt(none, None, max).unwrap().1, None);
-        assert!(prefill_prompt(b"{", None, max).is_err());
+        assert_eq!(prefill_prompt(none, None, None, max).unwrap().1, None);
+        assert!(prefill_prompt(b"{", None, None, max).is_err());
     }
 }

@@ -21,7 +21,7 @@ use super::request::ClientBody;
 use super::stream::StreamMerger;
 use super::upstream::CallError;
 
-use super::call::{blocking_if, encoding, is_mime, Call, LeaseGuard};
+use super::call::{blocking_if, encoding, is_mime, Call, LeaseGuard, Reply};
 use super::fault::{encoded_fault, status_fault, stream_fault, Blame};
 use super::record::Exchange;
 use super::responses::Body;
@@ -42,7 +42,7 @@ impl Call {
         ex: &mut Exchange,
         body: ClientBody,
         lease: LeaseGuard,
-        prefill: (Bytes, Share),
+        prefill: (Reply, Share),
         slot: Slot,
     ) -> Result<Response<Body>, Fault> {
         let (head_tx, head_rx) = oneshot::channel();
@@ -74,18 +74,19 @@ impl Call {
         self,
         body: ClientBody,
         mut lease: LeaseGuard,
-        (prefill_body, mut prefill_share): (Bytes, Share),
+        (prefill, mut prefill_share): (Reply, Share),
         slot: Slot,
         head_tx: oneshot::Sender<Result<Head, Fault>>,
     ) {
         let proxy = Arc::clone(&self.proxy);
-        let (read, decode_start) = match self.read_prefill(&prefill_body, body.start) {
-            Ok(read) => read,
-            Err(fault) => {
-                let _ = head_tx.send(Err(fault));
-                return;
-            }
-        };
+        let (read, decode_start) =
+            match self.read_prefill(&prefill.body, prefill.runs.as_ref(), body.start) {
+                Ok(read) => read,
+                Err(fault) => {
+                    let _ = head_tx.send(Err(fault));
+                    return;
+                }
+            };
         let decode_json = body.decode_request(read.kv_transfer_params, decode_start);
         let opts = self.merge_options(body.start, decode_start);
         drop(body);
@@ -133,7 +134,7 @@ impl Call {
             url,
             record,
             lease: Some(lease),
-            merger: StreamMerger::new(&prefill_body, &read.routing, opts, max_line)
+            merger: StreamMerger::new(&prefill.body, &read.routing, opts, max_line)
                 .streaming(&rows),
             tx,
             deadline: self.deadline,
@@ -162,7 +163,7 @@ impl Call {
             let body = self
                 .read_reply(Side::Decode, r, share)
                 .await
-                .map(|(b, _)| b);
+                .map(|(b, _)| b.body);
             let body = body.unwrap_or_default();
             return Err(status_fault(Side::Decode, url, status, &body));
         }
