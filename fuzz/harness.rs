@@ -284,7 +284,8 @@ pub fn merge_response(data: &[u8]) {
 /// The streaming merge of one event (`EventMerge`), fed in the pieces the input's tail says,
 /// against the whole-event merge of the same text: the same bytes or an error both ways, or a
 /// fallback that hands back every byte fed before any was sent. Input: prefill body `0xff`
-/// decode event [`0xff` piece lengths, one byte each, and a flags byte first].
+/// decode event [`0xff` piece lengths, one byte each, and a flags byte first]; kept in the
+/// engine's format when the part after the event is of even length.
 pub fn stream_merge(data: &[u8]) {
     use routed_experts::response::{DataFirst, EventMerge, PrefillRows, Step, StreamOptions};
     let mut parts = data.splitn(3, |&b| b == 0xff);
@@ -299,6 +300,9 @@ pub fn stream_merge(data: &[u8]) {
     let mut merge = MergeOptions::new(LIMIT);
     merge.decode_start = (flags & 1 != 0).then_some(u64::from(flags >> 4));
     merge.hints = hints(flags >> 1);
+    // The engine's format kept (the proxy's `routing_format` "engine") for an even count of
+    // piece lengths.
+    merge.keep_format = spec.len() % 2 == 0;
     let data_first = if flags & 8 != 0 {
         DataFirst::Expect(u64::from(flags >> 4))
     } else {

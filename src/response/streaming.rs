@@ -1,7 +1,8 @@
 //! One event's JSON text, fed in arbitrary pieces, merged with prefill's routing as it passes.
 //!
 //! The text is split as it comes into what the merge rewrites (each routing value's base64
-//! content: decoded, cut, re-encoded, sent on, never held) and the rest (the *skeleton*: the
+//! content: decoded, cut, re-encoded, sent on, never held; a compact sidecar out, or with
+//! `keep_format` a vLLM `.npy` value as `.npy` text) and the rest (the *skeleton*: the
 //! event with those contents emptied, a few hundred bytes, held). When the event ends, the
 //! core's own walker reads the skeleton: every JSON check of the whole-event merge (validity,
 //! duplicate keys, routing keys elsewhere, token counts, weights) is made by the same code on
@@ -540,9 +541,11 @@ impl<'p> EventMerge<'p> {
     fn begin(&mut self, kind: Kind, at: usize) -> Flow {
         let o = &self.opts.merge;
         let h = &o.hints;
+        // Kept in the engine's format, a `.npy` value streams as `.npy` text; a sidecar is left
+        // to the whole merge (its canonical text is not rebuilt here).
         if self.prefill.refusal().is_some()
             || self.prefill.split()
-            || o.keep_format
+            || (o.keep_format && kind == Kind::Sidecar)
             || h.num_layers.is_some()
             || h.top_k.is_some()
             || h.dtype.is_some()
@@ -583,11 +586,20 @@ impl<'p> EventMerge<'p> {
         Ok(())
     }
 
-    /// Send the held text before the value, and the merged value's first bytes: prefill's rows.
+    /// Send the held text before the value, and the merged value's first bytes: prefill's rows
+    /// (after the merged `.npy` header, when the value is kept as `.npy` text).
     fn go(&mut self, out: &mut Vec<u8>) -> Flow {
+        let keep = self.opts.merge.keep_format;
         let cur = self.cur.as_mut().expect("a value");
         out.extend_from_slice(&self.skel[self.sent..cur.at]);
-        out.extend_from_slice(DATA_KEY);
+        match (keep, &cur.npy) {
+            (true, Some((_, plan))) => {
+                out.push(b'"');
+                let header = npy::write_header(plan.header.dtype, plan.header.shape);
+                cur.enc.push(&header, out);
+            }
+            _ => out.extend_from_slice(DATA_KEY),
+        }
         self.emitted = true;
         cur.prefill.push_rows(&mut cur.enc, out)?;
         Ok(())
@@ -808,7 +820,11 @@ impl<'p> EventMerge<'p> {
     fn end_value(&mut self, plan: &Plan, npy_header: Option<Header>, out: &mut Vec<u8>) {
         let mut cur = self.cur.take().expect("a value");
         cur.enc.finish(out);
-        out.extend_from_slice(tail(&plan.header).as_bytes());
+        if self.opts.merge.keep_format && npy_header.is_some() {
+            out.push(b'"'); // the `.npy` text's closing quote
+        } else {
+            out.extend_from_slice(tail(&plan.header).as_bytes());
+        }
         self.sent = self.skel.len();
         self.done.push(DoneValue {
             at: cur.at,

@@ -252,6 +252,7 @@ fn make_case(rng: &mut Rng) -> Case {
         ..Hints::default()
     };
     merge.decode_start = Some(d_start);
+    merge.keep_format = rng.chance(2);
     let data_first = if rng.chance(4) {
         DataFirst::Fallback
     } else {
@@ -262,8 +263,9 @@ fn make_case(rng: &mut Rng) -> Case {
         event: event.into_bytes(),
         opts: StreamOptions { merge, data_first, max_held: 1 << 20 },
         what: format!(
-            "L{layers} K{top_k} {dtype}/{d_dtype} prefill [{p_start},{p_end}) {} decode [{d_start},{d_end}) shape {shape} {data_first:?}",
-            if prefill_npy { "npy" } else { "compact" }
+            "L{layers} K{top_k} {dtype}/{d_dtype} prefill [{p_start},{p_end}) {} decode [{d_start},{d_end}) shape {shape} {data_first:?} keep_format {}",
+            if prefill_npy { "npy" } else { "compact" },
+            merge.keep_format
         ),
     }
 }
@@ -278,6 +280,7 @@ fn streaming_equals_the_whole_merge() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(1500);
     let (mut same, mut errors, mut fallbacks, mut expected_refusals) = (0, 0, 0, 0);
+    let mut kept = 0; // of `same`, merged in the engine's format (`.npy` text kept)
     let mut divergences = Vec::new();
     for n in 0..cases {
         let mut case = make_case(&mut rng);
@@ -294,7 +297,10 @@ fn streaming_equals_the_whole_merge() {
             let (got, _) = streamed(&rows, &case.event, &cuts, case.opts);
             match (&want, &got) {
                 (_, Outcome::Fallback) => fallbacks += 1,
-                (Outcome::Bytes(a), Outcome::Bytes(b)) if a == b => same += 1,
+                (Outcome::Bytes(a), Outcome::Bytes(b)) if a == b => {
+                    same += 1;
+                    kept += usize::from(case.opts.merge.keep_format);
+                }
                 (Outcome::Error(_), Outcome::Error(_)) => errors += 1,
                 // The policy DataFirst::Expect chose: a sidecar stating another start or
                 // dtype than expected, data first, is refused where the whole merge merges it.
@@ -314,7 +320,7 @@ fn streaming_equals_the_whole_merge() {
         }
     }
     eprintln!(
-        "{cases} cases x 3 chunkings: {same} identical bytes, {errors} errors both ways, \
+        "{cases} cases x 3 chunkings: {same} identical bytes ({kept} kept as .npy), {errors} errors both ways, \
          {fallbacks} fallbacks, {expected_refusals} refusals by the data-first policy, \
          {} divergences",
         divergences.len()
@@ -324,7 +330,12 @@ fn streaming_equals_the_whole_merge() {
         "{}",
         divergences[..divergences.len().min(5)].join("\n")
     );
-    assert!(same > cases, "too few merges streamed: {same}");
+    // Half the cases keep the engine's format, in which only `.npy` values stream.
+    assert!(same > cases * 3 / 4, "too few merges streamed: {same}");
+    assert!(
+        kept > cases / 10,
+        "too few merges streamed as .npy text: {kept}"
+    );
 }
 
 fn brief(o: &Outcome) -> String {
@@ -385,6 +396,30 @@ fn a_large_event_is_merged_in_o_piece() {
         .collect();
     let (got, peak) = streamed(&rows, event.as_bytes(), &cuts, opts);
     assert_eq!(got, whole(prefill_body.as_bytes(), event.as_bytes(), merge));
+    assert!(peak < 2 * PIECE, "held {peak}");
+    // Kept as `.npy` text (the proxy's `routing_format` "engine"): the same, in `.npy` text.
+    let kept = MergeOptions {
+        keep_format: true,
+        ..merge
+    };
+    let (got, peak) = streamed(
+        &rows,
+        event.as_bytes(),
+        &cuts,
+        StreamOptions {
+            merge: kept,
+            ..opts
+        },
+    );
+    let want = whole(prefill_body.as_bytes(), event.as_bytes(), kept);
+    let marker = [
+        &b"\"routed_experts\":\""[..],
+        crate::formats::NPY_B64_PREFIX,
+    ]
+    .concat();
+    let is_npy = |b: &[u8]| b.windows(marker.len()).any(|w| w == marker);
+    assert!(matches!(&want, Outcome::Bytes(b) if is_npy(b)));
+    assert_eq!(got, want);
     assert!(peak < 2 * PIECE, "held {peak}");
     // A compact sidecar whose data comes first: its start is known only after its rows, so
     // the policy the proxy uses hands the event back (exact, no saving).

@@ -788,11 +788,25 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
     #[test]
     fn a_long_event_merges_as_it_passes_to_the_bytes_of_the_whole_merge() {
         let (prefill, stream, opts) = long_npy_stream();
+        // Answered compact, and in the engine's format (`.npy` text, `routing_format` engine).
+        for keep_format in [false, true] {
+            long_event_merges_as_it_passes(
+                &prefill,
+                &stream,
+                MergeOptions {
+                    keep_format,
+                    ..opts
+                },
+            );
+        }
+    }
+
+    fn long_event_merges_as_it_passes(prefill: &Bytes, stream: &[u8], opts: MergeOptions) {
         assert!(stream.len() > STREAM_ABOVE + (1 << 20));
-        let found = routed_experts::read_body(&prefill).unwrap();
+        let found = routed_experts::read_body(prefill).unwrap();
         let run = |piece: usize, streaming: bool| {
             let rows = OnceLock::new();
-            let mut m = StreamMerger::new(&prefill, &found, opts, 64 << 20);
+            let mut m = StreamMerger::new(prefill, &found, opts, 64 << 20);
             if streaming {
                 m = m.streaming(&rows);
             }
@@ -819,6 +833,11 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
             (out.concat(), most_held, m.merged_bytes)
         };
         let (whole, held_whole, bytes_whole) = run(1 << 20, false);
+        let npy_text = br#""routed_experts":"k05VTVBZ"#;
+        assert_eq!(
+            whole.windows(npy_text.len()).any(|w| w == npy_text),
+            opts.keep_format
+        );
         assert!(held_whole > STREAM_ABOVE); // the whole event, held
         for piece in [4095, 256 << 10, 1 << 20, 3_000_001] {
             let (streamed, held, bytes) = run(piece, true);
