@@ -29,12 +29,15 @@ def test_more_large_streams_than_the_budget_holds_all_end_and_small_requests_get
 
 
 @pytest.mark.slow_under_emulation  # 66 MB of events merged and checked: minutes under qemu
-def test_long_vllm_routing_events_merge_as_they_pass_and_all_complete() -> None:
+@pytest.mark.parametrize("routing_format", ["compact", "engine"])
+def test_long_vllm_routing_events_merge_as_they_pass_and_all_complete(routing_format: str) -> None:
     # vLLM's bodies: .npy, a 1000-token prompt, decode's event the 11,000 generated rows
     # (about 11 MB, past the size from which an event is merged as it passes), 6 at once
-    # against a 24 MiB budget that could not hold them whole together.
+    # against a 24 MiB budget that could not hold them whole together; answered as compact
+    # sidecars or as vLLM's own `.npy` text.
     r = reliability.bench_lockup(
-        6, 12_000, 24 << 20, kinds=("proxy",), timeout=120, shape="vllm", generated=11_000
+        6, 12_000, 24 << 20, kinds=("proxy",), timeout=120, shape="vllm", generated=11_000,
+        routing_format=routing_format,
     )
     assert r["event_mib"] > 8, r
     proxy = r["proxy"]

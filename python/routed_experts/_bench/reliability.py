@@ -176,14 +176,16 @@ async def _lockup_load(
 def bench_lockup(
     streams: int, tokens: int, budget: int | None, layers: int = 94, top_k: int = 8,
     timeout: float = 120.0, kinds: tuple[str, ...] = ("vllm-router", "proxy"),
-    shape: str = "sidecar", generated: int | None = None,
+    shape: str = "sidecar", generated: int | None = None, routing_format: str = "compact",
 ) -> dict[str, Any]:
     """`streams` concurrent streamed requests of rollouts of `tokens` rows, against the proxy
-    (budget `budget`, None for its default) and vllm-router on the same engines. Bodies of
-    `shape` "sidecar": decode's event holds every row (data first: merged whole); "vllm":
-    vLLM's `.npy`, decode's event the `generated` rows (merged as it passes when long)."""
-    bodies = Bodies.make(tokens, layers, top_k, shape, generated)
-    small_bodies = Bodies.make(8, layers, top_k, shape)
+    (budget `budget`, None for its default; answering `routing_format`) and vllm-router on the
+    same engines. Bodies of `shape` "sidecar": decode's event holds every row (data first:
+    merged whole); "vllm": vLLM's `.npy`, decode's event the `generated` rows (merged as it
+    passes when long, also as `.npy` text with `routing_format` "engine")."""
+    keep = routing_format == "engine"
+    bodies = Bodies.make(tokens, layers, top_k, shape, generated, keep_format=keep)
+    small_bodies = Bodies.make(8, layers, top_k, shape, keep_format=keep)
     big = bodies.request[:-1] + b',"stream":true}'
     small = small_bodies.request[:-1] + b"," + SMALL_MARK + b"}"
     event = max(len(e) for e in bodies.stream.split(b"\n\n"))
@@ -191,8 +193,11 @@ def bench_lockup(
         "streams": streams, "shape": [tokens, layers, top_k], "bodies": shape,
         "event_mib": round(event / 2**20, 1),
         "budget_mib": round(budget / 2**20) if budget else "default",
+        "routing_format": routing_format,
     }
-    settings = {"max_buffered_bytes": budget} if budget else {}
+    settings: dict[str, Any] = {"routing_format": routing_format}
+    if budget:
+        settings["max_buffered_bytes"] = budget
     with children(
         engine_spec("prefill", tokens, layers, top_k, None, shape, generated),
         engine_spec("decode", tokens, layers, top_k, None, shape, generated),
@@ -353,6 +358,9 @@ def run_reliability(args: argparse.Namespace, parts: list[str]) -> dict[str, Any
             bench_lockup(32, 65536, None),  # 32 x 64 MiB events at the default budget
             # The same as vLLM sends it: .npy, a 1024-token prompt, decode's event the rest.
             bench_lockup(32, 65536, None, shape="vllm", generated=65536 - 1024),
+            # The same, answered in vLLM's own format (`.npy` text, merged as it passes).
+            bench_lockup(32, 65536, None, shape="vllm", generated=65536 - 1024,
+                         routing_format="engine", kinds=("proxy",)),
             bench_lockup(24, 16384, 128 << 20),  # 24 x 16 MiB at a 128 MiB budget
         ]
         for r in results["lockup"]:
@@ -368,8 +376,8 @@ def run_reliability(args: argparse.Namespace, parts: list[str]) -> dict[str, Any
 
 def _print_lockup(r: dict[str, Any]) -> None:
     print(f"\nlockup: {r['streams']} streams of {r['event_mib']} MiB routing events "
-          f"({r['bodies']}), budget {r['budget_mib']} MiB: outcomes, wall, small requests "
-          "meanwhile, RSS", flush=True)
+          f"({r['bodies']}, the proxy answering {r['routing_format']}), budget "
+          f"{r['budget_mib']} MiB: outcomes, wall, small requests meanwhile, RSS", flush=True)
     for kind in ("vllm-router", "proxy"):
         if kind not in r:
             continue
