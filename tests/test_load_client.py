@@ -80,6 +80,10 @@ def test_an_answer_is_not_done_before_its_last_byte() -> None:
         (b"HTTP/1.1 200 OK\r\n\r\nbody until close", "neither a length nor chunks is"),
         (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nabc", "1 bytes after a 2-byte body"),
         (b"HTTP/1.1 200 OK\r\n" + b"x: y\r\n" * 20000, "response head over 65536 bytes"),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 4e3\r\n\r\n", "unreadable answer"),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 9999999999\r\n\r\n", "is not 0 to 1073741824"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", "unreadable answer"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nfffffffff\r\n", "past the"),
     ],
 )
 def test_an_answer_it_cannot_read_is_an_error(data: bytes, says: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 _HEAD_LIMIT = 64 * 1024  # a response head larger than this is refused
 _READ = 256 * 1024  # what one read asks for while the body's length is unknown
+_BODY_LIMIT = 1 << 30  # a body said to be larger is refused before anything is allocated
 
 
 class HttpError(Exception):
@@ -75,6 +76,8 @@ class _Response(asyncio.BufferedProtocol):
                 self._read_chunks()
         except HttpError as e:
             self.waiter.set_exception(e)
+        except ValueError as e:  # a length or chunk size that is not a number
+            self.waiter.set_exception(HttpError(f"unreadable answer: {e}"))
 
     # parsing
 
@@ -94,6 +97,8 @@ class _Response(asyncio.BufferedProtocol):
             name, value = name.strip().lower(), value.strip().lower()
             if name == b"content-length":
                 self.length = int(value)
+                if not 0 <= self.length <= _BODY_LIMIT:
+                    raise HttpError(f"content-length {self.length} is not 0 to {_BODY_LIMIT}")
             elif name == b"transfer-encoding":
                 self.chunked = value == b"chunked"
                 if not self.chunked:
@@ -126,6 +131,8 @@ class _Response(asyncio.BufferedProtocol):
             if eol < 0:
                 break
             size = int(bytes(data[at:eol]).split(b";", 1)[0], 16)
+            if not 0 <= size <= _BODY_LIMIT - len(self.body):
+                raise HttpError(f"a chunk of {size} bytes past the {_BODY_LIMIT}-byte limit")
             if size == 0:  # the last chunk: no trailers expected, just the blank line
                 if len(data) < eol + 4:
                     break
