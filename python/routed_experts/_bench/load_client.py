@@ -29,6 +29,7 @@ class _Response(asyncio.BufferedProtocol):
 
     def __init__(self) -> None:
         self.store = bytearray()  # the last body with a length: its buffer is used again
+        self.scratch = bytearray(_READ)  # reads while the body's length is unknown
         self.transport: asyncio.Transport | None = None
         self.waiter: asyncio.Future[tuple[int, bytes | bytearray]] | None = None
         self.closed = False
@@ -36,7 +37,6 @@ class _Response(asyncio.BufferedProtocol):
 
     def _reset(self) -> None:
         self.head = bytearray()  # the head, then (chunked) the undecoded rest
-        self.scratch = bytearray(_READ)
         self.status = 0
         self.length: int | None = None  # the body's declared length
         self.body: bytearray | None = None

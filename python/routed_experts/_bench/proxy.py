@@ -31,7 +31,7 @@ from routed_experts._bench import load_client
 from routed_experts.stand_in_engine import VllmAnswers
 
 # What a 200 must carry: exactly these bytes, or what the check accepts; None: anything.
-Expect = Union[bytes, Callable[[bytes], bool], None]
+Expect = Union[bytes, Callable[[Union[bytes, bytearray]], bool], None]
 _VLLM_ROUTER_HINT = "pip install vllm-router (the bench extra) adds it as a column"
 
 GENERATED = 512  # tokens each request generates (the last one has no row)
@@ -503,7 +503,7 @@ def _as_expected(expect: Expect, content: bytes | bytearray) -> bool:
         return True
     if isinstance(expect, bytes):
         return content == expect
-    return expect(bytes(content))
+    return expect(content)
 
 
 def _measure(
@@ -559,7 +559,7 @@ def bench_load(args: argparse.Namespace, bodies: Bodies, stream: bool) -> dict[s
             else:
                 # vllm-router rewrites the JSON (it adds usage.total_tokens) and relays the
                 # decode server's routing, zeroed prompt rows included: that is what is checked.
-                def expect(content: bytes) -> bool:
+                def expect(content: bytes | bytearray) -> bool:
                     return rx.from_response(content, start=bodies.decode_start) == decode_routing
             with contextlib.ExitStack() as stack:
                 if kind == "vllm-router":
