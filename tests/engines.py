@@ -84,8 +84,8 @@ class Engine:
     fmt: str = "compact"  # "compact" sidecar, "vllm_npy", or "vllm_021" (§3.4's split bodies)
     release: str = "0.32"  # or "0.27": completions and chat ignore the start (rows from 0)
     # "500", "400", "gap"; decode faults: "no_done" (stream cut short), "json_reply" (JSON to a
-    # stream request), "sse_reply" (a stream to a plain one), "no_routing", "escaped_key";
-    # prefill fault: "array" (a JSON array body); either side: "zero_routes",
+    # stream request), "sse_reply" (a stream to a plain one), "escaped_key";
+    # prefill fault: "array" (a JSON array body); either side: "no_routing", "zero_routes",
     # "duplicate_routes" (what a broken engine sends: every id 0, an expert twice in a top_k);
     # "no_kv" (a prefill reply without kv_transfer_params), "dup_routing" (the routing event
     # twice), "cut_line" (a stream that ends inside a line), "dribble" (the routing event in
@@ -154,8 +154,9 @@ class Engine:
         if role == "prefill" and self.fail == "dup_kv":  # two: which one decode gets is a guess
             text = json.dumps(reply)[:-1] + ', "kv_transfer_params": {}}'
             return Response(text, media_type="application/json")
-        if role == "decode" and self.fail == "no_routing":
-            del reply["choices"][0]["routed_experts"]
+        if self.fail == "no_routing":  # a server started without routing
+            for c in reply["choices"]:
+                c.pop("routed_experts", None)
         if role == "decode" and self.pad:
             reply["pad"] = "x" * self.pad
         return JSONResponse(reply)

@@ -378,6 +378,44 @@ def test_decode_without_routing_is_502_decode_never_a_200(stack: dict[str, Any])
     assert "[DONE]" not in events  # a client stops at [DONE]: the error would go unseen
 
 
+@pytest.mark.parametrize(
+    "stack", [{"prefill_fail": "no_routing", "mode": "delta"}], indirect=True
+)
+def test_prefill_without_routing_is_502_prefill_and_decode_asked_from_its_last_position(
+    stack: dict[str, Any],
+) -> None:
+    # A prefill server started without routing beside a decode server with it: decode is asked
+    # from P - 1 all the same (the "delta" stand-in answers 500 before that, where vLLM 0.32's
+    # engine dies), and the client gets the missing half named, never a 200.
+    P = len(COMPLETION["prompt"])
+    r = httpx.post(stack["url"] + "/v1/completions", json=COMPLETION, timeout=30)
+    assert r.status_code == 502, r.text
+    error = r.json()["error"]
+    assert error["side"] == "prefill" and "missing routing on the prefill side" in error["message"]
+    _, events = stream_events(stack["url"] + "/v1/completions", dict(COMPLETION, stream=True))
+    last = json.loads(events[-1])
+    assert last["error"]["side"] == "prefill" and "[DONE]" not in events
+    asked = [q for d in stack["decodes"] for q in d.requests]
+    assert len(asked) == 2 and all(q["routed_experts_prompt_start"] == P - 1 for q in asked)
+
+
+@pytest.mark.parametrize(
+    "stack",
+    [{"prefill_fail": "no_routing", "decode_fail": "no_routing", "mode": "delta"}],
+    indirect=True,
+)
+def test_without_routing_on_either_side_the_halves_are_relayed(stack: dict[str, Any]) -> None:
+    # No routing anywhere (servers started without it): a plain P/D relay, decode asked from
+    # P - 1 all the same, since the proxy cannot know decode's setting before it answers.
+    r = httpx.post(stack["url"] + "/v1/completions", json=COMPLETION, timeout=30)
+    assert r.status_code == 200, r.text
+    assert "routed_experts" not in r.json()["choices"][0]
+    _, events = stream_events(stack["url"] + "/v1/completions", dict(COMPLETION, stream=True))
+    assert events[-1] == "[DONE]"
+    asked = [q for d in stack["decodes"] for q in d.requests]
+    assert [q["routed_experts_prompt_start"] for q in asked] == [len(COMPLETION["prompt"]) - 1] * 2
+
+
 @pytest.mark.parametrize("stack", [{"decode_fail": "escaped_key"}], indirect=True)
 def test_an_escaped_routing_key_in_a_stream_is_merged(stack: dict[str, Any]) -> None:
     body = dict(COMPLETION, stream=True)

@@ -155,7 +155,7 @@ impl Call {
     /// `kv_transfer_params` and its routing, which the merge
     /// reuses), the client's prompt start checked against the prompt's length, and where
     /// decode is to be asked to start its routing ([`decode_start`]; `None` when prefill
-    /// returned no routing, so decode is asked as the client asked).
+    /// returned neither routing nor a prompt count, so decode is asked as the client asked).
     pub(crate) fn read_prefill<'b>(
         &self,
         body: &'b [u8],
@@ -371,7 +371,11 @@ pub(crate) fn prefill_prompt<'b>(
 ) -> routed_experts::Result<(PrefillBody<'b>, Option<u64>)> {
     let read = read_prefill_scanned(body, runs)?;
     let Some(first) = read.routing.values.first() else {
-        return Ok((read, None));
+        // No routing from prefill (a server started without it): the prompt's length from its
+        // counts still says where decode computes, so a decode engine with routing on is never
+        // asked for rows it received over the KV connector (vLLM 0.32 dies on that).
+        let prompt = read.routing.choices.iter().find_map(|(_, c)| c.prompt);
+        return Ok((read, prompt.map(|(p, _)| p)));
     };
     if let Some((prompt, _)) = first.counts.prompt {
         return Ok((read, Some(prompt)));
@@ -477,6 +481,18 @@ mod tests {
         );
         let none = br#"{"choices":[{"index":0,"text":"x"}]}"#;
         assert_eq!(prefill_prompt(none, None, None, max).unwrap().1, None);
+        // No routing (a server started without it), but its count: decode still starts there.
+        let counted_only =
+            br#"{"choices":[{"index":0,"text":"x"}],"usage":{"prompt_tokens":7,"completion_tokens":1}}"#;
+        assert_eq!(
+            prefill_prompt(counted_only, None, None, max).unwrap().1,
+            Some(7)
+        );
+        let ids_only = br#"{"choices":[{"index":0,"text":"x","prompt_token_ids":[1,2]}]}"#;
+        assert_eq!(
+            prefill_prompt(ids_only, None, None, max).unwrap().1,
+            Some(2)
+        );
         assert!(prefill_prompt(b"{", None, None, max).is_err());
     }
 }
