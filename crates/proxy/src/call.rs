@@ -374,6 +374,10 @@ pub(crate) fn prefill_prompt<'b>(
         // No routing from prefill (a server started without it): the prompt's length from its
         // counts still says where decode computes, so a decode engine with routing on is never
         // asked for rows it received over the KV connector (vLLM 0.32 dies on that).
+        // vLLM 0.21's split bodies (a `prompt_routed_experts` key) take no start.
+        if read.routing.prompt_key {
+            return Ok((read, None));
+        }
         let prompt = read.routing.choices.iter().find_map(|(_, c)| c.prompt);
         return Ok((read, prompt.map(|(p, _)| p)));
     };
