@@ -29,7 +29,7 @@ DIST ?= dist
 # The working corpus grows in fuzz/corpus/ (not committed); fuzz/seeds/ is the checked-in seed
 # corpus; an input that crashes is saved under fuzz/artifacts/ and belongs in fuzz/regressions/.
 FUZZ_SECONDS ?= 600
-FUZZ_TARGETS := sidecar formats response merge_response stream_merge npy_header trajectory quality proxy
+FUZZ_TARGETS := sidecar formats response merge_response stream_merge npy_header trajectory quality proxy upstream_reply
 
 $(VENV)/.run-deps:
 	@echo "make: creating $(VENV) with the build tool and numpy (first time only)"

@@ -44,5 +44,6 @@ replay_targets!(
     npy_header,
     trajectory,
     quality,
-    proxy
+    proxy,
+    upstream_reply
 );

@@ -782,3 +782,71 @@ pub fn proxy(data: &[u8]) {
         );
     }
 }
+
+/// An upstream's reply as the proxy reads it whole (`routed_experts_proxy::direct`): its head
+/// parsed from the input fed in pieces (the first byte sets their size) is the head parsed
+/// whole, and a chunked body after it decodes to the same bytes in those pieces as in one,
+/// or is refused both ways; nothing is taken past the limits on heads and chunk metadata.
+pub fn upstream_reply(data: &[u8]) {
+    use routed_experts_proxy::direct::{parse_head, Dechunk, Framing, Step, MAX_HEAD_BYTES};
+    let Some((&first, text)) = data.split_first() else {
+        return;
+    };
+    let piece = usize::from(first % 64) + 1;
+    let whole = parse_head(text);
+    // In pieces: the head is found once its last byte is there, the same as whole.
+    let mut seen = 0;
+    let in_pieces = loop {
+        seen = (seen + piece).min(text.len());
+        match parse_head(&text[..seen]) {
+            Ok(None) if seen < text.len() => continue,
+            other => break other,
+        }
+    };
+    match (&whole, &in_pieces) {
+        (Ok(Some(a)), Ok(Some(b))) => assert_eq!(a, b),
+        (Ok(None), Ok(None)) | (Err(_), Err(_)) => {}
+        // A prefix may be refused where the whole is not only for its size.
+        (_, Err(e)) => assert!(e.contains("over"), "{e}"),
+        (a, b) => panic!("whole {a:?}, in pieces {b:?}"),
+    }
+    if let Ok(Some((h, used))) = &whole {
+        assert!(*used <= text.len() && *used <= MAX_HEAD_BYTES);
+        // A body that runs to the close never leaves its connection for another request.
+        assert!(h.framing != Framing::Close || !h.keep_alive);
+    }
+    // The body (after a head, else the whole input) dechunked in pieces and at once.
+    let body = match &whole {
+        Ok(Some((_, used))) => &text[*used..],
+        _ => text,
+    };
+    let dechunk = |piece: usize| -> Result<(Vec<u8>, bool), String> {
+        let mut d = Dechunk::default();
+        let mut input = bytes::BytesMut::new();
+        let (mut out, mut rest) = (Vec::new(), body);
+        loop {
+            match d.next(&mut input)? {
+                Step::Data(b) => {
+                    assert!(!b.is_empty());
+                    out.extend_from_slice(&b);
+                }
+                Step::End => return Ok((out, true)),
+                Step::More if rest.is_empty() => return Ok((out, false)),
+                Step::More => {
+                    let n = piece.min(rest.len());
+                    input.extend_from_slice(&rest[..n]);
+                    rest = &rest[n..];
+                }
+            }
+        }
+    };
+    let (a, b) = (dechunk(body.len().max(1)), dechunk(piece));
+    match (&a, &b) {
+        (Ok(x), Ok(y)) => assert_eq!(x, y),
+        (Err(_), Err(_)) => {}
+        // Refused in pieces, only for metadata that grew past its bound before data came.
+        (Ok(_), Err(e)) | (Err(e), Ok(_)) => {
+            assert!(e.contains("without data"), "{a:?} / {b:?}")
+        }
+    }
+}

@@ -161,3 +161,16 @@ for prompt, total in ((3, 6), (12, 90)):
     flags = 1 | ((prompt - 1) << 4)  # decode asked from prompt - 1
     put("stream_merge", pre + b"\xff" + ev + b"\xff" + bytes([flags, 5, 17, 3, 60, 0, 9]))
     put("stream_merge", pre + b"\xff" + ev + b"\xff" + bytes([flags]))
+
+# Upstream replies as the proxy reads them whole (the first byte sets the pieces' size): a
+# uvicorn JSON reply, a chunked one with extensions and trailers, one that runs to the close,
+# an interim 100 before a reply, and a length beside chunked coding.
+for seed in (
+    b"\x07HTTP/1.1 200 OK\r\ndate: x\r\nserver: uvicorn\r\ncontent-length: 2\r\n"
+    b"content-type: application/json\r\n\r\n{}",
+    b"\x02HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3;a=b\r\nabc\r\n0\r\nt: 1\r\n\r\n",
+    b"\x3fHTTP/1.0 500 Internal Server Error\r\ncontent-type: text/plain\r\n\r\nboom",
+    b"\x00HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
+    b"\x05HTTP/1.1 200 OK\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n1\r\nx\r\n0\r\n\r\n",
+):
+    put("upstream_reply", seed)

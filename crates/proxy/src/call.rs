@@ -18,7 +18,6 @@ use super::parts::{shared_slices, Held, PartsBody};
 use super::pool::{Lease, Outcome, Side};
 use super::request::{decode_start, ClientBody};
 use super::stream::SAMPLE_ROWS;
-use super::upstream::CallError;
 use routed_experts::body::{read_prefill_scanned, Base64Runs, PrefillBody};
 use routed_experts::response::{merge_response_found, merge_suspects, suspect_rows, MergeOptions};
 use routed_experts::Hints;
@@ -241,60 +240,58 @@ impl Call {
         (guard, head)
     }
 
-    /// An upstream's whole reply body, within the size limit and the body budget, counted in
-    /// `share` (opened beside the bytes the request already holds, which make it a holder in
-    /// the budget's waiting rule). A prefill reply takes as many bytes again as its reserve,
-    /// for decode's reply to grow into (see `Share::set_aside`).
-    pub(crate) async fn read_reply(
-        &self,
-        side: Side,
-        r: Response<Incoming>,
-        mut share: Share,
-    ) -> Result<(Reply, Share), CallError> {
-        let proxy = &self.proxy;
-        let limit = proxy.config.max_upstream_bytes;
-        let (ceiling, deadline) = (self.ceiling(side), proxy.wait_deadline(self.deadline));
-        // Prefill's reply is walked for its routing before the merge: its runs are found as
-        // it arrives.
-        let prefill = side == Side::Prefill;
-        let (body, runs) = proxy
-            .upstreams
-            .read_body(r, limit, &mut share, (ceiling, prefill), deadline, prefill)
-            .await?;
-        Ok((Reply { body, runs }, share))
-    }
-
-    /// POST to an upstream and read its JSON reply, recording the upstream's health.
+    /// POST to an upstream and read its JSON reply, recording the upstream's health. The reply
+    /// is read whole on the proxy's own connections ([`Direct`](super::direct)): a body with a
+    /// length goes straight from the socket into one buffer.
     pub(crate) async fn fetch(
         &self,
         ex: &mut Exchange,
         side: Side,
         lease: Lease,
         data: Bytes,
-        share: Share,
+        mut share: Share,
     ) -> Result<(Reply, Share), Fault> {
         let proxy = &self.proxy;
         let upstream = Arc::clone(&lease.upstream);
         let url = &upstream.url;
         let began = Instant::now();
-        let (mut guard, head) = self.post(side, lease, data).await;
-        let reply = match head {
-            Ok(r) if encoding(&r).is_some() => {
-                guard.outcome = Outcome::of_status(r.status().as_u16());
-                Err(encoded_fault(side, url, encoding(&r).unwrap_or_default()))
+        let mut guard = ReleaseGuard {
+            proxy,
+            side,
+            lease: Some(lease),
+            outcome: Outcome::Unknown,
+        };
+        let uri = upstream.target.uri(self.endpoint);
+        let reply = match proxy.direct.post(&uri, &self.headers, &data, None).await {
+            Err(e) => {
+                guard.outcome = Outcome::Failed;
+                Err(proxy.call_fault(side, url, e))
             }
             Ok(r) => {
-                let status = r.status().as_u16();
-                let json = is_mime(r.headers().get(CONTENT_TYPE), "application/json");
-                self.read_reply(side, r, share)
-                    .await
-                    .map(|(body, share)| (status, json, body, share))
-                    .map_err(|e| {
-                        guard.outcome = Outcome::Failed;
-                        proxy.call_fault(side, url, e)
-                    })
+                let status = r.head.status;
+                match content_coding(r.head.content_encoding.as_ref()) {
+                    Some(enc) => {
+                        guard.outcome = Outcome::of_status(status);
+                        Err(encoded_fault(side, url, enc))
+                    }
+                    None => {
+                        let json = is_mime(r.head.content_type.as_ref(), "application/json");
+                        let limit = proxy.config.max_upstream_bytes;
+                        let (ceiling, deadline) =
+                            (self.ceiling(side), proxy.wait_deadline(self.deadline));
+                        // Prefill's reply is walked for its routing before the merge: its runs
+                        // are found as it arrives, and it takes a reserve for decode's.
+                        let prefill = side == Side::Prefill;
+                        r.read_body(limit, &mut share, (ceiling, prefill), deadline, prefill)
+                            .await
+                            .map(|(body, runs)| (status, json, Reply { body, runs }, share))
+                            .map_err(|e| {
+                                guard.outcome = Outcome::Failed;
+                                proxy.call_fault(side, url, e)
+                            })
+                    }
+                }
             }
-            Err(fault) => Err(fault),
         };
         ex.seconds[Phase::from(side) as usize] += began.elapsed().as_secs_f64();
         let (status, json, body, share) = reply?;
@@ -373,8 +370,8 @@ pub(crate) fn prefill_prompt<'b>(
     let Some(first) = read.routing.values.first() else {
         // No routing from prefill (a server started without it): the prompt's length from its
         // counts still says where decode computes, so a decode engine with routing on is never
-        // asked for rows it received over the KV connector (vLLM 0.32 dies on that).
-        // vLLM 0.21's split bodies (a `prompt_routed_experts` key) take no start.
+        // asked for rows it received over the KV connector (vLLM 0.32 dies on that). Not for
+        // vLLM 0.21's split bodies (a `prompt_routed_experts` key), which take no start.
         if read.routing.prompt_key {
             return Ok((read, None));
         }
@@ -429,7 +426,12 @@ pub(crate) fn upstream_headers(
 
 /// A reply's content coding other than identity (which the proxy asked for), as sent.
 pub(crate) fn encoding(r: &Response<Incoming>) -> Option<String> {
-    let v = r.headers().get(hyper::header::CONTENT_ENCODING)?;
+    content_coding(r.headers().get(hyper::header::CONTENT_ENCODING))
+}
+
+/// The coding a `Content-Encoding` value names, unless it is none (`identity` or empty).
+pub(crate) fn content_coding(v: Option<&HeaderValue>) -> Option<String> {
+    let v = v?;
     let text = String::from_utf8_lossy(v.as_bytes())
         .trim()
         .to_ascii_lowercase();

@@ -28,6 +28,7 @@ mod call;
 pub mod config;
 mod config_error;
 mod conn_io;
+pub mod direct;
 mod fault;
 mod inbound;
 mod membership;

@@ -159,12 +159,19 @@ impl Call {
         let status = r.status().as_u16();
         if status >= 400 {
             guard.outcome = Outcome::of_status(status);
-            let share = self.proxy.budget.share().beside(beside);
-            let body = self
-                .read_reply(Side::Decode, r, share)
+            let mut share = self.proxy.budget.share().beside(beside);
+            let proxy = &self.proxy;
+            let body = proxy
+                .upstreams
+                .read_body(
+                    r,
+                    proxy.config.max_upstream_bytes,
+                    &mut share,
+                    self.ceiling(Side::Decode),
+                    proxy.wait_deadline(self.deadline),
+                )
                 .await
-                .map(|(b, _)| b.body);
-            let body = body.unwrap_or_default();
+                .unwrap_or_default();
             return Err(status_fault(Side::Decode, url, status, &body));
         }
         if let Some(enc) = encoding(&r) {

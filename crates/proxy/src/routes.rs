@@ -63,9 +63,9 @@ impl Proxy {
                     let deadline = tokio::time::Instant::now() + self.config.read_timeout;
                     let ceiling = self.budget.limit();
                     self.upstreams
-                        .read_body(r, limit, &mut share, (ceiling, false), deadline, false)
+                        .read_body(r, limit, &mut share, ceiling, deadline)
                         .await
-                        .map(|(b, _)| (status, Outgoing::new(b, Some(share), None)))
+                        .map(|b| (status, Outgoing::new(b, Some(share), None)))
                 }
                 Err(e) => Err(e),
             };

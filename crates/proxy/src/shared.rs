@@ -11,6 +11,7 @@ use hyper::{Method, StatusCode};
 
 use super::budget::Budget;
 use super::config::{Config, ConfigError};
+use super::direct::Direct;
 use super::fault::{Blame, Fault};
 use super::metrics::Metrics;
 use super::pool::{Lease, Outcome, Pool, Side, Upstream};
@@ -39,6 +40,8 @@ pub struct Proxy {
     /// Completion requests being served.
     pub in_flight: AtomicUsize,
     pub(crate) upstreams: Upstreams,
+    /// Calls whose replies are read whole (the rest go through `upstreams`).
+    pub(crate) direct: Direct,
     pub(crate) merge_max_bytes: usize,
     pub(crate) session_header: Option<HeaderName>,
 }
@@ -70,6 +73,11 @@ impl Proxy {
             };
         Ok(Proxy {
             upstreams: Upstreams::new(
+                config.connect_timeout,
+                config.read_timeout,
+                config.max_in_flight,
+            ),
+            direct: Direct::new(
                 config.connect_timeout,
                 config.read_timeout,
                 config.max_in_flight,

@@ -13,7 +13,6 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use super::budget::Share;
-use routed_experts::body::Base64Runs;
 
 /// An upstream's base URL, parsed: `http://HOST[:PORT][/PREFIX]`, to which endpoint paths are
 /// appended.
@@ -151,89 +150,92 @@ impl Upstreams {
         }
     }
 
-    /// A whole body, refused past `limit` bytes (by its Content-Length before reading, else
-    /// as it arrives) and counted against the budget through `share`: it waits (until
-    /// `deadline`) for room below `ceiling`, and is refused if none comes. With `set_aside`, a
-    /// large body whose size its head gives takes as many bytes again with it, as the share's
-    /// reserve ([`Share::set_aside`]), as far as the budget could ever hold them. With `scan`,
-    /// also the body's long base64 runs, each piece scanned as it is joined, while it is in
-    /// cache ([`Base64Runs`]; none for a body that came in one piece).
+    /// A whole body (`/v1/models`, an error reply to a stream request; completions' replies read
+    /// whole are [`Direct`](super::direct)'s), refused past `limit` bytes (by its Content-Length before
+    /// reading, else as it arrives) and counted against the budget through `share`: it waits
+    /// (until `deadline`) for room below `ceiling`, and is refused if none comes.
     pub async fn read_body(
         &self,
         response: Response<Incoming>,
         limit: usize,
         share: &mut Share,
-        (ceiling, set_aside): (usize, bool),
+        ceiling: usize,
         deadline: tokio::time::Instant,
-        scan: bool,
-    ) -> Result<(Bytes, Option<Base64Runs>), CallError> {
+    ) -> Result<Bytes, CallError> {
         let declared = response
             .headers()
             .get(CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
         if let Some(n) = declared {
-            if n > limit as u64 {
-                return Err(CallError::TooLarge(n, false));
-            }
-            let asked = usize::try_from(n).unwrap_or(usize::MAX);
-            let room = share.room(asked, ceiling);
-            if asked > room.min(ceiling) {
-                return Err(CallError::NeverFits(n, room.min(ceiling), false));
-            }
-            // A large body takes its reserve only as far as the budget could ever hold it.
-            let extra = if set_aside && !share.is_small(asked) {
-                asked.min(room - asked)
-            } else {
-                0
-            };
-            if !share.grow_wait(asked + extra, ceiling, deadline).await {
-                return Err(CallError::Budget);
-            }
-            share.set_aside(extra);
+            admit_declared(n, limit, share, (ceiling, false), deadline).await?;
         }
         let mut body = response.into_body();
         let mut out = BytesMut::new();
-        let mut first: Option<Bytes> = None;
-        let mut runs = scan.then(Base64Runs::new);
         while let Some(chunk) = self.next_chunk(&mut body).await? {
-            let size = out.len() + first.as_ref().map_or(0, Bytes::len) + chunk.len();
+            let size = out.len() + chunk.len();
             if size > limit {
                 return Err(CallError::TooLarge(size as u64, true));
             }
-            if declared.is_none_or(|n| size as u64 > n)
-                && !share.grow_wait(chunk.len(), ceiling, deadline).await
-            {
-                let room = share.room(chunk.len(), ceiling).min(ceiling);
-                return Err(if chunk.len() > room {
-                    CallError::NeverFits(size as u64, room + share.held(), true)
-                } else {
-                    CallError::Budget
-                });
+            if declared.is_none_or(|n| size as u64 > n) {
+                grow_undeclared(share, chunk.len(), size, ceiling, deadline).await?;
             }
-            // A body that arrives in one piece is kept as it is; more pieces are joined once.
-            match first.take() {
-                None if out.is_empty() => first = Some(chunk),
-                None => out.extend_from_slice(&chunk),
-                Some(f) => {
-                    out.reserve(declared.map_or(size, |n| n as usize));
-                    out.extend_from_slice(&f);
-                    if let Some(r) = runs.as_mut() {
-                        r.extend(&out);
-                    }
-                    out.extend_from_slice(&chunk);
-                }
-            }
-            if let Some(r) = runs.as_mut().filter(|_| !out.is_empty()) {
-                r.extend(&out);
-            }
+            out.extend_from_slice(&chunk);
         }
-        match first {
-            // One piece: no run crosses a piece, so the walk's own scan is all there is.
-            Some(one) => Ok((one, None)),
-            None => Ok((out.freeze(), runs)),
-        }
+        Ok(out.freeze())
     }
+}
+
+/// Room for `piece` more bytes of a body whose length was not declared (`size` with them),
+/// waited for until `deadline`; refused when none comes, or when the budget could never give it.
+pub(crate) async fn grow_undeclared(
+    share: &mut Share,
+    piece: usize,
+    size: usize,
+    ceiling: usize,
+    deadline: tokio::time::Instant,
+) -> Result<(), CallError> {
+    if share.grow_wait(piece, ceiling, deadline).await {
+        return Ok(());
+    }
+    let room = share.room(piece, ceiling).min(ceiling);
+    Err(if piece > room {
+        CallError::NeverFits(size as u64, room + share.held(), true)
+    } else {
+        CallError::Budget
+    })
+}
+
+/// A body whose head declares `n` bytes, admitted before it is read: refused past `limit`, or
+/// when the budget could never give it room below `ceiling`; else it waits (until `deadline`)
+/// for that room in `share`. With `set_aside`, a large body takes as many bytes again with it,
+/// as the share's reserve ([`Share::set_aside`]), as far as the budget could ever hold them.
+pub(crate) async fn admit_declared(
+    n: u64,
+    limit: usize,
+    share: &mut Share,
+    (ceiling, set_aside): (usize, bool),
+    deadline: tokio::time::Instant,
+) -> Result<(), CallError> {
+    if n > limit as u64 {
+        return Err(CallError::TooLarge(n, false));
+    }
+    let asked = usize::try_from(n).unwrap_or(usize::MAX);
+    let room = share.room(asked, ceiling);
+    if asked > room.min(ceiling) {
+        return Err(CallError::NeverFits(n, room.min(ceiling), false));
+    }
+    // A large body takes its reserve only as far as the budget could ever hold it.
+    let extra = if set_aside && !share.is_small(asked) {
+        asked.min(room - asked)
+    } else {
+        0
+    };
+    if !share.grow_wait(asked + extra, ceiling, deadline).await {
+        return Err(CallError::Budget);
+    }
+    share.set_aside(extra);
+    Ok(())
 }
 
 /// An error and its causes in one line (hyper's top-level message alone says little).
@@ -251,62 +253,6 @@ fn describe(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::budget::Budget;
-
-    /// A prefill-like body with a routing string of `len` base64 characters, served once with a
-    /// length, written in pieces of 10,000 bytes so that it arrives in several; what
-    /// `read_body` returns with and without `scan`, and where the string's content starts.
-    async fn read_in_pieces(len: usize, scan: bool) -> (Bytes, Option<Base64Runs>, usize) {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let head = br#"{"choices":[{"index":0,"routed_experts":""#;
-        let mut body = head.to_vec();
-        body.extend((0..len).map(|i| b"k4/+"[i % 4]));
-        body.extend_from_slice(br#""}],"usage":{"prompt_tokens":9}}"#);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let sent = body.clone();
-        tokio::spawn(async move {
-            let (mut c, _) = listener.accept().await.unwrap();
-            let mut request = vec![0; 4096];
-            let _ = c.read(&mut request).await.unwrap();
-            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", sent.len());
-            c.write_all(head.as_bytes()).await.unwrap();
-            for piece in sent.chunks(10_000) {
-                c.write_all(piece).await.unwrap();
-                c.flush().await.unwrap();
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-        });
-        let up = Upstreams::new(Duration::from_secs(5), Duration::from_secs(5), 1);
-        let uri: Uri = format!("http://127.0.0.1:{port}/").parse().unwrap();
-        let r = up
-            .call(Method::POST, uri, &[], Bytes::new(), None)
-            .await
-            .unwrap();
-        let mut share = Budget::new(1 << 30).share();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        let (got, runs) = up
-            .read_body(r, 1 << 30, &mut share, (1 << 30, false), deadline, scan)
-            .await
-            .unwrap();
-        assert_eq!(got, body);
-        (got, runs, head.len())
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_body_read_in_pieces_knows_its_routing_string_run_when_asked() {
-        let (body, runs, start) = read_in_pieces(60_000, true).await;
-        let runs = runs.expect("several pieces, scanned");
-        assert_eq!(runs.scanned(), body.len());
-        assert_eq!(runs.run_from(start), Some(start + 60_000));
-        // The walk takes it and reads what it reads without it.
-        let with = routed_experts::body::read_prefill_scanned(&body, Some(&runs)).unwrap();
-        let without = routed_experts::body::read_prefill(&body).unwrap();
-        assert_eq!(format!("{with:?}"), format!("{without:?}"));
-        assert!(with.routing.values[0].base64);
-        let (_, none, _) = read_in_pieces(60_000, false).await;
-        assert!(none.is_none());
-    }
 
     #[test]
     fn urls_are_checked_and_joined() {
