@@ -180,3 +180,28 @@ def test_an_answer_cut_short_or_late_is_raised_and_the_next_post_reconnects() ->
     # on a new connection.
     assert load_client.run(go()) == ["closed", "timed out", "200 ok"]
     assert len(seen) == 3
+
+
+def test_a_long_chunk_is_read_into_the_connections_buffer_which_grows_once_needed() -> None:
+    async def go() -> list[Any]:
+        p = _Response()
+        got = []
+        for body in (b"a" * 1000, b"b" * 300_000, b"c" * 10):
+            p._reset()
+            p.waiter = asyncio.get_running_loop().create_future()
+            data = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + _chunked(body, [])
+            at = 0
+            while at < len(data):
+                buf = p.get_buffer(-1)
+                n = min(len(buf), len(data) - at, 4096)  # the chunk's data in 4 KiB reads
+                buf[:n] = data[at : at + n]
+                p.buffer_updated(n)
+                at += n
+            got.append((p.waiter.result()[1], bytes(p.waiter.result()[1]) == body))
+        return got
+
+    (first, ok1), (second, ok2), (third, ok3) = asyncio.run(go())
+    assert ok1 and ok2 and ok3
+    # The second answer needed a larger buffer: the first answer's view still shows its bytes;
+    # the third reused the second's buffer.
+    assert bytes(first) == b"a" * 1000 and third.obj is second.obj

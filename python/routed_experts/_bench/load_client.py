@@ -1,6 +1,6 @@
 """The load rounds' HTTP/1.1 client: keep-alive connections on uvloop (asyncio's own loop where
 uvloop is missing), a body with a length read straight into one buffer of its size, a chunked
-body decoded as it arrives.
+body decoded as it arrives (a long chunk's data read straight into the connection's buffer).
 
 Why not aiohttp: on the two cores the bench shares with the servers and engines, aiohttp spent
 about 3.8 ms of the client's CPU reading each 4.2 MB answer (per read, a bytes object, a parser
@@ -29,9 +29,11 @@ class _Response(asyncio.BufferedProtocol):
 
     def __init__(self) -> None:
         self.store = bytearray()  # the last body with a length: its buffer is used again
+        self.chunks = bytearray()  # a chunked body's bytes (from 0 to `filled`), used again
         self.scratch = bytearray(_READ)  # reads while the body's length is unknown
+        self.into_chunk = False  # whether the last buffer handed out was `chunks`
         self.transport: asyncio.Transport | None = None
-        self.waiter: asyncio.Future[tuple[int, bytes | bytearray]] | None = None
+        self.waiter: asyncio.Future[tuple[int, bytearray | memoryview]] | None = None
         self.closed = False
         self._reset()
 
@@ -42,7 +44,8 @@ class _Response(asyncio.BufferedProtocol):
         self.body: bytearray | None = None
         self.filled = 0
         self.chunked = False
-        self.chunk_at = 0  # in `head`: where the next chunk's size line starts
+        self.chunk_left = 0  # data bytes of the current chunk still to come, read into `chunks`
+        self.need_crlf = False  # a chunk's data ended: its CRLF comes next
         self.keep_alive = True
 
     # asyncio.BufferedProtocol
@@ -56,8 +59,14 @@ class _Response(asyncio.BufferedProtocol):
             self.waiter.set_exception(HttpError(f"connection closed mid-answer ({exc})"))
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        self.into_chunk = False
         if self.length is not None and self.body is not None and self.filled < self.length:
             return memoryview(self.body)[self.filled :]
+        if self.chunk_left:
+            self.into_chunk = True
+            end = self.filled + self.chunk_left
+            self._room(end)
+            return memoryview(self.chunks)[self.filled : end]
         return memoryview(self.scratch)
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -68,6 +77,11 @@ class _Response(asyncio.BufferedProtocol):
                 self.filled += nbytes
                 if self.filled == self.length:
                     self._finish(self.body)
+                return
+            if self.into_chunk:
+                self.filled += nbytes
+                self.chunk_left -= nbytes
+                self.need_crlf = not self.chunk_left
                 return
             self.head += memoryview(self.scratch)[:nbytes]
             if not self.status:
@@ -107,7 +121,7 @@ class _Response(asyncio.BufferedProtocol):
                 self.keep_alive = False
         rest = self.head[end + 4 :]
         if self.chunked:
-            self.head, self.body = rest, bytearray()
+            self.head, self.filled = rest, 0
         elif self.length is not None:
             if len(rest) > self.length:
                 raise HttpError(f"{len(rest) - self.length} bytes after a {self.length}-byte body")
@@ -124,29 +138,48 @@ class _Response(asyncio.BufferedProtocol):
             raise HttpError("an answer with neither a length nor chunks is not read here")
 
     def _read_chunks(self) -> None:
-        assert self.body is not None
-        data, at = self.head, self.chunk_at
+        data, at = self.head, 0
         while True:
+            if self.need_crlf:
+                if len(data) < at + 2:
+                    break
+                if data[at : at + 2] != b"\r\n":
+                    raise HttpError("a chunk's data not followed by CRLF")
+                at += 2
+                self.need_crlf = False
             eol = data.find(b"\r\n", at)
             if eol < 0:
                 break
             size = int(bytes(data[at:eol]).split(b";", 1)[0], 16)
-            if not 0 <= size <= _BODY_LIMIT - len(self.body):
+            if not 0 <= size <= _BODY_LIMIT - self.filled:
                 raise HttpError(f"a chunk of {size} bytes past the {_BODY_LIMIT}-byte limit")
             if size == 0:  # the last chunk: no trailers expected, just the blank line
                 if len(data) < eol + 4:
                     break
                 del data[:]
-                self._finish(self.body)
+                self._finish(memoryview(self.chunks)[: self.filled])
                 return
-            if len(data) < eol + 2 + size + 2:
+            # What has come of its data is copied; the rest is read straight into `chunks`.
+            take = min(size, len(data) - eol - 2)
+            self._room(self.filled + size)
+            self.chunks[self.filled : self.filled + take] = data[eol + 2 : eol + 2 + take]
+            self.filled += take
+            at = eol + 2 + take
+            if take < size:
+                self.chunk_left = size - take
                 break
-            self.body += memoryview(data)[eol + 2 : eol + 2 + size]
-            at = eol + 2 + size + 2
+            self.need_crlf = True
         del data[:at]  # what is decoded goes, so the undecoded rest stays small
-        self.chunk_at = 0
 
-    def _finish(self, body: bytearray) -> None:
+    def _room(self, end: int) -> None:
+        """`chunks` at least `end` bytes long. A longer one is a new buffer (the last answer,
+        a view of the old one, may still be held), so the size settles after a few answers."""
+        if len(self.chunks) < end:
+            grown = bytearray(max(end, 2 * len(self.chunks)))
+            grown[: self.filled] = memoryview(self.chunks)[: self.filled]
+            self.chunks = grown
+
+    def _finish(self, body: bytearray | memoryview) -> None:
         assert self.waiter is not None
         self.waiter.set_result((self.status, body))
 
@@ -161,9 +194,9 @@ class Connection:
 
     async def post(
         self, path: str, body: bytes, headers: dict[str, str], timeout: float
-    ) -> tuple[int, bytes | bytearray]:
-        """POST `body`; the status and the whole body, which is this connection's to reuse: it
-        stays as it is until the next post. Raises HttpError or asyncio.TimeoutError (the
+    ) -> tuple[int, bytearray | memoryview]:
+        """POST `body`; the status and the whole body (a view of it when it came in chunks),
+        which is this connection's to reuse: it stays as it is until the next post. Raises HttpError or asyncio.TimeoutError (the
         connection is closed then)."""
         loop = asyncio.get_running_loop()
         if self.protocol is None or self.protocol.closed:

@@ -484,7 +484,7 @@ async def _load(
                 try:
                     status, content = await conn.post("/v1/completions", body, headers, timeout)
                 except (OSError, load_client.HttpError, asyncio.TimeoutError):
-                    status, content = 0, b""  # no answer in time: counted as status 0
+                    status, content = 0, bytearray()  # no answer in time: status 0
                 r.latencies.append(time.perf_counter() - began)
                 r.statuses[status] = r.statuses.get(status, 0) + 1
                 if status == 200 and not _as_expected(expect, content):
@@ -498,12 +498,12 @@ async def _load(
     return r
 
 
-def _as_expected(expect: Expect, content: bytes | bytearray) -> bool:
+def _as_expected(expect: Expect, content: bytearray | memoryview) -> bool:
     if expect is None:
         return True
     if isinstance(expect, bytes):
         return content == expect
-    return expect(content)
+    return expect(content if isinstance(content, bytearray) else bytes(content))
 
 
 def _measure(
