@@ -196,8 +196,8 @@ class Connection:
         self, path: str, body: bytes, headers: dict[str, str], timeout: float
     ) -> tuple[int, bytearray | memoryview]:
         """POST `body`; the status and the whole body (a view of it when it came in chunks),
-        which is this connection's to reuse: it stays as it is until the next post. Raises HttpError or asyncio.TimeoutError (the
-        connection is closed then)."""
+        which is this connection's to reuse: it stays as it is until the next post. Raises
+        HttpError or asyncio.TimeoutError (the connection is closed then)."""
         loop = asyncio.get_running_loop()
         if self.protocol is None or self.protocol.closed:
             _, proto = await loop.create_connection(_Response, self.host, self.port)

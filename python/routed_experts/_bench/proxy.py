@@ -502,7 +502,7 @@ def _as_expected(expect: Expect, content: bytearray | memoryview) -> bool:
     if expect is None:
         return True
     if isinstance(expect, bytes):
-        return content == expect
+        return bool(memoryview(content) == expect)  # a view compares by its bytes
     return expect(content if isinstance(content, bytearray) else bytes(content))
 
 
