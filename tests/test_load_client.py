@@ -205,3 +205,14 @@ def test_a_long_chunk_is_read_into_the_connections_buffer_which_grows_once_neede
     # The second answer needed a larger buffer: the first answer's view still shows its bytes;
     # the third reused the second's buffer.
     assert bytes(first) == b"a" * 1000 and third.obj is second.obj
+
+
+def test_a_chunked_answer_is_checked_by_its_bytes() -> None:
+    from routed_experts._bench.proxy import _as_expected
+
+    buffer = bytearray(b"abcdef")  # a connection's buffer, longer than the answer in it
+    assert _as_expected(b"abc", memoryview(buffer)[:3])
+    assert not _as_expected(b"abd", memoryview(buffer)[:3])
+    assert not _as_expected(b"ab", memoryview(buffer)[:3])
+    assert not _as_expected(b"abcd", memoryview(buffer)[:3])
+    assert _as_expected(b"abc", bytearray(b"abc")) and not _as_expected(b"abc", bytearray(b"ab"))

@@ -262,7 +262,7 @@ impl Call {
             outcome: Outcome::Unknown,
         };
         let uri = upstream.target.uri(self.endpoint);
-        let reply = match proxy.direct.post(&uri, &self.headers, &data, None).await {
+        let reply = match proxy.direct.post(&uri, &self.headers, &data).await {
             Err(e) => {
                 guard.outcome = Outcome::Failed;
                 Err(proxy.call_fault(side, url, e))

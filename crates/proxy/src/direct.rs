@@ -289,8 +289,8 @@ impl Direct {
         }
     }
 
-    /// POST `body` to `uri` with `headers`, and wait for the reply's head (within `timeout`,
-    /// else the read timeout, once sent). A kept connection that the server closed while it was
+    /// POST `body` to `uri` with `headers`, and wait for the reply's head (within the read
+    /// timeout, once sent). A kept connection that the server closed while it was
     /// idle (the request could not be written, or no byte came back before the close) is
     /// replaced by a new one, once.
     pub async fn post(
@@ -298,7 +298,6 @@ impl Direct {
         uri: &Uri,
         headers: &[(&'static str, HeaderValue)],
         body: &Bytes,
-        timeout: Option<Duration>,
     ) -> Result<Reply<'_>, CallError> {
         let authority = uri
             .authority()
@@ -318,7 +317,7 @@ impl Direct {
             head.extend_from_slice(b"\r\n");
         }
         head.extend_from_slice(format!("content-length: {}\r\n\r\n", body.len()).as_bytes());
-        let wait = timeout.unwrap_or(self.read_timeout);
+        let wait = self.read_timeout;
         if let Some(stream) = self.take_idle(&key) {
             match self.exchange(stream, &key, &head, body, wait).await {
                 Err(Exchange::Stale) => {} // closed while idle: once more on a new one
@@ -684,7 +683,6 @@ mod tests {
                 uri,
                 &[("x-request-id", HeaderValue::from_static("r1"))],
                 &Bytes::from_static(b"{}"),
-                None,
             )
             .await?;
         let head = r.head.clone();
