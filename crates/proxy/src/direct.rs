@@ -33,7 +33,7 @@ const MAX_CHUNK_META: usize = 64 * 1024;
 /// How long an idle connection is kept: below uvicorn's 5 s keep-alive, so the server rarely
 /// closes one just as it is taken.
 const IDLE_FOR: Duration = Duration::from_secs(4);
-/// What a read asks the socket for when the body's length is not known.
+/// The most a read asks the socket for (a body with a length is scanned piece by piece).
 const READ_PIECE: usize = 256 * 1024;
 
 /// How a reply's body ends.
@@ -461,9 +461,11 @@ impl Reply<'_> {
                     if let Some(r) = runs.as_mut() {
                         r.extend(&out);
                     }
-                    let want = n - out.len();
-                    let read = (&mut out).limit(want);
-                    let mut read = read;
+                    // At most a piece at a time: the scan of what came runs while it is in
+                    // cache (a read of several megabytes left it cold: 16% of the proxy's CPU
+                    // in the scan, against 7% at 256 KiB).
+                    let want = (n - out.len()).min(READ_PIECE);
+                    let mut read = (&mut out).limit(want);
                     match tokio::time::timeout(read_timeout, self.stream.read_buf(&mut read)).await
                     {
                         Err(_) => return Err(CallError::Timeout),
