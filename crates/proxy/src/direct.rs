@@ -290,8 +290,8 @@ impl Direct {
     }
 
     /// POST `body` to `uri` with `headers`, and wait for the reply's head (within the read
-    /// timeout, once sent). A kept connection that the server closed while it was
-    /// idle (the request could not be written, or no byte came back before the close) is
+    /// timeout, once sent). A kept connection that the server closed while it was idle (the
+    /// request could not be written, or the connection closed before any byte of a reply) is
     /// replaced by a new one, once.
     pub async fn post(
         &self,
@@ -317,16 +317,15 @@ impl Direct {
             head.extend_from_slice(b"\r\n");
         }
         head.extend_from_slice(format!("content-length: {}\r\n\r\n", body.len()).as_bytes());
-        let wait = self.read_timeout;
         if let Some(stream) = self.take_idle(&key) {
-            match self.exchange(stream, &key, &head, body, wait).await {
+            match self.exchange(stream, &key, &head, body).await {
                 Err(Exchange::Stale) => {} // closed while idle: once more on a new one
                 Err(Exchange::Failed(e)) => return Err(e),
                 Ok(reply) => return Ok(reply),
             }
         }
         let stream = self.connect(&key).await?;
-        match self.exchange(stream, &key, &head, body, wait).await {
+        match self.exchange(stream, &key, &head, body).await {
             Ok(reply) => Ok(reply),
             Err(Exchange::Stale) => Err(CallError::Broken(
                 "the connection closed before a reply".into(),
@@ -356,7 +355,6 @@ impl Direct {
         key: &str,
         head: &[u8],
         body: &[u8],
-        wait: Duration,
     ) -> Result<Reply<'_>, Exchange> {
         let write = async {
             stream.write_all(head).await?;
@@ -386,7 +384,7 @@ impl Direct {
                 }
             }
         };
-        match tokio::time::timeout(wait, read_head).await {
+        match tokio::time::timeout(self.read_timeout, read_head).await {
             Err(_) => Err(Exchange::Failed(CallError::Timeout)),
             Ok(Err(e)) => Err(Exchange::Failed(e)),
             Ok(Ok(None)) => Err(Exchange::Stale),
