@@ -430,11 +430,11 @@ enum Exchange {
 }
 
 impl Reply<'_> {
-    /// The whole body, under the same rules as [`Upstreams::read_body`]
-    /// (super::upstream::Upstreams::read_body): refused past `limit` bytes, counted against the
-    /// budget through `share` (a declared length before reading, else as it arrives), with
-    /// `scan` its base64 runs found as it arrives. A body with a length is read straight into
-    /// one buffer of that length.
+    /// The whole body, under the rules of hyper's side (`Upstreams::read_body`): refused past
+    /// `limit` bytes, counted against the budget through `share` (a declared length before
+    /// reading, with `set_aside` its reserve; else as it arrives), with `scan` its base64 runs
+    /// found as it arrives. A body with a length is read straight into one buffer of that
+    /// length.
     pub async fn read_body(
         mut self,
         limit: usize,
