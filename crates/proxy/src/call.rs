@@ -222,12 +222,7 @@ impl Call {
     ) -> (ReleaseGuard<'_>, Result<Response<Incoming>, Fault>) {
         let proxy = &self.proxy;
         let u = Arc::clone(&lease.upstream);
-        let mut guard = ReleaseGuard {
-            proxy,
-            side,
-            lease: Some(lease),
-            outcome: Outcome::Unknown,
-        };
+        let mut guard = ReleaseGuard::new(proxy, side, lease);
         let uri = u.target.uri(self.endpoint);
         let head = proxy
             .upstreams
@@ -255,12 +250,7 @@ impl Call {
         let upstream = Arc::clone(&lease.upstream);
         let url = &upstream.url;
         let began = Instant::now();
-        let mut guard = ReleaseGuard {
-            proxy,
-            side,
-            lease: Some(lease),
-            outcome: Outcome::Unknown,
-        };
+        let mut guard = ReleaseGuard::new(proxy, side, lease);
         let uri = upstream.target.uri(self.endpoint);
         let reply = match proxy.direct.post(&uri, &self.headers, &data).await {
             Err(e) => {
@@ -346,6 +336,18 @@ pub(crate) struct ReleaseGuard<'a> {
     pub(crate) side: Side,
     pub(crate) lease: Option<Lease>,
     pub(crate) outcome: Outcome,
+}
+
+impl<'a> ReleaseGuard<'a> {
+    /// The guard of `lease`, whose outcome stays Unknown until the caller records it.
+    pub(crate) fn new(proxy: &'a Proxy, side: Side, lease: Lease) -> Self {
+        ReleaseGuard {
+            proxy,
+            side,
+            lease: Some(lease),
+            outcome: Outcome::Unknown,
+        }
+    }
 }
 
 impl Drop for ReleaseGuard<'_> {

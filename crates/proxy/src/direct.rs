@@ -239,23 +239,25 @@ impl Dechunk {
 
     fn take_meta(&mut self, input: &mut BytesMut, n: usize) -> Result<(), String> {
         self.meta += n;
-        if self.meta > MAX_CHUNK_META {
-            return Err(format!(
-                "over {MAX_CHUNK_META} bytes of chunk sizes and trailers without data"
-            ));
-        }
+        meta_within_bound(self.meta)?;
         input.advance(n);
         Ok(())
     }
 
     fn more(&self, input: &BytesMut) -> Result<Step, String> {
-        if self.meta + input.len() > MAX_CHUNK_META {
-            return Err(format!(
-                "over {MAX_CHUNK_META} bytes of chunk sizes and trailers without data"
-            ));
-        }
+        meta_within_bound(self.meta + input.len())?;
         Ok(Step::More)
     }
+}
+
+/// Refuses `meta` bytes of chunk sizes and trailers in a row past [`MAX_CHUNK_META`].
+fn meta_within_bound(meta: usize) -> Result<(), String> {
+    if meta > MAX_CHUNK_META {
+        return Err(format!(
+            "over {MAX_CHUNK_META} bytes of chunk sizes and trailers without data"
+        ));
+    }
+    Ok(())
 }
 
 /// The connections for replies read whole, kept per server.
@@ -710,6 +712,17 @@ mod tests {
         let runs = runs.unwrap();
         assert_eq!(runs.scanned(), body.len());
         assert_eq!(runs.run_from(start), Some(start + 60_000));
+        // The walk takes it and reads what it reads without it; without `scan`, no runs.
+        let with = routed_experts::body::read_prefill_scanned(&got, Some(&runs)).unwrap();
+        let without = routed_experts::body::read_prefill(&got).unwrap();
+        assert_eq!(format!("{with:?}"), format!("{without:?}"));
+        assert!(with.routing.values[0].base64);
+        let (uri, _) = scripted(vec![vec![reply(&body)]], 10_000).await;
+        assert!(get(&direct(), &uri, 1 << 30, false)
+            .await
+            .unwrap()
+            .2
+            .is_none());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

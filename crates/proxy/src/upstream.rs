@@ -150,10 +150,11 @@ impl Upstreams {
         }
     }
 
-    /// A whole body (`/v1/models`, an error reply to a stream request; completions' replies read
-    /// whole are [`Direct`](super::direct)'s), refused past `limit` bytes (by its Content-Length before
-    /// reading, else as it arrives) and counted against the budget through `share`: it waits
-    /// (until `deadline`) for room below `ceiling`, and is refused if none comes.
+    /// A whole body (`/v1/models`, an error reply to a stream request; completions' replies
+    /// read whole are [`Direct`](super::direct)'s), refused past `limit` bytes (by its
+    /// Content-Length before reading, else as it arrives) and counted against the budget
+    /// through `share`: it waits (until `deadline`) for room below `ceiling`, and is refused if
+    /// none comes.
     pub async fn read_body(
         &self,
         response: Response<Incoming>,
