@@ -71,15 +71,15 @@ test: build-dev $(VENV)/.test-deps
 # aarch64) and the sdist.
 wheel: wheel-aarch64 wheel-x86_64
 
+# Each wheel in a target directory of its own, so CI builds them beside `make test` (cargo locks
+# a target directory for one build at a time).
 wheel-x86_64: $(VENV)/.wheel-deps
 	@echo "make: building the abi3 $(WHEEL_TAG) x86_64 wheel and the sdist into $(DIST)/ (3 minutes from clean)"
 	rm -f $(DIST)/routed_experts-*x86_64.whl $(DIST)/routed_experts-*.tar.gz
-	maturin build --release --zig --compatibility $(WHEEL_TAG) -o $(DIST) -q 2>&1 | grep -v "^Ignoring .*: markers"
+	CARGO_TARGET_DIR=$(abspath target/wheel-x86_64) maturin build --release --zig --compatibility $(WHEEL_TAG) -o $(DIST) -q 2>&1 | grep -v "^Ignoring .*: markers"
 	maturin sdist -o $(DIST)
 	auditwheel show $(DIST)/routed_experts-*x86_64.whl
 
-# In a target directory of its own, so CI builds it beside `make test` (cargo locks a target
-# directory for one build at a time).
 wheel-aarch64: $(VENV)/.wheel-deps
 	@echo "make: building the abi3 $(WHEEL_TAG) aarch64 wheel into $(DIST)/ (3 minutes from clean)"
 	rm -f $(DIST)/routed_experts-*aarch64.whl
