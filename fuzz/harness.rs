@@ -238,6 +238,28 @@ pub fn merge_response(data: &[u8]) {
             assert_eq!(&again, a, "merge_response_found differs");
         }
     }
+    // What the proxy sends: the text encoded again from other text left to be written as the
+    // body is sent, in pieces; the same bytes, or the same refusal, compact and kept.
+    for base in [
+        opts,
+        MergeOptions {
+            keep_format: true,
+            ..opts
+        },
+    ] {
+        let deferred = MergeOptions {
+            defer_recode: true,
+            ..base
+        };
+        let sent = response::merge_response_pieces(prefill, decode, deferred)
+            .and_then(|mut p| sent_in_pieces(&mut p));
+        let whole = response::merge_response(prefill, decode, base);
+        assert_eq!(
+            sent.as_ref().map_err(ToString::to_string),
+            whole.as_ref().map_err(ToString::to_string),
+            "deferred and assembled merges differ"
+        );
+    }
     match (&spliced, &general) {
         (Ok(a), Ok(b)) => {
             assert_eq!(a, b, "splice and general merges differ");
@@ -849,4 +871,26 @@ pub fn upstream_reply(data: &[u8]) {
             assert!(e.contains("without data"), "{a:?} / {b:?}")
         }
     }
+}
+
+/// A merged body as the proxy sends it: its recoded text written in pieces of 3, 6, 9, ...
+/// bytes' worth in turn, which never fails (the merge made it of text found to be base64).
+fn sent_in_pieces(spliced: &mut response::Spliced<'_>) -> routed_experts::Result<Vec<u8>> {
+    let mut out = Vec::new();
+    for part in spliced.take_checked_recoded_parts()? {
+        match part {
+            response::Part::Bytes(b) => out.extend_from_slice(&b),
+            response::Part::Recoded(r) => {
+                let (n, mut at, mut k) = (r.bytes().len(), 0, 3);
+                while at < n {
+                    let take = k.min(n - at);
+                    r.write_part(at, take, &mut out)
+                        .expect("recoded text always writes");
+                    at += take;
+                    k = k % 30 + 3;
+                }
+            }
+        }
+    }
+    Ok(out)
 }

@@ -35,6 +35,13 @@ pub struct MergeOptions {
     /// a client that asked for routing must not get a 200 without it). Off by default: format.md §4
     /// passes a decode body without routing through unchanged.
     pub require_routing: bool,
+    /// Leave the text that the merge would encode again from other base64 text on another byte
+    /// grid (vLLM's `.npy` rows written as a compact sidecar) to be written as the body is sent
+    /// ([`Part::Recoded`](super::Part), from
+    /// [`Spliced::take_checked_recoded_parts`](super::Spliced::take_checked_recoded_parts)).
+    /// Off by default; [`Spliced::checked_slices`](super::Spliced::checked_slices) refuses such
+    /// a body, having no slice to give for that text.
+    pub defer_recode: bool,
 }
 
 impl MergeOptions {
@@ -47,6 +54,7 @@ impl MergeOptions {
             decode_start: None,
             keep_format: false,
             require_routing: false,
+            defer_recode: false,
         }
     }
 }

@@ -18,7 +18,7 @@ mod suspects;
 pub use merge::{merge_response, merge_response_found, merge_response_pieces, MergeOptions};
 pub use prefill_rows::PrefillRows;
 pub use read::{decode_found, from_response, routing_rows};
-pub use spliced::Spliced;
+pub use spliced::{Part, Recoded, Spliced};
 pub use streaming::{DataFirst, EventMerge, Step, StreamOptions};
 pub use suspects::{merge_suspects, suspect_rows};
 
@@ -45,6 +45,7 @@ mod tests {
         decode_start: None,
         keep_format: false,
         require_routing: false,
+        defer_recode: false,
     };
 
     fn body(routing: &str) -> String {

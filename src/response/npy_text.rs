@@ -10,7 +10,7 @@
 use std::borrow::Cow;
 
 use super::merge::MergeOptions;
-use super::spliced::{groups_valid, Piece};
+use super::spliced::{groups_valid, Piece, Recoded};
 use super::suspects::checked_npy_header;
 
 use crate::body::{coverage, Found};
@@ -67,9 +67,13 @@ pub(super) fn merge_npy_text<'a>(
         true => npy::write_header(plan.header.dtype, plan.header.shape),
         false => Vec::new(),
     };
-    // The output's text is written into one buffer, never grown (a move of megabytes).
+    // The output's text is written into one buffer, never grown (a move of megabytes); or,
+    // when the text encoded again is left to be written as it is sent, into small ones (a
+    // buffer the size of the output would stay allocated with the piece it ends in).
+    let whole_output = b64::encoded_len(header.len() + prefill_rows + (end - kept));
     let mut join = TextJoin {
-        encoded: Vec::with_capacity(b64::encoded_len(header.len() + prefill_rows + (end - kept))),
+        encoded: Vec::with_capacity(if opts.defer_recode { 0 } else { whole_output }),
+        defer_recode: opts.defer_recode,
         ..TextJoin::default()
     };
     join.bytes(&header);
@@ -132,6 +136,9 @@ struct TextJoin<'a> {
     at: usize,
     /// A block of decoded rows.
     scratch: Vec<u8>,
+    /// Leave text re-encoded from text on another grid to be written when sent
+    /// (`MergeOptions::defer_recode`).
+    defer_recode: bool,
 }
 
 impl<'a> TextJoin<'a> {
@@ -147,14 +154,46 @@ impl<'a> TextJoin<'a> {
         let mut at = from;
         while at < to {
             // Blocks end on groups of the file, so only the first starts inside one.
-            let end = to.min((at / 3 * 3).saturating_add(BLOCK));
+            let group = at / 3 * 3;
+            let end = to.min(group.saturating_add(BLOCK));
+            // Decoded from the start of `at`'s group, its first bytes skipped, not removed
+            // (a move of the whole block).
             scratch.clear();
-            b64::decode_range_into(text, at, end, &mut scratch)?;
-            self.bytes(&scratch);
+            b64::decode_range_into(text, group, end, &mut scratch)?;
+            self.bytes(&scratch[at - group..]);
             at = end;
         }
         self.scratch = scratch;
         Ok(())
+    }
+
+    /// Bytes `[from, to)` of `half`'s file, whose groups do not fall on the output's: decoded
+    /// and encoded again, now or (`defer_recode`, text the scan found to be base64 characters)
+    /// as the body is sent, for all but the bytes that finish the output's unfinished group
+    /// and those of the file's last group (whose padding decoding checks).
+    fn recoded(&mut self, half: &NpyText<'a>, from: usize, to: usize) -> crate::error::Result<()> {
+        let head = from + ((3 - self.at % 3) % 3).min(to - from);
+        self.decoded(half.text, from, head)?;
+        let whole = head + (to - head) / 3 * 3;
+        let later = match self.defer_recode && half.base64 {
+            true => Recoded::new(half.text, head..whole).or_else(|| {
+                // Short of the last group: the range's groups before it.
+                let before = (half.text.len() / 4).saturating_sub(1) * 3;
+                let end = head + before.saturating_sub(head) / 3 * 3;
+                Recoded::new(half.text, head..end.min(whole))
+            }),
+            false => None,
+        };
+        let Some(later) = later else {
+            return self.decoded(half.text, head, to);
+        };
+        // The output is at a group boundary (`at` is past `head`), so the encoder holds no
+        // byte: the text written as it is sent follows what it wrote.
+        self.flush();
+        self.pieces.push(Piece::Recode(later));
+        let done = later.bytes().end;
+        self.at += done - head;
+        self.decoded(half.text, done, to)
     }
 
     /// Bytes `range` of `half`'s file (`side` names it in an error).
@@ -169,7 +208,7 @@ impl<'a> TextJoin<'a> {
             return Ok(());
         }
         if self.at % 3 != from % 3 {
-            return self.decoded(text, from, to);
+            return self.recoded(half, from, to);
         }
         // The range's first and last group boundaries, in its file and so in the output.
         let first = from.next_multiple_of(3).min(to);
@@ -220,7 +259,7 @@ mod tests {
     use crate::limits::DEFAULT_MAX_BYTES;
     use crate::payload::dtype::DType;
     use crate::payload::{DTypeChoice, Payload, Shape};
-    use crate::response::{merge_response, MergeOptions};
+    use crate::response::{merge_response, merge_response_pieces, MergeOptions, Part};
 
     /// A body as vLLM sends it: one choice, its `.npy` text, the usage counts when given.
     fn body(npy: &[u8], counts: Option<(usize, usize)>) -> Vec<u8> {
@@ -325,23 +364,58 @@ mod tests {
         )
     }
 
+    /// The merged body as a server sends it: with `defer_recode`, its recoded text written in
+    /// parts of random lengths (multiples of 3 bytes); also how many recoded parts it had.
+    fn sent(
+        prefill: &[u8],
+        decode: &[u8],
+        opts: MergeOptions,
+        next: &mut impl FnMut() -> u64,
+    ) -> crate::error::Result<(Vec<u8>, usize)> {
+        let mut spliced = merge_response_pieces(prefill, decode, opts)?;
+        let (mut out, mut recoded) = (Vec::new(), 0);
+        for part in spliced.take_checked_recoded_parts()? {
+            match part {
+                Part::Bytes(b) => out.extend_from_slice(&b),
+                Part::Recoded(r) => {
+                    let (n, before) = (r.bytes().len(), out.len());
+                    let mut at = 0;
+                    while at < n {
+                        let k = (3 * (1 + next() % 6) as usize).min(n - at);
+                        r.write_part(at, k, &mut out)
+                            .expect("recoded text always writes");
+                        at += k;
+                    }
+                    assert_eq!(out.len() - before, r.len());
+                    recoded += 1;
+                }
+            }
+        }
+        Ok((out, recoded))
+    }
+
     /// The text merge writes what decoding, merging and encoding write, byte for byte, as
-    /// `.npy` and as a compact sidecar, and that is the truth's rows; it takes every sound pair
-    /// of one dtype.
+    /// `.npy` and as a compact sidecar (its re-encoded text written in the merge or as it is
+    /// sent), and that is the truth's rows; it takes every sound pair of one dtype.
     #[test]
     fn the_text_merge_is_the_decoding_merge() {
         let mut next = crate::test_rng::xorshift(0x9e37_79b9_7f4a_7c15);
-        let (mut copied, mut both) = (0, 0);
+        let (mut copied, mut both, mut deferred) = (0, 0, 0);
         for trial in 0..1200 {
             let mut c = case(&mut next);
             // Half the pairs kept as `.npy`, half written as compact sidecars.
             c.opts.keep_format = trial % 2 == 0;
+            c.opts.defer_recode = next() % 2 == 0;
             let pieces = by_text(&c.prefill, &c.decode, &c.opts).expect("taken");
             if c.opts.keep_format {
                 copied += usize::from(pieces > 0);
                 both += usize::from(pieces > 1);
             }
-            let fast = merge_response(&c.prefill, &c.decode, c.opts).unwrap();
+            let (fast, recoded) = sent(&c.prefill, &c.decode, c.opts, &mut next).unwrap();
+            // Text is left to be written as it is sent only when asked (as `.npy`, only where a
+            // half's header is longer than the output's).
+            assert!(recoded == 0 || c.opts.defer_recode);
+            deferred += usize::from(recoded > 0);
             let slow = MergeOptions {
                 splice: false,
                 ..c.opts
@@ -360,8 +434,12 @@ mod tests {
                 &c.truth.bytes()[c.want.start * row..c.want.end * row]
             );
         }
-        // Text was copied in most pairs, from both halves in some.
-        assert!(copied > 300 && both > 50, "{copied} {both}");
+        // Text was copied in most pairs, from both halves in some; left to be written as it
+        // is sent in many.
+        assert!(
+            copied > 300 && both > 50 && deferred > 100,
+            "{copied} {both} {deferred}"
+        );
     }
 
     /// Text that cannot be read fails as the decoding path fails, with its message: a bad
@@ -374,6 +452,7 @@ mod tests {
         for trial in 0..3000 {
             let mut c = case(&mut next);
             c.opts.keep_format = trial % 2 == 0;
+            c.opts.defer_recode = next() % 2 == 0;
             let half = if next() % 2 == 0 {
                 &mut c.prefill
             } else {
@@ -394,7 +473,9 @@ mod tests {
             }) {
                 taken += 1;
             }
-            let fast = merge_response(&c.prefill, &c.decode, c.opts).map_err(|e| e.to_string());
+            let fast = sent(&c.prefill, &c.decode, c.opts, &mut next)
+                .map(|(body, _)| body)
+                .map_err(|e| e.to_string());
             let slow = MergeOptions {
                 splice: false,
                 ..c.opts

@@ -38,6 +38,110 @@ pub(super) enum Piece<'a> {
         /// (`SidecarFields::data_base64`): only lengths and padding are left to check.
         scanned: bool,
     },
+    /// The base64 text of bytes `[from, to)` of the file `text` encodes, a multiple of 3 bytes
+    /// from groups before `text`'s last, all of whose characters the scan found to be base64
+    /// characters: text that decodes whatever it holds, so it can be written when it is sent.
+    Recode(Recoded<'a>),
+}
+
+/// Base64 text re-encoded from other base64 text on another byte grid (vLLM's `.npy` rows,
+/// which start 128 bytes into the file, written as a compact sidecar's data, which starts at
+/// the first row), left to be written as it is sent: a piece at a time, each encoded while
+/// the bytes it was decoded from are in the core's cache, instead of all of it at once into a
+/// buffer the size of the body. Made only of text found to be base64 characters, from groups
+/// before its last, so that its decoding cannot fail.
+#[derive(Debug, Clone, Copy)]
+pub struct Recoded<'a> {
+    text: &'a [u8],
+    from: usize,
+    to: usize,
+}
+
+impl<'a> Recoded<'a> {
+    /// Bytes `range` of the file base64 `text` encodes, when they are whole 3-byte groups'
+    /// worth from groups before `text`'s last (else `None`). Writing them fails where `text`
+    /// is not base64 characters; a merge makes them only of text it found to be, so theirs
+    /// does not (a server that keeps a part's text and range makes it again from them).
+    pub fn new(text: &'a [u8], range: std::ops::Range<usize>) -> Option<Self> {
+        let last_group = (text.len() / 4).checked_sub(1)?;
+        let fits = range.start < range.end
+            && (range.end - range.start) % 3 == 0
+            && (range.end - 1) / 3 < last_group;
+        fits.then_some(Recoded {
+            text,
+            from: range.start,
+            to: range.end,
+        })
+    }
+
+    /// The base64 text the bytes come from (what a caller holds on to until it is written).
+    pub fn text(&self) -> &'a [u8] {
+        self.text
+    }
+
+    /// The bytes of the file `text` encodes whose text this is.
+    pub fn bytes(&self) -> std::ops::Range<usize> {
+        self.from..self.to
+    }
+
+    /// Length of its text.
+    pub fn len(&self) -> usize {
+        (self.to - self.from) / 3 * 4
+    }
+
+    /// Whether it is empty (never, as made).
+    pub fn is_empty(&self) -> bool {
+        self.to == self.from
+    }
+
+    /// Appends to `out` the text of its bytes `[at, at + n)` (counted from its first byte;
+    /// both multiples of 3, within its bytes), decoded and encoded again a block at a time.
+    pub fn write_part(&self, at: usize, n: usize, out: &mut Vec<u8>) -> Result<()> {
+        let within = at
+            .checked_add(n)
+            .is_some_and(|end| end <= self.to - self.from);
+        if !within || at % 3 != 0 || n % 3 != 0 {
+            return Err(crate::error::Error::field(
+                "at",
+                format!(
+                    "a part of the {} recoded bytes, on 3-byte groups",
+                    self.to - self.from
+                ),
+                format!("{n} bytes at {at}"),
+            ));
+        }
+        let (from, to) = (self.from + at, self.from + at + n);
+        let mut scratch = Vec::with_capacity(RECODE_BLOCK.min(n));
+        let mut at = from;
+        while at < to {
+            let end = to.min(at + RECODE_BLOCK);
+            // Decoded from the start of `at`'s group, so that no byte is moved to drop the
+            // group's first ones: they are skipped.
+            let group = at / 3 * 3;
+            scratch.clear();
+            b64::decode_range_into(self.text, group, end, &mut scratch)?;
+            crate::kernels::b64_pieces::encode(&scratch[at - group..], out);
+            at = end;
+        }
+        Ok(())
+    }
+}
+
+/// Bytes decoded and encoded again at a time: a multiple of 3, small enough that the block
+/// and its text stay in the core's cache between the decode and the encode.
+#[cfg(not(any(test, fuzzing)))]
+const RECODE_BLOCK: usize = 3 * 16 * 1024;
+/// The tests and the fuzzer take small blocks, so that small values cross block boundaries.
+#[cfg(any(test, fuzzing))]
+const RECODE_BLOCK: usize = 9;
+
+/// One part of a merged body as [`Spliced::take_checked_recoded_parts`] hands it over.
+#[derive(Debug)]
+pub enum Part<'a> {
+    /// Bytes to send as they are: borrowed from the two input bodies, or written by the merge.
+    Bytes(Cow<'a, [u8]>),
+    /// Text to write as it is sent ([`Recoded::write_part`]).
+    Recoded(Recoded<'a>),
 }
 
 /// Whether `text` (cut from `whole`) is valid on its own as whole base64 groups.
@@ -60,6 +164,7 @@ impl Piece<'_> {
         match self {
             Piece::Copy(b) => b.len(),
             Piece::Base64 { text, .. } => text.len(),
+            Piece::Recode(r) => r.len(),
         }
     }
 
@@ -75,6 +180,11 @@ impl Piece<'_> {
     fn write<'o>(&self, out: &'o mut [MaybeUninit<u8>]) -> Result<&'o mut [MaybeUninit<u8>]> {
         let (text, last, whole, field, context, scanned) = match self {
             Piece::Copy(b) => return Ok(b64::write_uninit(out, b)),
+            Piece::Recode(r) => {
+                let mut text = Vec::with_capacity(r.len());
+                r.write_part(0, r.to - r.from, &mut text)?;
+                return Ok(b64::write_uninit(out, &text));
+            }
             Piece::Base64 {
                 text,
                 last,
@@ -140,14 +250,14 @@ impl<'a> Spliced<'a> {
     /// a server that writes them out with one vectored write instead of assembling the body.
     pub fn checked_slices(&self) -> Result<Vec<&[u8]>> {
         self.check()?;
-        Ok(self
-            .pieces
+        self.pieces
             .iter()
             .map(|piece| match piece {
-                Piece::Copy(b) => &b[..],
-                Piece::Base64 { text, .. } => text,
+                Piece::Copy(b) => Ok(&b[..]),
+                Piece::Base64 { text, .. } => Ok(*text),
+                Piece::Recode(_) => Err(recoded_error()),
             })
-            .collect())
+            .collect()
     }
 
     /// The body's pieces in order, its base64 text checked, taken out of this value (which
@@ -155,12 +265,30 @@ impl<'a> Spliced<'a> {
     /// input bodies, owned ones the parts the merge wrote, handed over without a copy (a
     /// re-encoded routing value is most of the body).
     pub fn take_checked_parts(&mut self) -> Result<Vec<Cow<'a, [u8]>>> {
+        self.take_checked_recoded_parts()?
+            .into_iter()
+            .map(|part| match part {
+                Part::Bytes(b) => Ok(b),
+                Part::Recoded(r) => {
+                    let mut text = Vec::with_capacity(r.len());
+                    r.write_part(0, r.to - r.from, &mut text)?;
+                    Ok(Cow::Owned(text))
+                }
+            })
+            .collect()
+    }
+
+    /// [`take_checked_parts`](Self::take_checked_parts), with the text the merge would encode
+    /// again from other text left to be written as it is sent ([`Part::Recoded`]): a server
+    /// writes it a piece at a time, each piece while its source is in the core's cache.
+    pub fn take_checked_recoded_parts(&mut self) -> Result<Vec<Part<'a>>> {
         self.check()?;
         Ok(std::mem::take(&mut self.pieces)
             .into_iter()
             .map(|piece| match piece {
-                Piece::Copy(b) => b,
-                Piece::Base64 { text, .. } => Cow::Borrowed(text),
+                Piece::Copy(b) => Part::Bytes(b),
+                Piece::Base64 { text, .. } => Part::Bytes(Cow::Borrowed(text)),
+                Piece::Recode(r) => Part::Recoded(r),
             })
             .collect())
     }
@@ -183,5 +311,56 @@ impl<'a> Spliced<'a> {
             }
         }
         Ok(())
+    }
+}
+
+/// `checked_slices` is for bodies that are all slices; one with text left to encode has none
+/// to give for it.
+fn recoded_error() -> crate::error::Error {
+    crate::error::Error::field(
+        "pieces",
+        "slices of the bodies",
+        "text left to be encoded (take_checked_recoded_parts writes it)",
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recoded_text_is_made_of_whole_groups_before_the_last_and_written_in_parts() {
+        let file: Vec<u8> = (0..=200u8).collect();
+        let text = b64::encode(&file); // 67 groups, the last padded
+        assert!(Recoded::new(&text, 5..5).is_none()); // empty
+        assert!(Recoded::new(&text, 5..9).is_none()); // not whole groups' worth
+        assert!(Recoded::new(&text, 5..200).is_none()); // reaches the last group
+        assert!(Recoded::new(&[], 0..3).is_none());
+        let r = Recoded::new(&text, 5..197).unwrap(); // the last group starts at byte 198
+        assert_eq!((r.bytes(), r.len(), r.is_empty()), (5..197, 256, false));
+        let mut out = Vec::new();
+        for (at, n) in [(0, 3), (3, 90), (93, 99)] {
+            r.write_part(at, n, &mut out).unwrap();
+        }
+        assert_eq!(out, b64::encode(&file[5..197]));
+        for (at, n) in [(1, 3), (0, 4), (0, 195), (usize::MAX - 2, 3)] {
+            let err = r.write_part(at, n, &mut out).unwrap_err().to_string();
+            assert!(
+                err.contains("at") && err.contains("192 recoded bytes"),
+                "{err}"
+            );
+        }
+        let spliced = Spliced {
+            pieces: vec![Piece::Copy(Cow::Borrowed(b"[")), Piece::Recode(r)],
+            merged: 1,
+            decode: Vec::new(),
+        };
+        assert_eq!(spliced.len(), 257);
+        assert!(spliced.checked_slices().is_err());
+        let mut want = b"[".to_vec();
+        want.extend(b64::encode(&file[5..197]));
+        assert_eq!(spliced.to_vec().unwrap(), want);
+        let mut spliced = spliced;
+        assert_eq!(spliced.take_checked_parts().unwrap().concat(), want);
     }
 }

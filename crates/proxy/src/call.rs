@@ -14,7 +14,7 @@ use super::budget::Share;
 use super::config::RoutingFormat;
 use super::fault::Fault;
 use super::metrics::Phase;
-use super::parts::{shared_slices, Held, PartsBody};
+use super::parts::{shared_parts, Held, Part, PartsBody};
 use super::pool::{Lease, Outcome, Side};
 use super::request::{decode_start, ClientBody};
 use super::stream::SAMPLE_ROWS;
@@ -92,8 +92,11 @@ impl Call {
         // The merged body goes out as slices of the two bodies (only the rewritten parts are
         // new bytes): nothing is assembled, and the bodies' budget is held until it is sent.
         let parts = blocking_if(decode_body.len() >= BLOCKING_BYTES, || {
+            // Text encoded again from text on another grid (vLLM's rows in a compact
+            // sidecar) is written as it is sent, a piece at a time while it is in cache.
             let opts = MergeOptions {
                 require_routing: true,
+                defer_recode: true,
                 ..self.merge_options(body.start, decode_start)
             };
             let mut spliced =
@@ -105,7 +108,7 @@ impl Call {
                 SAMPLE_ROWS,
             );
             Ok((
-                shared_slices(&mut spliced, &[&prefill_body, &decode_body])?,
+                shared_parts(&mut spliced, &[&prefill_body, &decode_body])?,
                 seen,
             ))
         })
@@ -118,7 +121,7 @@ impl Call {
             .metrics
             .routing_rows(Side::Decode, &ex.decode, decode_seen);
         ex.seconds[Phase::Merge as usize] = began.elapsed().as_secs_f64();
-        let len = parts.iter().map(Bytes::len).sum();
+        let len = parts.iter().map(Part::len).sum();
         proxy.metrics.merged(len);
         ex.status(200, None);
         ex.bytes_out = len;

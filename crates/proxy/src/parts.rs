@@ -14,7 +14,9 @@ use bytes::{Buf, Bytes};
 use hyper::body::Frame;
 
 use super::budget::Share;
-use routed_experts::response::Spliced;
+use std::ops::Range;
+
+use routed_experts::response::{Part as SplicedPart, Recoded, Spliced};
 
 /// What a request holds until the last byte of its response is written (its completion slot,
 /// the budget shares of the bodies the response slices); shared by every part of it.
@@ -71,20 +73,73 @@ pub fn shared_slices(
     spliced: &mut Spliced<'_>,
     sources: &[&Bytes],
 ) -> routed_experts::Result<Vec<Bytes>> {
-    let within = |b: &Bytes, s: &[u8]| {
-        let (start, p) = (b.as_ptr() as usize, s.as_ptr() as usize);
-        p >= start && p + s.len() <= start + b.len()
-    };
     Ok(spliced
         .take_checked_parts()?
         .into_iter()
         .filter(|s| !s.is_empty())
-        .map(|s| match s {
-            Cow::Owned(v) => Bytes::from(v),
-            Cow::Borrowed(s) => match sources.iter().find(|b| within(b, s)) {
-                Some(b) => b.slice_ref(s),
-                None => Bytes::copy_from_slice(s),
-            },
+        .map(|s| shared(s, sources))
+        .collect())
+}
+
+/// A part as `Bytes`: moved when the merge wrote it, else a slice of the source that holds it
+/// (copied only when none does).
+fn shared(part: Cow<'_, [u8]>, sources: &[&Bytes]) -> Bytes {
+    let within = |b: &Bytes, s: &[u8]| {
+        let (start, p) = (b.as_ptr() as usize, s.as_ptr() as usize);
+        p >= start && p + s.len() <= start + b.len()
+    };
+    match part {
+        Cow::Owned(v) => Bytes::from(v),
+        Cow::Borrowed(s) => match sources.iter().find(|b| within(b, s)) {
+            Some(b) => b.slice_ref(s),
+            None => Bytes::copy_from_slice(s),
+        },
+    }
+}
+
+/// A part of a merged body on its way out.
+pub enum Part {
+    /// Bytes sent as they are.
+    Ready(Bytes),
+    /// Base64 text encoded as it is sent, [`RECODE_PIECE`] bytes' worth at a time (see
+    /// [`Recoded`]): bytes `bytes` of the file `text` encodes, from `at` on.
+    Recoded {
+        text: Bytes,
+        bytes: Range<usize>,
+        at: usize,
+    },
+}
+
+impl Part {
+    /// Its length in bytes, as sent.
+    pub fn len(&self) -> usize {
+        match self {
+            Part::Ready(b) => b.len(),
+            Part::Recoded { bytes, at, .. } => (bytes.len() - at) / 3 * 4,
+        }
+    }
+}
+
+/// Bytes of a recoded part encoded at a time (a multiple of 3): their text, a quarter more,
+/// stays in the core's cache until hyper writes it to the socket.
+const RECODE_PIECE: usize = 3 * 64 * 1024;
+
+/// [`shared_slices`], with the text the merge left to be encoded as it is sent
+/// (`MergeOptions::defer_recode`) as [`Part::Recoded`], sharing its source's buffer.
+pub fn shared_parts(
+    spliced: &mut Spliced<'_>,
+    sources: &[&Bytes],
+) -> routed_experts::Result<Vec<Part>> {
+    Ok(spliced
+        .take_checked_recoded_parts()?
+        .into_iter()
+        .filter_map(|part| match part {
+            SplicedPart::Bytes(b) => (!b.is_empty()).then(|| Part::Ready(shared(b, sources))),
+            SplicedPart::Recoded(r) => Some(Part::Recoded {
+                text: shared(Cow::Borrowed(r.text()), sources),
+                bytes: r.bytes(),
+                at: 0,
+            }),
         })
         .collect())
 }
@@ -93,19 +148,48 @@ pub fn shared_slices(
 /// `held` holds (the budget of the bodies its parts share, the request's slot) stays held
 /// until the last part is written or the body is dropped.
 pub struct PartsBody {
-    parts: std::collections::VecDeque<Bytes>,
+    parts: std::collections::VecDeque<Part>,
     remaining: u64,
     held: Held,
 }
 
 impl PartsBody {
     /// `parts` in order, each holding `held` until it is written.
-    pub fn new(parts: Vec<Bytes>, held: Held) -> Self {
-        let remaining = parts.iter().map(|b| b.len() as u64).sum();
+    pub fn new(parts: Vec<Part>, held: Held) -> Self {
+        let remaining = parts.iter().map(|p| p.len() as u64).sum();
         PartsBody {
             parts: parts.into(),
             remaining,
             held,
+        }
+    }
+
+    /// The next bytes to send: a ready part, or the next piece of a recoded one (the rest put
+    /// back first). `None` at the end, and where text cannot be encoded: the merge made it of
+    /// text found to be base64, so that is a defect, and the body then ends short of its
+    /// length, which the client sees as a broken response (never as a whole one).
+    fn next_bytes(&mut self) -> Option<Bytes> {
+        match self.parts.pop_front()? {
+            Part::Ready(b) => Some(b),
+            Part::Recoded { text, bytes, at } => {
+                let n = RECODE_PIECE.min(bytes.len() - at);
+                let mut out = Vec::with_capacity(n / 3 * 4);
+                let written = Recoded::new(&text, bytes.clone())
+                    .ok_or_else(|| "not whole groups before the text's last".to_string())
+                    .and_then(|r| r.write_part(at, n, &mut out).map_err(|e| e.to_string()));
+                if let Err(e) = written {
+                    log::error!(target: "routed_experts::proxy",
+                        "a merged body's routing text could not be encoded as it was sent \
+                         ({e}); the response is cut short");
+                    self.parts.clear();
+                    return None;
+                }
+                if at + n < bytes.len() {
+                    let at = at + n;
+                    self.parts.push_front(Part::Recoded { text, bytes, at });
+                }
+                Some(Bytes::from(out))
+            }
         }
     }
 }
@@ -118,7 +202,7 @@ impl hyper::body::Body for PartsBody {
         mut self: std::pin::Pin<&mut Self>,
         _: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<Frame<Outgoing>, Infallible>>> {
-        let next = self.parts.pop_front();
+        let next = self.next_bytes();
         if let Some(b) = &next {
             self.remaining -= b.len() as u64;
         }
@@ -162,8 +246,99 @@ mod tests {
         };
         assert!(within(&d), "the first part was copied");
         // As a body: the exact size up front, then the parts in order.
-        let body = PartsBody::new(parts, Arc::new(()));
+        let body = PartsBody::new(parts.into_iter().map(Part::Ready).collect(), Arc::new(()));
         assert_eq!(body.size_hint().exact(), Some(want.len() as u64));
+    }
+
+    /// All frames of a body, and its size hint before the first.
+    fn frames(mut body: PartsBody) -> (Option<u64>, Vec<Bytes>) {
+        let hint = body.size_hint().exact();
+        let waker = std::task::Waker::noop();
+        let mut cx = std::task::Context::from_waker(waker);
+        let mut out = Vec::new();
+        while let std::task::Poll::Ready(Some(frame)) =
+            std::pin::Pin::new(&mut body).poll_frame(&mut cx)
+        {
+            let mut data = frame.unwrap().into_data().ok().unwrap();
+            out.push(data.copy_to_bytes(data.remaining()));
+        }
+        assert!(body.is_end_stream());
+        (hint, out)
+    }
+
+    /// vLLM's `.npy` halves merged into a compact sidecar: the rows' text, on another grid
+    /// than prefill's, is left to be encoded as the body is sent, in pieces of at most
+    /// RECODE_PIECE bytes' worth, and the body is the merge's to the byte.
+    #[test]
+    fn recoded_text_is_encoded_in_pieces_as_the_body_is_sent() {
+        use routed_experts::{formats, DType, DTypeChoice, Format, Payload, Shape};
+        let (layers, top_k, prompt) = (4usize, 2usize, 50_000usize);
+        // vLLM's value for rows `rows`: `.npy` text, its rows 128 bytes into the file.
+        let npy = |rows: std::ops::Range<usize>| {
+            let values: Vec<u8> = (rows.start * layers * top_k..rows.end * layers * top_k)
+                .map(|i| (i % 97) as u8)
+                .collect();
+            let shape = Shape::new(rows.len(), layers, top_k);
+            let p = Payload::from_values(&values, shape, 0, DTypeChoice::Exact(DType::U8));
+            let json = formats::encode_json(&p.unwrap(), Format::VllmNpy).unwrap();
+            String::from_utf8(json).unwrap()
+        };
+        let body = |text: String, generated: usize| {
+            Bytes::from(format!(
+                r#"{{"choices":[{{"index":0,"text":"x","routed_experts":{text}}}],"usage":{{"prompt_tokens":{prompt},"completion_tokens":{generated}}}}}"#
+            ))
+        };
+        let (p, d) = (
+            body(npy(0..prompt), 1),
+            body(npy(prompt - 1..prompt + 9), 10),
+        );
+        let opts = MergeOptions {
+            decode_start: Some(prompt as u64 - 1),
+            ..MergeOptions::new(DEFAULT_MAX_BYTES)
+        };
+        let want = merge_response_pieces(&p, &d, opts)
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        let deferred = MergeOptions {
+            defer_recode: true,
+            ..opts
+        };
+        let mut spliced = merge_response_pieces(&p, &d, deferred).unwrap();
+        let parts = shared_parts(&mut spliced, &[&p, &d]).unwrap();
+        let recoded = parts
+            .iter()
+            .filter_map(|part| match part {
+                Part::Recoded { text, bytes, .. } => Some((text.clone(), bytes.len())),
+                Part::Ready(_) => None,
+            })
+            .collect::<Vec<_>>();
+        // One recoded part, the prefill rows, its text a slice of the prefill body.
+        assert_eq!(recoded.len(), 1);
+        assert!(recoded[0].1 > 2 * RECODE_PIECE);
+        assert!(p.as_ptr_range().contains(&recoded[0].0.as_ptr()));
+        let (hint, sent) = frames(PartsBody::new(parts, Arc::new(())));
+        assert_eq!(hint, Some(want.len() as u64));
+        assert!(sent.iter().all(|b| b.len() <= RECODE_PIECE / 3 * 4));
+        assert_eq!(sent.concat(), want);
+    }
+
+    /// Text that is not base64 (never a merge's: it finds its text to be) ends the body short
+    /// of its length, which the client sees as a broken response.
+    #[test]
+    fn text_that_cannot_be_encoded_cuts_the_body_short() {
+        let text = Bytes::from_static(b"AAAA*AAAAAAAAAAA");
+        let parts = vec![
+            Part::Ready(Bytes::from_static(b"[")),
+            Part::Recoded {
+                text,
+                bytes: 0..9,
+                at: 0,
+            },
+            Part::Ready(Bytes::from_static(b"]")),
+        ];
+        let (hint, sent) = frames(PartsBody::new(parts, Arc::new(())));
+        assert_eq!((hint, sent.concat()), (Some(14), b"[".to_vec()));
     }
 
     #[test]

@@ -134,6 +134,8 @@ pub fn merge_response<'py>(
         decode_start,
         keep_format,
         require_routing,
+        // The body is assembled here: nothing is left to write later.
+        defer_recode: false,
     };
     let spliced = py.detach(|| response::merge_response_pieces(&p, &d, opts))?;
     // One copy: the pieces (mostly slices of the inputs) go straight into the result bytes.
