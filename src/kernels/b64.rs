@@ -368,6 +368,36 @@ pub fn decode_range_into(text: &[u8], start: usize, end: usize, out: &mut Vec<u8
     Ok(())
 }
 
+/// Bytes decoded at a time by [`decode_range_blocks`]: a multiple of 3, small enough that a
+/// block and what the caller makes of it stay in the core's cache.
+#[cfg(not(any(test, fuzzing)))]
+const RANGE_BLOCK: usize = 3 * 16 * 1024;
+/// The tests and the fuzzer take small blocks, so that small values cross block boundaries.
+#[cfg(any(test, fuzzing))]
+const RANGE_BLOCK: usize = 9;
+
+/// [`decode_range`] handed to `each` a block at a time, each decoded into `scratch` (reused)
+/// from the start of its first group, the group's bytes before the block skipped rather than
+/// removed (a move of the whole block). Every block but the last is a multiple of 3 bytes.
+pub(crate) fn decode_range_blocks(
+    text: &[u8],
+    from: usize,
+    to: usize,
+    scratch: &mut Vec<u8>,
+    mut each: impl FnMut(&[u8]),
+) -> Result<()> {
+    let mut at = from;
+    while at < to {
+        let end = to.min(at.saturating_add(RANGE_BLOCK));
+        let group = at / 3 * 3;
+        scratch.clear();
+        decode_range_into(text, group, end, scratch)?;
+        each(&scratch[at - group..]);
+        at = end;
+    }
+    Ok(())
+}
+
 /// A character of the standard base64 alphabet (padding `=` aside).
 pub fn is_alphabet(c: u8) -> bool {
     crate::kernels::strscan::is_base64(c)

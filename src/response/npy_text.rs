@@ -114,14 +114,6 @@ fn read_side<'a>(f: &Found<'a>, start: Option<u64>, opts: &MergeOptions) -> Opti
     })
 }
 
-/// Rows decoded and encoded again at a time: a multiple of 3, small enough that the block and
-/// its text stay in the core's cache between the decode and the encode.
-#[cfg(not(any(test, fuzzing)))]
-const BLOCK: usize = 3 * 16 * 1024;
-/// The tests and the fuzzer take small blocks, so that small values cross block boundaries.
-#[cfg(any(test, fuzzing))]
-const BLOCK: usize = 9;
-
 /// The base64 text of a byte sequence built from new bytes and ranges of other base64 texts'
 /// bytes: a range whose groups fall on the output's is copied as text, except the bytes before
 /// its first whole group and after its last; the rest is decoded and encoded a block at a time.
@@ -151,20 +143,9 @@ impl<'a> TextJoin<'a> {
     /// Bytes `[from, to)` of the file base64 `text` encodes, decoded a block at a time.
     fn decoded(&mut self, text: &[u8], from: usize, to: usize) -> crate::error::Result<()> {
         let mut scratch = std::mem::take(&mut self.scratch);
-        let mut at = from;
-        while at < to {
-            // Blocks end on groups of the file, so only the first starts inside one.
-            let group = at / 3 * 3;
-            let end = to.min(group.saturating_add(BLOCK));
-            // Decoded from the start of `at`'s group, its first bytes skipped, not removed
-            // (a move of the whole block).
-            scratch.clear();
-            b64::decode_range_into(text, group, end, &mut scratch)?;
-            self.bytes(&scratch[at - group..]);
-            at = end;
-        }
+        let done = b64::decode_range_blocks(text, from, to, &mut scratch, |b| self.bytes(b));
         self.scratch = scratch;
-        Ok(())
+        done
     }
 
     /// Bytes `[from, to)` of `half`'s file, whose groups do not fall on the output's: decoded
@@ -175,13 +156,11 @@ impl<'a> TextJoin<'a> {
         let head = from + ((3 - self.at % 3) % 3).min(to - from);
         self.decoded(half.text, from, head)?;
         let whole = head + (to - head) / 3 * 3;
+        // Whole groups' worth, short of the file's last group.
+        let last_group_at = (half.text.len() / 4).saturating_sub(1) * 3;
+        let end = whole.min(head + last_group_at.saturating_sub(head) / 3 * 3);
         let later = match self.defer_recode && half.base64 {
-            true => Recoded::new(half.text, head..whole).or_else(|| {
-                // Short of the last group: the range's groups before it.
-                let before = (half.text.len() / 4).saturating_sub(1) * 3;
-                let end = head + before.saturating_sub(head) / 3 * 3;
-                Recoded::new(half.text, head..end.min(whole))
-            }),
+            true => Recoded::new(half.text, head..end),
             false => None,
         };
         let Some(later) = later else {

@@ -110,30 +110,21 @@ impl<'a> Recoded<'a> {
                 format!("{n} bytes at {at}"),
             ));
         }
-        let (from, to) = (self.from + at, self.from + at + n);
-        let mut scratch = Vec::with_capacity(RECODE_BLOCK.min(n));
-        let mut at = from;
-        while at < to {
-            let end = to.min(at + RECODE_BLOCK);
-            // Decoded from the start of `at`'s group, so that no byte is moved to drop the
-            // group's first ones: they are skipped.
-            let group = at / 3 * 3;
-            scratch.clear();
-            b64::decode_range_into(self.text, group, end, &mut scratch)?;
-            crate::kernels::b64_pieces::encode(&scratch[at - group..], out);
-            at = end;
-        }
-        Ok(())
+        let mut scratch = Vec::new();
+        let from = self.from + at;
+        // Blocks of whole groups (but the last, which ends with the range): no padding inside.
+        b64::decode_range_blocks(self.text, from, from + n, &mut scratch, |block| {
+            crate::kernels::b64_pieces::encode(block, out)
+        })
+    }
+
+    /// Its whole text.
+    fn encoded(&self) -> Result<Vec<u8>> {
+        let mut text = Vec::with_capacity(self.len());
+        self.write_part(0, self.to - self.from, &mut text)?;
+        Ok(text)
     }
 }
-
-/// Bytes decoded and encoded again at a time: a multiple of 3, small enough that the block
-/// and its text stay in the core's cache between the decode and the encode.
-#[cfg(not(any(test, fuzzing)))]
-const RECODE_BLOCK: usize = 3 * 16 * 1024;
-/// The tests and the fuzzer take small blocks, so that small values cross block boundaries.
-#[cfg(any(test, fuzzing))]
-const RECODE_BLOCK: usize = 9;
 
 /// One part of a merged body as [`Spliced::take_checked_recoded_parts`] hands it over.
 #[derive(Debug)]
@@ -180,11 +171,7 @@ impl Piece<'_> {
     fn write<'o>(&self, out: &'o mut [MaybeUninit<u8>]) -> Result<&'o mut [MaybeUninit<u8>]> {
         let (text, last, whole, field, context, scanned) = match self {
             Piece::Copy(b) => return Ok(b64::write_uninit(out, b)),
-            Piece::Recode(r) => {
-                let mut text = Vec::with_capacity(r.len());
-                r.write_part(0, r.to - r.from, &mut text)?;
-                return Ok(b64::write_uninit(out, &text));
-            }
+            Piece::Recode(r) => return Ok(b64::write_uninit(out, &r.encoded()?)),
             Piece::Base64 {
                 text,
                 last,
@@ -269,11 +256,7 @@ impl<'a> Spliced<'a> {
             .into_iter()
             .map(|part| match part {
                 Part::Bytes(b) => Ok(b),
-                Part::Recoded(r) => {
-                    let mut text = Vec::with_capacity(r.len());
-                    r.write_part(0, r.to - r.from, &mut text)?;
-                    Ok(Cow::Owned(text))
-                }
+                Part::Recoded(r) => Ok(Cow::Owned(r.encoded()?)),
             })
             .collect()
     }
