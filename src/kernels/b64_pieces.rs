@@ -241,6 +241,11 @@ impl B64Out {
         self.n = rest.len();
     }
 
+    /// Bytes of an unfinished group it holds (0-2).
+    pub fn held(&self) -> usize {
+        self.n
+    }
+
     /// The last, padded group.
     pub fn finish(&mut self, out: &mut Vec<u8>) {
         let c = self.carry;

@@ -19,6 +19,7 @@ use crate::kernels::b64;
 use crate::kernels::b64_pieces::B64Out;
 use crate::payload::dtype::DType;
 use crate::payload::{Header, Payload};
+use crate::response::Recoded;
 
 /// The prefill body's routing as every event of a stream merges with it, found by choice index
 /// as `merge_response` finds it. It borrows the body: `.npy` rows are read from its text.
@@ -44,10 +45,12 @@ pub(crate) struct PrefillValue<'b> {
 enum Rows<'b> {
     Decoded(Payload),
     /// Base64 text in the body (no escapes), whose rows start `skip` bytes in (a `.npy`
-    /// file's header; none for a compact sidecar).
+    /// file's header; none for a compact sidecar). `scanned`: the walk found it to be base64
+    /// characters then at most two `=`.
     Base64 {
         text: &'b [u8],
         skip: usize,
+        scanned: bool,
     },
 }
 
@@ -138,13 +141,71 @@ impl<'b> PrefillRows<'b> {
     }
 }
 
-impl PrefillValue<'_> {
+impl<'b> PrefillValue<'b> {
     pub(crate) fn header(&self) -> Header {
         self.header
     }
 
     pub(crate) fn dtype(&self) -> DType {
         self.header.dtype
+    }
+
+    /// [`push_rows`](Self::push_rows), but for the rows whose text can be written as it is
+    /// sent (whole groups of text the walk found to be base64, short of its last group): those
+    /// are handed back as a [`Recoded`] part, with where in `out` it goes (the bytes pushed
+    /// before and after it are in `out`). `None`: the rows were all pushed (values decoded as
+    /// they were read, text not scanned, too short, or not what its header says, whose error
+    /// is the one `push_rows` gives).
+    pub(crate) fn push_rows_deferred(
+        &self,
+        enc: &mut B64Out,
+        out: &mut Vec<u8>,
+    ) -> Result<Option<(usize, Recoded<'b>)>> {
+        match self.defer(enc.held())? {
+            None => self.push_rows(enc, out).map(|()| None),
+            Some((head, later, tail)) => {
+                enc.push(&head, out);
+                debug_assert_eq!(enc.held(), 0, "the later text starts on an output group");
+                let at = out.len();
+                enc.push(&tail, out);
+                Ok(Some((at, later)))
+            }
+        }
+    }
+
+    /// The rows split for [`push_rows_deferred`](Self::push_rows_deferred): the bytes that
+    /// finish the output's unfinished group (`held` bytes of it taken), the whole groups left
+    /// to be written as they are sent, and the bytes after them (the text's last group, whose
+    /// padding decoding checks, among them). `None` when nothing can be left.
+    fn defer(&self, held: usize) -> Result<Option<(Vec<u8>, Recoded<'b>, Vec<u8>)>> {
+        let Rows::Base64 {
+            text,
+            skip,
+            scanned: true,
+        } = self.rows
+        else {
+            return Ok(None);
+        };
+        let want = self.header.shape.nbytes(self.header.dtype)?;
+        // Text that does not hold exactly its header's bytes goes the eager way, for its error.
+        match b64::decoded_len(text, "data") {
+            Ok(total) if total.checked_sub(skip) == Some(want) => {}
+            _ => return Ok(None),
+        }
+        let (from, to) = (skip, skip + want);
+        let head = from + ((3 - held % 3) % 3).min(to - from);
+        let last_group_at = (text.len() / 4).saturating_sub(1) * 3;
+        let end = head + to.min(last_group_at).saturating_sub(head) / 3 * 3;
+        let Some(later) = Recoded::new(text, head..end) else {
+            return Ok(None);
+        };
+        match (
+            b64::decode_range(text, from, head),
+            b64::decode_range(text, end, to),
+        ) {
+            (Ok(h), Ok(t)) => Ok(Some((h, later, t))),
+            _ => Ok(None),
+        }
     }
 
     /// Encode the rows after what `enc` took. Text that turns out not to be strict base64 is
@@ -155,7 +216,7 @@ impl PrefillValue<'_> {
                 enc.push(p.bytes(), out);
                 return Ok(());
             }
-            Rows::Base64 { text, skip } => (*text, *skip),
+            Rows::Base64 { text, skip, .. } => (*text, *skip),
         };
         let mut piece = Vec::with_capacity(TEXT_PIECE / 4 * 3);
         let mut sent = 0usize;
@@ -195,6 +256,7 @@ fn in_text<'b>(f: &Found<'b>, hints: &Hints, max_bytes: usize) -> Option<Prefill
         let Some(DataField::Base64(Cow::Borrowed(text))) = fields.data else {
             return None;
         };
+        let scanned = fields.data_base64;
         // The fields without any bytes decoded as they were read (those are not copied).
         let fields = SidecarFields {
             data: Some(DataField::Base64(Cow::Borrowed(text))),
@@ -214,12 +276,20 @@ fn in_text<'b>(f: &Found<'b>, hints: &Hints, max_bytes: usize) -> Option<Prefill
         check_hints(Format::Compact, &header, hints).ok()?;
         return Some(PrefillValue {
             header,
-            rows: Rows::Base64 { text, skip: 0 },
+            rows: Rows::Base64 {
+                text,
+                skip: 0,
+                scanned,
+            },
         });
     }
     let (text, header, skip) = checked_npy_header(f, hints, max_bytes)?;
     Some(PrefillValue {
         header,
-        rows: Rows::Base64 { text, skip },
+        rows: Rows::Base64 {
+            text,
+            skip,
+            scanned: f.base64,
+        },
     })
 }

@@ -20,7 +20,7 @@ use std::ops::Range;
 use serde_json::Value;
 
 use super::prefill_rows::{PrefillRows, PrefillValue};
-use super::MergeOptions;
+use super::{MergeOptions, Recoded};
 use crate::body::coverage;
 use crate::body::{is_routing_key, read_body, split, Place, ROUTING_KEY};
 use crate::error::{Error, Result};
@@ -94,6 +94,9 @@ pub struct EventMerge<'p> {
     scratch: Vec<u8>,
     /// The most bytes this value held at once (its own buffers' capacities).
     peak: usize,
+    /// Prefill's rows left to be written as they are sent (`defer_recode`), and where in the
+    /// caller's `out` each goes, until [`take_deferred`](EventMerge::take_deferred).
+    deferred: Vec<(usize, Recoded<'p>)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -223,7 +226,17 @@ impl<'p> EventMerge<'p> {
             head: Vec::new(),
             scratch: Vec::new(),
             peak: 0,
+            deferred: Vec::new(),
         }
+    }
+
+    /// Prefill's rows that the last calls left to be written as they are sent, when the
+    /// options' `merge.defer_recode` is on (whole base64 groups of prefill's text, read when
+    /// written: nothing the size of prompt's rows is made at once): each with its position in
+    /// the `out` its call appended to. The bytes sent are `out` with each part's text
+    /// ([`Recoded::write_part`]) put in at its position, the same bytes as without the option.
+    pub fn take_deferred(&mut self) -> Vec<(usize, Recoded<'p>)> {
+        std::mem::take(&mut self.deferred)
     }
 
     /// Whether any byte was sent (a failure from here on leaves a partial line to end).
@@ -283,6 +296,7 @@ impl<'p> EventMerge<'p> {
             }
             Stop::Fallback => {
                 self.failed = true;
+                self.deferred.clear();
                 Err(Error::merge(
                     "the event cannot be merged as it streams (unusual text after its routing \
                      was sent; see docs): the stream ends here",
@@ -290,6 +304,7 @@ impl<'p> EventMerge<'p> {
             }
             Stop::Error(e) => {
                 self.failed = true;
+                self.deferred.clear();
                 Err(e)
             }
         }
@@ -601,7 +616,13 @@ impl<'p> EventMerge<'p> {
             _ => out.extend_from_slice(DATA_KEY),
         }
         self.emitted = true;
-        cur.prefill.push_rows(&mut cur.enc, out)?;
+        if self.opts.merge.defer_recode {
+            if let Some(later) = cur.prefill.push_rows_deferred(&mut cur.enc, out)? {
+                self.deferred.push(later);
+            }
+        } else {
+            cur.prefill.push_rows(&mut cur.enc, out)?;
+        }
         Ok(())
     }
 

@@ -102,12 +102,58 @@ fn streamed(
     cuts: &[usize],
     opts: StreamOptions,
 ) -> (Outcome, usize) {
-    let mut m = EventMerge::new(prefill, opts);
-    let mut out = Vec::new();
+    let (outcome, peak, _) = streamed_in_parts(prefill, event, cuts, opts, 3);
+    (outcome, peak)
+}
+
+/// [`streamed`], with the rows left to be written as they are sent (`defer_recode`) written
+/// `part` bytes at a time (a multiple of 3) where they go; also how many such parts it had.
+fn streamed_in_parts(
+    prefill: &PrefillRows,
+    event: &[u8],
+    cuts: &[usize],
+    opts: StreamOptions,
+    part: usize,
+) -> (Outcome, usize, usize) {
+    let m = EventMerge::new(prefill, opts);
+    let (mut out, mut later) = (Vec::new(), Vec::new());
+    let (outcome, peak) = fed(m, event, cuts, &mut out, &mut later);
+    let parts = later.len();
+    let Outcome::Bytes(_) = outcome else {
+        return (outcome, peak, parts);
+    };
+    let mut sent = Vec::new();
+    let mut copied = 0;
+    for (at, r) in later {
+        sent.extend_from_slice(&out[copied..at]);
+        copied = at;
+        let n = r.bytes().len();
+        let mut done = 0;
+        while done < n {
+            let k = part.min(n - done);
+            r.write_part(done, k, &mut sent).expect("deferred rows always write");
+            done += k;
+        }
+    }
+    sent.extend_from_slice(&out[copied..]);
+    (Outcome::Bytes(sent), peak, parts)
+}
+
+/// The event fed to `m` in `cuts`' pieces, the merged bytes in `out` and the rows left to be
+/// written as they are sent in `later` (the outcome's bytes are left empty); the peak held.
+fn fed<'p>(
+    mut m: EventMerge<'p>,
+    event: &[u8],
+    cuts: &[usize],
+    out: &mut Vec<u8>,
+    later: &mut Vec<(usize, Recoded<'p>)>,
+) -> (Outcome, usize) {
     let mut at = 0;
     for &cut in cuts.iter().chain(std::iter::once(&event.len())) {
         let cut = cut.clamp(at, event.len());
-        match m.feed(&event[at..cut], &mut out) {
+        let r = m.feed(&event[at..cut], out);
+        later.extend(m.take_deferred());
+        match r {
             Ok(Step::Streaming(_)) => {}
             Ok(Step::Fallback(held)) => {
                 assert!(out.is_empty(), "a fallback after bytes were sent");
@@ -119,8 +165,8 @@ fn streamed(
         at = cut;
     }
     let peak = m.peak_held();
-    match m.finish(&mut out) {
-        Ok(Step::Streaming(_)) => (Outcome::Bytes(out), peak),
+    match m.finish(out) {
+        Ok(Step::Streaming(_)) => (Outcome::Bytes(Vec::new()), peak),
         Ok(Step::Fallback(held)) => {
             assert!(out.is_empty());
             assert_eq!(held, event);
@@ -281,6 +327,7 @@ fn streaming_equals_the_whole_merge() {
         .unwrap_or(1500);
     let (mut same, mut errors, mut fallbacks, mut expected_refusals) = (0, 0, 0, 0);
     let mut kept = 0; // of `same`, merged in the engine's format (`.npy` text kept)
+    let mut deferred = 0; // chunkings whose prefill rows were left to be written as sent
     let mut divergences = Vec::new();
     for n in 0..cases {
         let mut case = make_case(&mut rng);
@@ -289,12 +336,19 @@ fn streaming_equals_the_whole_merge() {
             let at = rng.range(0, case.event.len() as u64 - 1) as usize;
             case.event[at] = MUTANTS[rng.range(0, MUTANTS.len() as u64 - 1) as usize];
         }
+        // Half the cases leave prefill's rows to be written as they are sent, in parts of
+        // random lengths (drawn apart, so the cases are those drawn without them).
+        let mut side = Rng(0x2545_f491_4f6c_dd1d ^ (n as u64 + 1));
+        case.opts.merge.defer_recode = side.chance(2);
         let routing = read_body(&case.prefill).unwrap();
         let rows = PrefillRows::new(&routing, &case.opts.merge);
         let want = whole(&case.prefill, &case.event, case.opts.merge);
         for _ in 0..3 {
             let cuts = chunking(&mut rng, case.event.len());
-            let (got, _) = streamed(&rows, &case.event, &cuts, case.opts);
+            let part = 3 * side.range(1, 6) as usize;
+            let (got, _, parts) = streamed_in_parts(&rows, &case.event, &cuts, case.opts, part);
+            assert!(parts == 0 || case.opts.merge.defer_recode);
+            deferred += usize::from(parts > 0);
             match (&want, &got) {
                 (_, Outcome::Fallback) => fallbacks += 1,
                 (Outcome::Bytes(a), Outcome::Bytes(b)) if a == b => {
@@ -320,9 +374,9 @@ fn streaming_equals_the_whole_merge() {
         }
     }
     eprintln!(
-        "{cases} cases x 3 chunkings: {same} identical bytes ({kept} kept as .npy), {errors} errors both ways, \
-         {fallbacks} fallbacks, {expected_refusals} refusals by the data-first policy, \
-         {} divergences",
+        "{cases} cases x 3 chunkings: {same} identical bytes ({kept} kept as .npy, {deferred} \
+         with rows written as sent), {errors} errors both ways, {fallbacks} fallbacks, \
+         {expected_refusals} refusals by the data-first policy, {} divergences",
         divergences.len()
     );
     assert!(
@@ -335,6 +389,10 @@ fn streaming_equals_the_whole_merge() {
     assert!(
         kept > cases / 10,
         "too few merges streamed as .npy text: {kept}"
+    );
+    assert!(
+        deferred > cases / 4,
+        "too few merges with rows written as sent: {deferred}"
     );
 }
 
@@ -397,6 +455,28 @@ fn a_large_event_is_merged_in_o_piece() {
     let (got, peak) = streamed(&rows, event.as_bytes(), &cuts, opts);
     assert_eq!(got, whole(prefill_body.as_bytes(), event.as_bytes(), merge));
     assert!(peak < 2 * PIECE, "held {peak}");
+    // Prefill's rows left to be written as they are sent: the merge writes none of their text
+    // itself (all but a group or two at each end), and the bytes sent are the same.
+    let deferred = StreamOptions {
+        merge: MergeOptions {
+            defer_recode: true,
+            ..merge
+        },
+        ..opts
+    };
+    let (mut out, mut later) = (Vec::new(), Vec::new());
+    let m = EventMerge::new(&rows, deferred);
+    let (outcome, _) = fed(m, event.as_bytes(), &cuts, &mut out, &mut later);
+    assert_eq!(outcome, Outcome::Bytes(Vec::new()));
+    let prompt_text = prompt * row / 3 * 4;
+    assert_eq!(later.len(), 1);
+    assert!(later[0].1.len() > prompt_text - 8, "{}", later[0].1.len());
+    let Outcome::Bytes(want) = whole(prefill_body.as_bytes(), event.as_bytes(), merge) else {
+        panic!("the whole merge failed");
+    };
+    assert_eq!(out.len() + later[0].1.len(), want.len());
+    let (got, _, _) = streamed_in_parts(&rows, event.as_bytes(), &cuts, deferred, 3 << 16);
+    assert_eq!(got, Outcome::Bytes(want));
     // Kept as `.npy` text (the proxy's `routing_format` "engine"): the same, in `.npy` text.
     let kept = MergeOptions {
         keep_format: true,
