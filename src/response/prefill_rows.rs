@@ -54,6 +54,14 @@ enum Rows<'b> {
     },
 }
 
+/// Prefill's rows as a streamed merge leaves them to be written as they are sent: decoded
+/// bytes pushed before and after, whole groups of text between.
+struct Split<'b> {
+    head: Vec<u8>,
+    later: Recoded<'b>,
+    tail: Vec<u8>,
+}
+
 /// Characters of base64 text decoded at a time when its rows are sent (whole groups).
 const TEXT_PIECE: usize = 64 * 1024;
 
@@ -163,7 +171,7 @@ impl<'b> PrefillValue<'b> {
     ) -> Result<Option<(usize, Recoded<'b>)>> {
         match self.defer(enc.held())? {
             None => self.push_rows(enc, out).map(|()| None),
-            Some((head, later, tail)) => {
+            Some(Split { head, later, tail }) => {
                 enc.push(&head, out);
                 debug_assert_eq!(enc.held(), 0, "the later text starts on an output group");
                 let at = out.len();
@@ -177,7 +185,7 @@ impl<'b> PrefillValue<'b> {
     /// finish the output's unfinished group (`held` bytes of it taken), the whole groups left
     /// to be written as they are sent, and the bytes after them (the text's last group, whose
     /// padding decoding checks, among them). `None` when nothing can be left.
-    fn defer(&self, held: usize) -> Result<Option<(Vec<u8>, Recoded<'b>, Vec<u8>)>> {
+    fn defer(&self, held: usize) -> Result<Option<Split<'b>>> {
         let Rows::Base64 {
             text,
             skip,
@@ -203,7 +211,7 @@ impl<'b> PrefillValue<'b> {
             b64::decode_range(text, from, head),
             b64::decode_range(text, end, to),
         ) {
-            (Ok(h), Ok(t)) => Ok(Some((h, later, t))),
+            (Ok(head), Ok(tail)) => Ok(Some(Split { head, later, tail })),
             _ => Ok(None),
         }
     }

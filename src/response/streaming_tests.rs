@@ -131,7 +131,8 @@ fn streamed_in_parts(
         let mut done = 0;
         while done < n {
             let k = part.min(n - done);
-            r.write_part(done, k, &mut sent).expect("deferred rows always write");
+            r.write_part(done, k, &mut sent)
+                .expect("deferred rows always write");
             done += k;
         }
     }
