@@ -135,11 +135,7 @@ pub fn shared_parts(
         .into_iter()
         .filter_map(|part| match part {
             SplicedPart::Bytes(b) => (!b.is_empty()).then(|| Part::Ready(shared(b, sources))),
-            SplicedPart::Recoded(r) => Some(Part::Recoded {
-                text: shared(Cow::Borrowed(r.text()), sources),
-                bytes: r.bytes(),
-                at: 0,
-            }),
+            SplicedPart::Recoded(r) => Some(Part::recoded(r, sources)),
         })
         .collect())
 }
@@ -169,27 +165,54 @@ impl PartsBody {
     /// text found to be base64, so that is a defect, and the body then ends short of its
     /// length, which the client sees as a broken response (never as a whole one).
     fn next_bytes(&mut self) -> Option<Bytes> {
-        match self.parts.pop_front()? {
-            Part::Ready(b) => Some(b),
-            Part::Recoded { text, bytes, at } => {
-                let n = RECODE_PIECE.min(bytes.len() - at);
-                let mut out = Vec::with_capacity(n / 3 * 4);
-                let written = Recoded::new(&text, bytes.clone())
-                    .ok_or_else(|| "not whole groups before the text's last".to_string())
-                    .and_then(|r| r.write_part(at, n, &mut out).map_err(|e| e.to_string()));
-                if let Err(e) = written {
-                    log::error!(target: "routed_experts::proxy",
-                        "a merged body's routing text could not be encoded as it was sent \
-                         ({e}); the response is cut short");
-                    self.parts.clear();
-                    return None;
+        match self.parts.pop_front()?.next_piece() {
+            Ok((bytes, rest)) => {
+                if let Some(rest) = rest {
+                    self.parts.push_front(rest);
                 }
-                if at + n < bytes.len() {
-                    let at = at + n;
-                    self.parts.push_front(Part::Recoded { text, bytes, at });
-                }
-                Some(Bytes::from(out))
+                Some(bytes)
             }
+            Err(e) => {
+                log::error!(target: "routed_experts::proxy",
+                    "a merged body's routing text could not be encoded as it was sent \
+                     ({e}); the response is cut short");
+                self.parts.clear();
+                None
+            }
+        }
+    }
+}
+
+impl Part {
+    /// Its next bytes to send (the whole of a ready part, the next [`RECODE_PIECE`] bytes'
+    /// worth of a recoded one, encoded now), and what is left of it. An error where the text
+    /// cannot be encoded, which a merge's parts never hold.
+    pub fn next_piece(self) -> Result<(Bytes, Option<Part>), String> {
+        match self {
+            Part::Ready(b) => Ok((b, None)),
+            Part::Recoded { text, bytes, at } => {
+                let n = RECODE_PIECE.min(bytes.len().saturating_sub(at));
+                let mut out = Vec::with_capacity(n / 3 * 4);
+                Recoded::new(&text, bytes.clone())
+                    .ok_or_else(|| "not whole groups before the text's last".to_string())
+                    .and_then(|r| r.write_part(at, n, &mut out).map_err(|e| e.to_string()))?;
+                let rest = (at + n < bytes.len()).then(|| Part::Recoded {
+                    text,
+                    bytes,
+                    at: at + n,
+                });
+                Ok((Bytes::from(out), rest))
+            }
+        }
+    }
+
+    /// A recoded part from a merge's, sharing its text with the body in `sources` that holds
+    /// it (copied only when none does).
+    pub fn recoded(r: Recoded<'_>, sources: &[&Bytes]) -> Part {
+        Part::Recoded {
+            text: shared(Cow::Borrowed(r.text()), sources),
+            bytes: r.bytes(),
+            at: 0,
         }
     }
 }

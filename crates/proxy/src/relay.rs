@@ -135,7 +135,8 @@ impl Call {
             record,
             lease: Some(lease),
             merger: StreamMerger::new(&prefill.body, &read.routing, opts, max_line)
-                .streaming(&rows),
+                .streaming(&rows)
+                .defer_rows(),
             tx,
             deadline: self.deadline,
             began,
@@ -304,6 +305,14 @@ impl Relay<'_> {
                         self.record.finished = false;
                         break (Outcome::Unknown, None);
                     }
+                    match self.send_pending(&proxy).await {
+                        Ok(()) => {}
+                        Err(None) => {
+                            self.record.finished = false;
+                            break (Outcome::Unknown, None);
+                        }
+                        Err(Some(fault)) => break (Outcome::Ok, Some(fault)),
+                    }
                 }
                 Err(e) => {
                     let sent = self.share.split_beyond(0);
@@ -338,6 +347,33 @@ impl Relay<'_> {
 
     /// Send pieces to the client, the last holding `share` (the bytes they came from) until
     /// it is written; `false` when the client is gone.
+    /// What the merger left to be written as it is sent (prefill's rows in an event that
+    /// streams, and the bytes behind them), a piece at a time, each counted against the budget
+    /// until it is written: the stream holds a piece of them at once, not all. `Err(None)`:
+    /// the client left; `Err(Some(_))`: the fault that ends the stream.
+    async fn send_pending(&mut self, proxy: &Proxy) -> Result<(), Option<Fault>> {
+        while let Some(piece) = self.merger.next_pending() {
+            let piece = piece.map_err(|e| Some(stream_fault(e)))?;
+            let keep = self.merger.buffered();
+            let more = (keep + piece.len()).saturating_sub(self.share.held());
+            if more > 0 {
+                let wait = proxy.wait_deadline(self.deadline);
+                if !self.share.grow_wait(more, proxy.budget.limit(), wait).await {
+                    return Err(Some(proxy.call_fault(
+                        Side::Decode,
+                        &self.url,
+                        CallError::Budget,
+                    )));
+                }
+            }
+            let sent = self.share.split_beyond(keep);
+            if !self.send_all(vec![piece], Some(sent)).await {
+                return Err(None);
+            }
+        }
+        Ok(())
+    }
+
     pub(crate) async fn send_all(&mut self, pieces: Vec<Bytes>, mut share: Option<Share>) -> bool {
         let last = pieces.len().saturating_sub(1);
         for (i, piece) in pieces.into_iter().enumerate() {

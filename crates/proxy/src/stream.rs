@@ -5,16 +5,17 @@
 //! the core hands it back before a byte is sent; then it is held and merged whole, as shorter
 //! events are.
 
+use std::collections::VecDeque;
 use std::sync::OnceLock;
 
 use bytes::Bytes;
 use memchr::memmem;
 
-use super::parts::shared_slices;
+use super::parts::{shared_slices, Part};
 use routed_experts::body::{BodyRouting, Found};
 use routed_experts::response::{
     merge_response_found, merge_response_pieces, merge_suspects, DataFirst, EventMerge,
-    MergeOptions, PrefillRows, Spliced, Step, StreamOptions,
+    MergeOptions, PrefillRows, Recoded, Spliced, Step, StreamOptions,
 };
 use routed_experts::validate::Suspect;
 
@@ -65,6 +66,12 @@ pub struct StreamMerger<'a> {
     /// larger than the second).
     fresh_out: usize,
     live_in: usize,
+    /// Leave prefill's rows in an event that streams to be written as they are sent
+    /// ([`defer_rows`](Self::defer_rows)).
+    defer_rows: bool,
+    /// What follows prefill's rows so left, in order, until
+    /// [`next_pending`](Self::next_pending) hands it over: nothing is sent before it.
+    pending: VecDeque<Part>,
 }
 
 /// A `data:` line merged as it passes.
@@ -186,7 +193,42 @@ impl<'a> StreamMerger<'a> {
             held_back: false,
             fresh_out: 0,
             live_in: 0,
+            defer_rows: false,
+            pending: VecDeque::new(),
         }
+    }
+
+    /// This merger, leaving prefill's rows in an event that streams to be encoded as they are
+    /// sent (`MergeOptions::defer_recode`): the bytes after them wait in order, and the caller
+    /// takes them from [`next_pending`](Self::next_pending) after each call to
+    /// [`feed`](Self::feed), a piece of rows at a time, instead of the merge writing all of
+    /// the prompt's rows into one buffer at once (131 MB of text for a 128k-token prompt of
+    /// Qwen3-235B-A22B). Without it they are written in the merge, into `feed`'s output.
+    pub fn defer_rows(mut self) -> Self {
+        self.defer_rows = true;
+        self
+    }
+
+    /// The next bytes to send after what [`feed`](Self::feed) gave (`None`: nothing waits; it
+    /// has all been handed over). Prefill's rows are encoded here, a piece at a time; an
+    /// error says they could not be, which a merge's parts never hold (the stream then ends
+    /// with an error event, and nothing after it is sent).
+    pub fn next_pending(&mut self) -> Option<Result<Bytes, StreamError>> {
+        let part = self.pending.pop_front()?;
+        Some(match part.next_piece() {
+            Ok((bytes, rest)) => {
+                if let Some(rest) = rest {
+                    self.pending.push_front(rest);
+                }
+                Ok(bytes)
+            }
+            Err(e) => {
+                self.pending.clear();
+                Err(StreamError::Merge(routed_experts::Error::merge(format!(
+                    "prefill's routing could not be encoded as it was sent ({e})"
+                ))))
+            }
+        })
     }
 
     /// This merger, merging events longer than `STREAM_ABOVE` (1 MiB) as they pass, with
@@ -218,7 +260,8 @@ impl<'a> StreamMerger<'a> {
 
     /// Bytes held back until their line ends: an incomplete line, or what the merge of an
     /// event that streams holds (its text outside the routing data), and prefill's rows if a
-    /// format that is not read from the body's text had them decoded.
+    /// format that is not read from the body's text had them decoded; and merged bytes waiting
+    /// behind prefill's rows (see [`defer_rows`](Self::defer_rows)).
     pub fn buffered(&self) -> usize {
         let live = self
             .live
@@ -228,7 +271,15 @@ impl<'a> StreamMerger<'a> {
             .rows
             .and_then(OnceLock::get)
             .map_or(0, PrefillRows::held_bytes);
-        self.partial_len + live + rows
+        let waiting: usize = self
+            .pending
+            .iter()
+            .map(|p| match p {
+                Part::Ready(b) => b.len(),
+                Part::Recoded { .. } => 0, // prefill's body, counted with it
+            })
+            .sum();
+        self.partial_len + live + rows + waiting
     }
 
     /// Push onto `out` the pieces to send for the lines this chunk completes.
@@ -296,7 +347,10 @@ impl<'a> StreamMerger<'a> {
             return Ok(());
         };
         let opts = StreamOptions {
-            merge: self.opts,
+            merge: MergeOptions {
+                defer_recode: self.defer_rows,
+                ..self.opts
+            },
             data_first: DataFirst::Fallback,
             max_held: self.max_line,
         };
@@ -306,10 +360,12 @@ impl<'a> StreamMerger<'a> {
             len: self.partial_len,
             sent: 0,
         };
-        let mut merged = Vec::new();
+        let (mut merged, mut later) = (Vec::new(), Vec::new());
         for (i, piece) in pieces.iter().enumerate() {
             let text = if i == 0 { &piece[json_at..] } else { piece };
-            match live.merge.feed(text, &mut merged) {
+            let fed = live.merge.feed(text, &mut merged);
+            later.extend(live.merge.take_deferred());
+            match fed {
                 Ok(Step::Streaming(_)) => {}
                 Ok(Step::Fallback(_)) => {
                     // Nothing was sent: the line is held as it was, and merged whole.
@@ -321,7 +377,7 @@ impl<'a> StreamMerger<'a> {
             }
         }
         self.live_in += std::mem::take(&mut self.partial_len);
-        self.send_live(&mut live.sent, merged, out);
+        self.send_live(&mut live.sent, merged, later, out);
         self.live = Some(live);
         Ok(())
     }
@@ -344,11 +400,9 @@ impl<'a> StreamMerger<'a> {
             return Err(StreamError::LineTooLong(self.max_line));
         }
         let mut merged = Vec::new();
-        match live
-            .merge
-            .feed(&chunk[..end], &mut merged)
-            .map_err(StreamError::Merge)?
-        {
+        let fed = live.merge.feed(&chunk[..end], &mut merged);
+        let later = live.merge.take_deferred();
+        match fed.map_err(StreamError::Merge)? {
             Step::Fallback(held) => {
                 // Handed back before a byte was sent: held, and merged whole at its end.
                 self.joined = [&live.prefix[..], &held].concat();
@@ -360,7 +414,7 @@ impl<'a> StreamMerger<'a> {
                 }
                 return Ok(Some(end));
             }
-            Step::Streaming(_) => self.send_live(&mut live.sent, merged, out),
+            Step::Streaming(_) => self.send_live(&mut live.sent, merged, later, out),
         }
         if nl.is_none() {
             self.live = Some(live);
@@ -382,24 +436,40 @@ impl<'a> StreamMerger<'a> {
                 }
                 self.merged_choices.extend(choices);
                 self.merged = true;
-                self.send_live(&mut live.sent, merged, out);
+                self.send_live(&mut live.sent, merged, Vec::new(), out);
                 self.merged_bytes += live.sent;
             }
         }
         Ok(Some(end))
     }
 
-    /// Merged bytes of the event that streams, after `data: ` if they are its first.
-    fn send_live(&mut self, sent: &mut usize, merged: Vec<u8>, out: &mut Vec<Bytes>) {
-        if merged.is_empty() {
+    /// Merged bytes of the event that streams, after `data: ` if they are its first, with the
+    /// rows the merge left to be written as they are sent put in at their places.
+    fn send_live(
+        &mut self,
+        sent: &mut usize,
+        merged: Vec<u8>,
+        later: Vec<(usize, Recoded<'_>)>,
+        out: &mut Vec<Bytes>,
+    ) {
+        if merged.is_empty() && later.is_empty() {
             return;
         }
         if *sent == 0 {
             self.emit(Bytes::from_static(b"data: "), out);
         }
-        *sent += merged.len();
+        *sent += merged.len() + later.iter().map(|(_, r)| r.len()).sum::<usize>();
         self.fresh_out += merged.len();
-        self.emit(Bytes::from(merged), out);
+        let merged = Bytes::from(merged);
+        let mut copied = 0;
+        for (at, rows) in later {
+            self.emit(merged.slice(copied..at), out);
+            copied = at;
+            let part = Part::recoded(rows, &[self.prefill.body()]);
+            // Placed after any bytes still waiting; what follows waits behind it.
+            self.pending.push_back(part);
+        }
+        self.emit(merged.slice(copied..), out);
     }
 
     /// The rest of the stream (a last line without a newline); then the checks: the stream
@@ -407,6 +477,11 @@ impl<'a> StreamMerger<'a> {
     /// pass is the held `data: [DONE]` line pushed: a failed stream ends with the caller's
     /// error event and no `[DONE]` before it.
     pub fn finish(&mut self, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
+        // What waits behind prefill's rows goes first (a caller that takes it after each
+        // `feed` leaves nothing here).
+        while let Some(piece) = self.next_pending() {
+            out.push(piece?);
+        }
         if let Some(live) = self.live.take() {
             // Cut off inside an event that streams: whole only if nothing was sent yet (then it
             // is held as a line, as below); the stream has no `[DONE]` after it either way.
@@ -589,8 +664,13 @@ impl<'a> StreamMerger<'a> {
 
     /// A piece to send: onto `out`, or, from `data: [DONE]` on, held for `finish`.
     fn emit(&mut self, piece: Bytes, out: &mut Vec<Bytes>) {
+        if piece.is_empty() {
+            return;
+        }
         match &mut self.after_done {
             Some(held) => held.push(piece),
+            // Behind prefill's rows left to be written as they are sent.
+            None if !self.pending.is_empty() => self.pending.push_back(Part::Ready(piece)),
             None => out.push(piece),
         }
     }
@@ -804,24 +884,38 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
     fn long_event_merges_as_it_passes(prefill: &Bytes, stream: &[u8], opts: MergeOptions) {
         assert!(stream.len() > STREAM_ABOVE + (1 << 20));
         let found = routed_experts::read_body(prefill).unwrap();
-        let run = |piece: usize, streaming: bool| {
+        // `defer`: prefill's rows left to be written as they are sent, taken after each feed
+        // as the relay takes them.
+        let run = |piece: usize, streaming: bool, defer: bool| {
             let rows = OnceLock::new();
             let mut m = StreamMerger::new(prefill, &found, opts, 64 << 20);
             if streaming {
                 m = m.streaming(&rows);
             }
-            let (mut out, mut most_held, mut excess) = (Vec::new(), 0, 0);
+            if defer {
+                m = m.defer_rows();
+            }
+            let (mut out, mut most_held, mut excess, mut pieces) = (Vec::new(), 0, 0, 0);
             for c in stream.chunks(piece) {
                 m.feed(Bytes::copy_from_slice(c), &mut out).unwrap();
                 most_held = most_held.max(m.buffered());
                 excess += m.take_output_excess();
+                while let Some(p) = m.next_pending() {
+                    pieces += 1;
+                    out.push(p.unwrap());
+                }
             }
             // What it sent beyond what it took in: prefill's rows, about 700 x 752 bytes in
-            // base64 (705 KB), when the event streams; a whole merge's output is not counted so.
-            if streaming {
-                assert!((600_000..1_000_000).contains(&excess), "{excess}");
-            } else {
-                assert_eq!(excess, 0);
+            // base64 (705 KB), when the event streams, unless they are written as they are
+            // sent (then pieces of at most 256 KiB); a whole merge's output is not counted so.
+            match (streaming, defer) {
+                (true, false) => assert!((600_000..1_000_000).contains(&excess), "{excess}"),
+                (true, true) => {
+                    assert!(excess < 4096, "{excess}");
+                    // Prefill's rows (705 KB of text) came in pieces of at most 256 KiB.
+                    assert!(pieces >= 3, "{pieces}");
+                }
+                (false, _) => assert_eq!(excess, 0),
             }
             m.finish(&mut out).unwrap();
             assert!(m.merged);
@@ -832,7 +926,7 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
             );
             (out.concat(), most_held, m.merged_bytes)
         };
-        let (whole, held_whole, bytes_whole) = run(1 << 20, false);
+        let (whole, held_whole, bytes_whole) = run(1 << 20, false, false);
         let npy_text = [
             &br#""routed_experts":""#[..],
             routed_experts::formats::NPY_B64_PREFIX,
@@ -843,16 +937,22 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
             opts.keep_format
         );
         assert!(held_whole > STREAM_ABOVE); // the whole event, held
-        for piece in [4095, 256 << 10, 1 << 20, 3_000_001] {
-            let (streamed, held, bytes) = run(piece, true);
+        for (piece, defer) in [4095, 256 << 10, 1 << 20, 3_000_001]
+            .into_iter()
+            .flat_map(|p| [(p, false), (p, true)])
+        {
+            let (streamed, held, bytes) = run(piece, true, defer);
             assert!(
                 streamed == whole,
-                "pieces of {piece}: the merged stream differs"
+                "pieces of {piece} (deferred: {defer}): the merged stream differs"
             );
             assert_eq!(bytes, bytes_whole);
-            // Up to the size at which it begins to stream, then O(piece).
+            // Up to the size at which it begins to stream, then O(piece); with the rows
+            // written as they are sent, what that first size merged to waits behind them
+            // until the caller takes it.
+            let waits = if defer { STREAM_ABOVE + (64 << 10) } else { 0 };
             assert!(
-                held < STREAM_ABOVE + 2 * piece,
+                held < STREAM_ABOVE + 2 * piece + waits,
                 "pieces of {piece}: {held} held"
             );
         }
