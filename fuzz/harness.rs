@@ -325,6 +325,10 @@ pub fn stream_merge(data: &[u8]) {
     // The engine's format kept (the proxy's `routing_format` "engine") for an even count of
     // piece lengths.
     merge.keep_format = spec.len() % 2 == 0;
+    // Prefill's rows left to be written as they are sent (the proxy's streams) for half the
+    // counts, written back in parts of 3 to 15 bytes.
+    merge.defer_recode = spec.len() % 4 >= 2;
+    let part = 3 * (1 + usize::from(flags % 5));
     let data_first = if flags & 8 != 0 {
         DataFirst::Expect(u64::from(flags >> 4))
     } else {
@@ -339,12 +343,15 @@ pub fn stream_merge(data: &[u8]) {
         response::merge_response_found(prefill, &found, event, merge).and_then(|s| s.to_vec());
     let rows = PrefillRows::new(&found, &merge);
     let mut m = EventMerge::new(&rows, opts);
-    let (mut out, mut at) = (Vec::new(), 0);
+    let (mut out, mut at, mut later) = (Vec::new(), 0, Vec::new());
     let cuts = spec.iter().skip(1).map(|&n| usize::from(n) + 1);
     let mut streamed = None;
     for n in cuts.chain(std::iter::once(event.len())) {
         let end = (at + n).min(event.len());
-        match m.feed(&event[at..end], &mut out) {
+        let fed = m.feed(&event[at..end], &mut out);
+        later.extend(m.take_deferred());
+        assert!(later.is_empty() || merge.defer_recode);
+        match fed {
             Ok(Step::Streaming(_)) => {}
             Ok(Step::Fallback(held)) => {
                 assert!(out.is_empty(), "a fallback after bytes were sent");
@@ -364,7 +371,7 @@ pub fn stream_merge(data: &[u8]) {
     let streamed = match streamed {
         Some(r) => r,
         None => match m.finish(&mut out) {
-            Ok(Step::Streaming(_)) => Ok(out),
+            Ok(Step::Streaming(_)) => Ok(sent_with(&out, later, part)),
             Ok(Step::Fallback(held)) => {
                 assert!(
                     out.is_empty() && held == event,
@@ -384,6 +391,29 @@ pub fn stream_merge(data: &[u8]) {
                 && e.to_string().contains("but its data came first") => {}
         _ => panic!("whole {whole:?} but streamed {streamed:?}"),
     }
+}
+
+/// `out` with each deferred part's text written in at its place, `part` bytes at a time.
+fn sent_with(out: &[u8], later: Vec<(usize, response::Recoded<'_>)>, part: usize) -> Vec<u8> {
+    let (mut sent, mut copied) = (Vec::new(), 0);
+    for (at, r) in later {
+        assert!(
+            at >= copied && at <= out.len(),
+            "a deferred part's place is out of order"
+        );
+        sent.extend_from_slice(&out[copied..at]);
+        copied = at;
+        let n = r.bytes().len();
+        let mut done = 0;
+        while done < n {
+            let k = part.min(n - done);
+            r.write_part(done, k, &mut sent)
+                .expect("a merge's deferred rows always write");
+            done += k;
+        }
+    }
+    sent.extend_from_slice(&out[copied..]);
+    sent
 }
 
 /// `.npy` headers: what parses is a 3-d integer array whose re-written header parses the same.

@@ -95,7 +95,8 @@ impl<'a> Recoded<'a> {
     }
 
     /// Appends to `out` the text of its bytes `[at, at + n)` (counted from its first byte;
-    /// both multiples of 3, within its bytes), decoded and encoded again a block at a time.
+    /// both multiples of 3, within its bytes), decoded and encoded again a block at a time (or,
+    /// when its bytes start on a group of `text`, copied from `text` as it is checked).
     pub fn write_part(&self, at: usize, n: usize, out: &mut Vec<u8>) -> Result<()> {
         let within = at
             .checked_add(n)
@@ -110,8 +111,18 @@ impl<'a> Recoded<'a> {
                 format!("{n} bytes at {at}"),
             ));
         }
-        let mut scratch = Vec::new();
         let from = self.from + at;
+        if self.from % 3 == 0 {
+            // On the text's own grid (a stream's `.npy` rows kept as `.npy`, a sidecar's rows):
+            // the text is its own encoding, checked and copied instead of decoded and encoded.
+            let groups = &self.text[from / 3 * 4..(from + n) / 3 * 4];
+            if !b64::groups_valid(groups, false) {
+                return Err(b64::error_in(self.text, "data"));
+            }
+            out.extend_from_slice(groups);
+            return Ok(());
+        }
+        let mut scratch = Vec::new();
         // Blocks of whole groups (but the last, which ends with the range): no padding inside.
         b64::decode_range_blocks(self.text, from, from + n, &mut scratch, |block| {
             crate::kernels::b64_pieces::encode(block, out)
@@ -326,6 +337,21 @@ mod tests {
             r.write_part(at, n, &mut out).unwrap();
         }
         assert_eq!(out, b64::encode(&file[5..197]));
+        // On the text's own grid: copied as checked, the same text.
+        let on_grid = Recoded::new(&text, 6..195).unwrap();
+        let mut copied = Vec::new();
+        for (at, n) in [(0, 9), (9, 3), (12, 177)] {
+            on_grid.write_part(at, n, &mut copied).unwrap();
+        }
+        assert_eq!(copied, b64::encode(&file[6..195]));
+        // Text that is not base64 does not write, on the grid or off it.
+        let mut bad = text.clone();
+        bad[100] = b'*';
+        for range in [6..195, 5..197] {
+            let r = Recoded::new(&bad, range).unwrap();
+            let err = r.write_part(0, r.bytes().len(), &mut Vec::new());
+            assert!(err.unwrap_err().to_string().contains("data"));
+        }
         for (at, n) in [(1, 3), (0, 4), (0, 195), (usize::MAX - 2, 3)] {
             let err = r.write_part(at, n, &mut out).unwrap_err().to_string();
             assert!(
