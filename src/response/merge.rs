@@ -40,7 +40,9 @@ pub struct MergeOptions {
     /// ([`Part::Recoded`](super::Part), from
     /// [`Spliced::take_checked_recoded_parts`](super::Spliced::take_checked_recoded_parts)).
     /// Off by default; [`Spliced::checked_slices`](super::Spliced::checked_slices) refuses such
-    /// a body, having no slice to give for that text.
+    /// a body, having no slice to give for that text. In a streaming merge
+    /// ([`EventMerge`](super::EventMerge)) it leaves prefill's rows, on the output's grid or
+    /// not, to be written as they are sent ([`EventMerge::take_deferred`](super::EventMerge::take_deferred)).
     pub defer_recode: bool,
 }
 
