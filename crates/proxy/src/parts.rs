@@ -66,21 +66,6 @@ impl Buf for Outgoing {
     }
 }
 
-/// A merged body's parts as `Bytes`, taken out of `spliced`: slices share the buffers of
-/// `sources` (the bodies it was merged from), and the parts the merge wrote are moved, not
-/// copied (a re-encoded routing value can be most of the body).
-pub fn shared_slices(
-    spliced: &mut Spliced<'_>,
-    sources: &[&Bytes],
-) -> routed_experts::Result<Vec<Bytes>> {
-    Ok(spliced
-        .take_checked_parts()?
-        .into_iter()
-        .filter(|s| !s.is_empty())
-        .map(|s| shared(s, sources))
-        .collect())
-}
-
 /// A part as `Bytes`: moved when the merge wrote it, else a slice of the source that holds it
 /// (copied only when none does).
 fn shared(part: Cow<'_, [u8]>, sources: &[&Bytes]) -> Bytes {
@@ -124,8 +109,10 @@ impl Part {
 /// stays in the core's cache until hyper writes it to the socket.
 const RECODE_PIECE: usize = 3 * 64 * 1024;
 
-/// [`shared_slices`], with the text the merge left to be encoded as it is sent
-/// (`MergeOptions::defer_recode`) as [`Part::Recoded`], sharing its source's buffer.
+/// A merged body's parts, taken out of `spliced`: slices share the buffers of `sources` (the
+/// bodies it was merged from), the parts the merge wrote are moved, not copied, and the text it
+/// left to be encoded as it is sent (`MergeOptions::defer_recode`) is a [`Part::Recoded`]
+/// sharing its source's buffer.
 pub fn shared_parts(
     spliced: &mut Spliced<'_>,
     sources: &[&Bytes],
@@ -259,7 +246,14 @@ mod tests {
         let opts = MergeOptions::new(DEFAULT_MAX_BYTES);
         let mut spliced = merge_response_pieces(&p, &d, opts).unwrap();
         let want = spliced.to_vec().unwrap();
-        let parts = shared_slices(&mut spliced, &[&p, &d]).unwrap();
+        let parts: Vec<Bytes> = shared_parts(&mut spliced, &[&p, &d])
+            .unwrap()
+            .into_iter()
+            .map(|part| match part {
+                Part::Ready(b) => b,
+                Part::Recoded { .. } => panic!("nothing was left to encode"),
+            })
+            .collect();
         assert_eq!(parts.concat(), want);
         // The decode body's text before its routing is a slice of it, not a copy.
         let first = &parts[0];

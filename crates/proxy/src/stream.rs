@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use bytes::Bytes;
 use memchr::memmem;
 
-use super::parts::{shared_slices, Part};
+use super::parts::{shared_parts, Part};
 use routed_experts::body::{BodyRouting, Found};
 use routed_experts::response::{
     merge_response_found, merge_response_pieces, merge_suspects, DataFirst, EventMerge,
@@ -623,7 +623,13 @@ impl<'a> StreamMerger<'a> {
             return Ok(());
         }
         let payload = line.slice_ref(rest.trim_ascii_start());
-        let mut spliced = match self.prefill.merge(&payload, self.opts) {
+        // Prefill's rows encoded again (vLLM's `.npy` as a compact sidecar) are written as
+        // they are sent, as in an event that streams.
+        let opts = MergeOptions {
+            defer_recode: self.defer_rows,
+            ..self.opts
+        };
+        let mut spliced = match self.prefill.merge(&payload, opts) {
             Ok(s) => s,
             // A long event that is not JSON, and holds no routing marker, passes as it came
             // (as a short one does without being parsed).
@@ -634,7 +640,7 @@ impl<'a> StreamMerger<'a> {
             Err(e) => return Err(StreamError::Merge(e)),
         };
         let merged_len = spliced.len();
-        let parts = shared_slices(&mut spliced, &[self.prefill.body(), &payload])
+        let parts = shared_parts(&mut spliced, &[self.prefill.body(), &payload])
             .map_err(StreamError::Merge)?;
         if spliced.merged_values() > 0 {
             // A choice's routing comes once; a second event for it would merge it twice.
@@ -657,7 +663,29 @@ impl<'a> StreamMerger<'a> {
         }
         self.emit(Bytes::from_static(b"data: "), out);
         for p in parts {
-            self.emit(p, out);
+            self.emit_part(p, out)?;
+        }
+        Ok(())
+    }
+
+    /// A merged part to send: bytes as [`emit`](Self::emit) sends them; text to encode as it
+    /// is sent waits its turn with what follows (written now if it comes after `[DONE]`).
+    fn emit_part(&mut self, part: Part, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
+        match part {
+            Part::Ready(b) => self.emit(b, out),
+            recoded if self.after_done.is_none() => self.pending.push_back(recoded),
+            mut recoded => loop {
+                let (bytes, rest) = recoded.next_piece().map_err(|e| {
+                    StreamError::Merge(routed_experts::Error::merge(format!(
+                        "a merged event could not be encoded ({e})"
+                    )))
+                })?;
+                self.emit(bytes, out);
+                match rest {
+                    Some(r) => recoded = r,
+                    None => break,
+                }
+            },
         }
         Ok(())
     }
@@ -937,6 +965,13 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
             opts.keep_format
         );
         assert!(held_whole > STREAM_ABOVE); // the whole event, held
+                                            // Merged whole with the re-encoded rows written as they are sent: the same bytes.
+        let (deferred, _, bytes) = run(1 << 20, false, true);
+        assert!(
+            deferred == whole,
+            "the whole merge with its rows written as sent differs"
+        );
+        assert_eq!(bytes, bytes_whole);
         for (piece, defer) in [4095, 256 << 10, 1 << 20, 3_000_001]
             .into_iter()
             .flat_map(|p| [(p, false), (p, true)])
