@@ -345,8 +345,6 @@ impl Relay<'_> {
         self.record.seconds[Phase::Decode as usize] = self.began.elapsed().as_secs_f64();
     }
 
-    /// Send pieces to the client, the last holding `share` (the bytes they came from) until
-    /// it is written; `false` when the client is gone.
     /// What the merger left to be written as it is sent (prefill's rows in an event that
     /// streams, and the bytes behind them), a piece at a time, each counted against the budget
     /// until it is written: the stream holds a piece of them at once, not all. `Err(None)`:
@@ -374,6 +372,8 @@ impl Relay<'_> {
         Ok(())
     }
 
+    /// Send pieces to the client, the last holding `share` (the bytes they came from) until
+    /// it is written; `false` when the client is gone.
     pub(crate) async fn send_all(&mut self, pieces: Vec<Bytes>, mut share: Option<Share>) -> bool {
         let last = pieces.len().saturating_sub(1);
         for (i, piece) in pieces.into_iter().enumerate() {
