@@ -153,17 +153,9 @@ impl<'a> TextJoin<'a> {
     /// as the body is sent, for all but the bytes that finish the output's unfinished group
     /// and those of the file's last group (whose padding decoding checks).
     fn recoded(&mut self, half: &NpyText<'a>, from: usize, to: usize) -> crate::error::Result<()> {
-        let head = from + ((3 - self.at % 3) % 3).min(to - from);
+        let (head, later) = Recoded::largest_after(half.text, (from, to), self.at);
         self.decoded(half.text, from, head)?;
-        let whole = head + (to - head) / 3 * 3;
-        // Whole groups' worth, short of the file's last group.
-        let last_group_at = (half.text.len() / 4).saturating_sub(1) * 3;
-        let end = whole.min(head + last_group_at.saturating_sub(head) / 3 * 3);
-        let later = match self.defer_recode && half.base64 {
-            true => Recoded::new(half.text, head..end),
-            false => None,
-        };
-        let Some(later) = later else {
+        let Some(later) = later.filter(|_| self.defer_recode && half.base64) else {
             return self.decoded(half.text, head, to);
         };
         // The output is at a group boundary (`at` is past `head`), so the encoder holds no

@@ -201,15 +201,12 @@ impl<'b> PrefillValue<'b> {
             _ => return Ok(None),
         }
         let (from, to) = (skip, skip + want);
-        let head = from + ((3 - held % 3) % 3).min(to - from);
-        let last_group_at = (text.len() / 4).saturating_sub(1) * 3;
-        let end = head + to.min(last_group_at).saturating_sub(head) / 3 * 3;
-        let Some(later) = Recoded::new(text, head..end) else {
+        let (head, Some(later)) = Recoded::largest_after(text, (from, to), held) else {
             return Ok(None);
         };
         match (
             b64::decode_range(text, from, head),
-            b64::decode_range(text, end, to),
+            b64::decode_range(text, later.bytes().end, to),
         ) {
             (Ok(head), Ok(tail)) => Ok(Some(Split { head, later, tail })),
             _ => Ok(None),

@@ -74,6 +74,21 @@ impl<'a> Recoded<'a> {
         })
     }
 
+    /// Bytes `[from, to)` of the file `text` encodes, written after an output that holds `held`
+    /// bytes of an unfinished group: where the bytes that finish that group end (`head`), and
+    /// the largest part from there that can be left to be written as it is sent (whole groups'
+    /// worth, short of `text`'s last group, whose padding decoding checks), if any.
+    pub(crate) fn largest_after(
+        text: &'a [u8],
+        (from, to): (usize, usize),
+        held: usize,
+    ) -> (usize, Option<Self>) {
+        let head = from + ((3 - held % 3) % 3).min(to - from);
+        let last_group_at = (text.len() / 4).saturating_sub(1) * 3;
+        let end = head + to.min(last_group_at).saturating_sub(head) / 3 * 3;
+        (head, Recoded::new(text, head..end))
+    }
+
     /// The base64 text the bytes come from (what a caller holds on to until it is written).
     pub fn text(&self) -> &'a [u8] {
         self.text
