@@ -403,14 +403,7 @@ fn sent_with(out: &[u8], later: Vec<(usize, response::Recoded<'_>)>, part: usize
         );
         sent.extend_from_slice(&out[copied..at]);
         copied = at;
-        let n = r.bytes().len();
-        let mut done = 0;
-        while done < n {
-            let k = part.min(n - done);
-            r.write_part(done, k, &mut sent)
-                .expect("a merge's deferred rows always write");
-            done += k;
-        }
+        write_in_parts(&r, || part, &mut sent);
     }
     sent.extend_from_slice(&out[copied..]);
     sent
@@ -903,6 +896,18 @@ pub fn upstream_reply(data: &[u8]) {
     }
 }
 
+/// `r`'s whole text appended to `out` in parts of the lengths `size` gives (multiples of 3),
+/// which never fails (a merge makes it of text found to be base64).
+fn write_in_parts(r: &response::Recoded<'_>, mut size: impl FnMut() -> usize, out: &mut Vec<u8>) {
+    let (n, mut at) = (r.bytes().len(), 0);
+    while at < n {
+        let k = size().min(n - at);
+        r.write_part(at, k, out)
+            .expect("a merge's recoded text always writes");
+        at += k;
+    }
+}
+
 /// A merged body as the proxy sends it: its recoded text written in pieces of 3, 6, 9, ...
 /// bytes' worth in turn, which never fails (the merge made it of text found to be base64).
 fn sent_in_pieces(spliced: &mut response::Spliced<'_>) -> routed_experts::Result<Vec<u8>> {
@@ -911,14 +916,15 @@ fn sent_in_pieces(spliced: &mut response::Spliced<'_>) -> routed_experts::Result
         match part {
             response::Part::Bytes(b) => out.extend_from_slice(&b),
             response::Part::Recoded(r) => {
-                let (n, mut at, mut k) = (r.bytes().len(), 0, 3);
-                while at < n {
-                    let take = k.min(n - at);
-                    r.write_part(at, take, &mut out)
-                        .expect("recoded text always writes");
-                    at += take;
-                    k = k % 30 + 3;
-                }
+                let mut k = 0;
+                write_in_parts(
+                    &r,
+                    || {
+                        k = k % 30 + 3;
+                        k
+                    },
+                    &mut out,
+                );
             }
         }
     }

@@ -349,14 +349,8 @@ mod tests {
             match part {
                 Part::Bytes(b) => out.extend_from_slice(&b),
                 Part::Recoded(r) => {
-                    let (n, before) = (r.bytes().len(), out.len());
-                    let mut at = 0;
-                    while at < n {
-                        let k = (3 * (1 + next() % 6) as usize).min(n - at);
-                        r.write_part(at, k, &mut out)
-                            .expect("recoded text always writes");
-                        at += k;
-                    }
+                    let before = out.len();
+                    r.write_in_parts(|| 3 * (1 + next() % 6) as usize, &mut out);
                     assert_eq!(out.len() - before, r.len());
                     recoded += 1;
                 }

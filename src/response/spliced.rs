@@ -144,6 +144,20 @@ impl<'a> Recoded<'a> {
         })
     }
 
+    /// Its whole text appended to `out` in parts of the lengths `size` gives (multiples of 3),
+    /// as a server writes it: the tests' way of sending it.
+    #[cfg(test)]
+    pub(crate) fn write_in_parts(&self, mut size: impl FnMut() -> usize, out: &mut Vec<u8>) {
+        let n = self.to - self.from;
+        let mut at = 0;
+        while at < n {
+            let k = size().min(n - at);
+            self.write_part(at, k, out)
+                .expect("a merge's recoded text always writes");
+            at += k;
+        }
+    }
+
     /// Its whole text.
     fn encoded(&self) -> Result<Vec<u8>> {
         let mut text = Vec::with_capacity(self.len());

@@ -127,14 +127,7 @@ fn streamed_in_parts(
     for (at, r) in later {
         sent.extend_from_slice(&out[copied..at]);
         copied = at;
-        let n = r.bytes().len();
-        let mut done = 0;
-        while done < n {
-            let k = part.min(n - done);
-            r.write_part(done, k, &mut sent)
-                .expect("deferred rows always write");
-            done += k;
-        }
+        r.write_in_parts(|| part, &mut sent);
     }
     sent.extend_from_slice(&out[copied..]);
     (Outcome::Bytes(sent), peak, parts)
