@@ -624,9 +624,10 @@ impl<'a> StreamMerger<'a> {
         }
         let payload = line.slice_ref(rest.trim_ascii_start());
         // Prefill's rows encoded again (vLLM's `.npy` as a compact sidecar) are written as
-        // they are sent, as in an event that streams.
+        // they are sent, as in an event that streams; after `[DONE]`, whose lines are held
+        // as bytes for `finish`, they are written now.
         let opts = MergeOptions {
-            defer_recode: self.defer_rows,
+            defer_recode: self.defer_rows && self.after_done.is_none(),
             ..self.opts
         };
         let mut spliced = match self.prefill.merge(&payload, opts) {
@@ -663,31 +664,21 @@ impl<'a> StreamMerger<'a> {
         }
         self.emit(Bytes::from_static(b"data: "), out);
         for p in parts {
-            self.emit_part(p, out)?;
+            self.emit_part(p, out);
         }
         Ok(())
     }
 
     /// A merged part to send: bytes as [`emit`](Self::emit) sends them; text to encode as it
-    /// is sent waits its turn with what follows (written now if it comes after `[DONE]`).
-    fn emit_part(&mut self, part: Part, out: &mut Vec<Bytes>) -> Result<(), StreamError> {
+    /// is sent waits its turn with what follows (never after `[DONE]`: not left so there).
+    fn emit_part(&mut self, part: Part, out: &mut Vec<Bytes>) {
         match part {
             Part::Ready(b) => self.emit(b, out),
-            recoded if self.after_done.is_none() => self.pending.push_back(recoded),
-            mut recoded => loop {
-                let (bytes, rest) = recoded.next_piece().map_err(|e| {
-                    StreamError::Merge(routed_experts::Error::merge(format!(
-                        "a merged event could not be encoded ({e})"
-                    )))
-                })?;
-                self.emit(bytes, out);
-                match rest {
-                    Some(r) => recoded = r,
-                    None => break,
-                }
-            },
+            recoded => {
+                debug_assert!(self.after_done.is_none(), "text left after [DONE]");
+                self.pending.push_back(recoded)
+            }
         }
-        Ok(())
     }
 
     /// A piece to send: onto `out`, or, from `data: [DONE]` on, held for `finish`.
