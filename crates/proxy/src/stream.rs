@@ -466,8 +466,7 @@ impl<'a> StreamMerger<'a> {
             self.emit(merged.slice(copied..at), out);
             copied = at;
             let part = Part::recoded(rows, &[self.prefill.body()]);
-            // Placed after any bytes still waiting; what follows waits behind it.
-            self.pending.push_back(part);
+            self.emit_part(part, out);
         }
         self.emit(merged.slice(copied..), out);
     }
