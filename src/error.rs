@@ -44,6 +44,15 @@ pub enum ErrorKind {
         /// The position its rows start at.
         start: u64,
     },
+    /// A router's row of routing that replay cannot take (an id out of range or repeated, a
+    /// corrupt negative id, ids all zero where routing was expected): `router` indexes the
+    /// routers the call was given, `row` the batch's rows (format.md §6.2).
+    Row {
+        /// The router, as the caller listed them.
+        router: usize,
+        /// The row of the batch.
+        row: usize,
+    },
     /// Malformed input of another kind (a format that cannot be placed, a size past a limit,
     /// weights where ids belong, ...): the message says which.
     Malformed,
@@ -79,6 +88,7 @@ impl ErrorKind {
             ErrorKind::Field { .. }
                 | ErrorKind::Json { .. }
                 | ErrorKind::Counts { .. }
+                | ErrorKind::Row { .. }
                 | ErrorKind::Malformed
         )
     }

@@ -4,6 +4,8 @@ sees them, ids checked and completed. The frameworks themselves are tested in te
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -55,6 +57,16 @@ def test_a_payload_that_does_not_fit_the_model_is_refused_naming_the_layer() -> 
         check_layers(dense, pattern, None)
     # ...unless that row holds no routing (a padding row the mask leaves out).
     check_layers(dense, pattern, np.array([True, True, True, False]))
+    # ...or it is -1 there: no routing, the same on a dense layer as on any other (issue 54,
+    # item 4: -1 was counted as routing on a dense layer, and the payload refused).
+    missing = rows.copy()
+    missing[3] = -1
+    check_layers(missing, pattern, None)
+    missing[:, 2] = -1  # a MoE layer without a single row of routing is not "all zero"
+    check_layers(missing, pattern, None)
+    missing[0, 2] = 0
+    with pytest.raises(rx.PayloadError, match="payload layer 2: .* rows there are all zero"):
+        check_layers(missing, pattern, None)
     empty = rows.copy()
     empty[:, 2] = 0
     with pytest.raises(rx.PayloadError, match="payload layer 2: .* rows there are all zero"):
@@ -94,8 +106,8 @@ def test_rows_without_routing_get_distinct_ids_spread_over_the_experts(
 
 
 def test_recorded_ids_out_of_range_or_repeated_are_refused() -> None:
-    with pytest.raises(rx.PayloadError, match="router 3, row 1: expert ids must be below "
-                       "num_experts 8, got \\[9, 1\\]"):
+    with pytest.raises(rx.PayloadError, match="router 3, row 1: expert ids must be in "
+                       "\\[0, 8\\), got \\[9, 1\\]"):
         fill_ids(np.array([[0, 1], [9, 1]]), None, 8, "router 3")
     with pytest.raises(rx.PayloadError, match="row 0: a row's expert ids must be distinct"):
         fill_ids(np.array([[4, 4]]), None, 8, "router 3")
@@ -103,6 +115,74 @@ def test_recorded_ids_out_of_range_or_repeated_are_refused() -> None:
         fill_ids(np.zeros((1, 3), dtype=np.int64), None, 2, "router 3")
     out, _ = fill_ids(np.array([[1, 0]]), None, 8, "r", np.int32)
     assert out.dtype == np.int32
+
+
+def test_only_a_false_mask_or_minus_one_throughout_means_no_routing() -> None:
+    # Issue 54, item 3: -5 was read as "no routing" and the row filled with spread ids.
+    with pytest.raises(rx.PayloadError, match="^r, row 0: expert ids must be in \\[0, 8\\), got "
+                       "\\[3, -5\\]$"):
+        fill_ids(np.array([[3, -5], [4, -1]]), None, 8, "r")
+    with pytest.raises(rx.PayloadError, match="^r, row 1: -1 \\(no routing\\) beside real ids"):
+        fill_ids(np.array([[3, 5], [4, -1]]), None, 8, "r")
+    out, replayed = fill_ids(np.array([[3, 5], [-1, -1]], dtype=np.int8), None, 8, "r")
+    assert replayed.tolist() == [True, False] and out.tolist() == [[3, 5], [2, 3]]
+
+
+def test_a_row_of_zeros_is_named_as_no_routing_by_sample_and_position() -> None:
+    # Issue 54, item 6: vLLM's P + G - 1 rows packed to P + G without a mask end in a row of
+    # zeros, which was refused as "expert ids must be distinct, got [0, 0]" at a flat row.
+    rows = np.array([[1, 2], [3, 4], [0, 0]], dtype=np.uint8)[:, None, :]
+    origin = np.array([[0, 5], [1, 0], [1, 1]])
+    with pytest.raises(rx.PayloadError, match="^r, sample 1, position 1: no routing \\(ids all "
+                       "zero.*mask=True.*got \\[0, 0\\]$"):
+        rx.replay.replay_ids(rows, [0], None, 8, ["r"], origin=origin)
+
+
+@st.composite
+def hostile_rows(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray | None, int]:
+    experts = draw(st.integers(1, 12))
+    top_k = draw(st.integers(1, min(experts, 4)))
+    tokens = draw(st.integers(0, 12))
+    dtype = draw(st.sampled_from([np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16]))
+    low = -3 if np.dtype(dtype).kind == "i" else 0
+    cells = st.integers(low, experts + 1)
+    ids = np.array(draw(st.lists(cells, min_size=tokens * top_k, max_size=tokens * top_k)),
+                   dtype=np.int64).reshape(tokens, top_k)
+    for r in draw(st.lists(st.integers(0, max(tokens - 1, 0)), max_size=3)):
+        if tokens and low < 0:
+            ids[r] = -1
+    valid = draw(st.none() | st.lists(st.booleans(), min_size=tokens, max_size=tokens))
+    return ids.astype(dtype), None if valid is None else np.array(valid, bool), experts
+
+
+def expected_fill(ids: np.ndarray, valid: np.ndarray | None, experts: int) -> Any:
+    """format.md §6.2 and §7 read row by row, in plain Python: the reference the Rust pass is held
+    to (the first bad row's index, or the ids and the rows replayed)."""
+    out, replayed = [], []
+    top_k = ids.shape[1]
+    for r, row in enumerate(ids.tolist()):
+        routed = (valid is None or bool(valid[r])) and row != [-1] * top_k
+        if routed and (any(v < 0 or v >= experts for v in row) or len(set(row)) < top_k):
+            return r
+        out.append(row if routed else [(r * top_k + j) % experts for j in range(top_k)])
+        replayed.append(routed)
+    return out, replayed
+
+
+@settings(deadline=None)
+@given(case=hostile_rows())
+def test_every_row_is_replayed_filled_or_refused_as_the_contract_says(
+    case: tuple[np.ndarray, np.ndarray | None, int],
+) -> None:
+    ids, valid, experts = case
+    want = expected_fill(ids, valid, experts)
+    if isinstance(want, int):
+        with pytest.raises(rx.PayloadError, match=f"^r, row {want}: "):
+            fill_ids(ids, valid, experts, "r")
+        return
+    out, replayed = fill_ids(ids, valid, experts, "r")
+    assert out.reshape(-1, ids.shape[1]).tolist() == want[0] or ids.shape[0] == 0
+    assert replayed.tolist() == want[1]
 
 
 @settings(deadline=None)

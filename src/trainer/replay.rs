@@ -3,7 +3,7 @@
 //! `[0, num_experts)`, no id twice in a row) and written in the trainer's index dtype, with
 //! rows that hold no routing given ids spread over the experts. One pass over the rows read.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 
 /// The shape of a batch of routing rows: `tokens x layers x top_k`, row-major.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,25 +38,25 @@ impl IndexId for i32 {
     const MAX: u64 = i32::MAX as u64;
 }
 
-/// An integer id as it sits in a batch: negative means "no routing" (the `-1` of a row an
-/// engine marks missing).
+/// An integer id as it sits in a batch. Only `-1` has a meaning below zero (no routing, when a
+/// router's ids are `-1` throughout: format.md §7); any other negative id is corrupt.
 pub trait BatchId: Copy + Sync {
-    /// The id, or `None` when it is negative.
-    fn id(self) -> Option<u64>;
+    /// The id, or `Err` with the negative value it holds.
+    fn id(self) -> std::result::Result<u64, i64>;
 }
 
 macro_rules! batch_id {
     (unsigned: $($t:ty),*) => {$(
         impl BatchId for $t {
-            fn id(self) -> Option<u64> {
-                Some(self as u64)
+            fn id(self) -> std::result::Result<u64, i64> {
+                Ok(self as u64)
             }
         }
     )*};
     (signed: $($t:ty),*) => {$(
         impl BatchId for $t {
-            fn id(self) -> Option<u64> {
-                u64::try_from(self).ok()
+            fn id(self) -> std::result::Result<u64, i64> {
+                u64::try_from(self).map_err(|_| self as i64)
             }
         }
     )*};
@@ -64,15 +64,44 @@ macro_rules! batch_id {
 batch_id!(unsigned: u8, u16, u32, u64);
 batch_id!(signed: i8, i16, i32, i64);
 
+/// How errors name a batch's rows: by their index (`row 7`), or by the sample and position each
+/// came from (`sample 1, position 12`: the place a user knows, where a packed or sharded batch's
+/// index is not).
+#[derive(Clone, Copy, Debug, Default)]
+pub enum RowNames<'a> {
+    /// `row {index}`.
+    #[default]
+    Index,
+    /// Two values a row, its sample then its position (`2 x tokens` in all); a negative sample
+    /// names the row by its index alone.
+    Origin(&'a [i64]),
+}
+
+impl RowNames<'_> {
+    fn name(&self, row: usize) -> String {
+        match self {
+            RowNames::Origin(pairs) if pairs[2 * row] >= 0 => {
+                format!("sample {}, position {}", pairs[2 * row], pairs[2 * row + 1])
+            }
+            _ => format!("row {row}"),
+        }
+    }
+}
+
 /// Each router's ids of every row of `batch`: router `i` reads layer `layers[i]` and writes
 /// its `tokens x top_k` ids into `out[i]` (`out` holds the routers one after the other) and
 /// whether each row was replayed into `replayed[i]` (`tokens` each). The batch is read once,
-/// row by row (each router reading its own layer would read every row once per router). A row
-/// is replayed when `valid` (if given) says so and none of its ids is negative; its ids must be
-/// below `num_experts` and distinct, else a `Payload` error naming `places[i]`, the row and its
-/// ids. A row not replayed takes experts `(r x top_k + j) % num_experts` for `j < top_k`
-/// (distinct when `top_k <= num_experts`, spread over the experts: never the repeated expert 0
-/// of zero padding).
+/// row by row (each router reading its own layer would read every row once per router).
+///
+/// A router's row is replayed when `valid` (if given) says so and its ids are not `-1`
+/// throughout (no routing: format.md §7). Its ids must be in `[0, num_experts)` and distinct,
+/// else an [`ErrorKind::Row`] error naming `places[i]` and the row (as `names` says), with its
+/// ids: a `-1` beside real ids and any other negative id are corrupt, never read as "no
+/// routing", and ids all zero get a message of their own (zero padding, or a token the engine
+/// routed none for: its mask is missing). A row not replayed takes experts
+/// `(r x top_k + j) % num_experts` for `j < top_k` (distinct when `top_k <= num_experts`,
+/// spread over the experts: never the repeated expert 0 of zero padding). The first bad row
+/// (rows in order, then routers) is the one reported, however the work is split.
 #[allow(clippy::too_many_arguments)]
 pub fn router_ids<T: BatchId, O: IndexId>(
     batch: &[T],
@@ -81,6 +110,7 @@ pub fn router_ids<T: BatchId, O: IndexId>(
     valid: Option<&[bool]>,
     num_experts: u64,
     places: &[String],
+    names: RowNames<'_>,
     out: &mut [O],
     replayed: &mut [bool],
 ) -> Result<()> {
@@ -112,6 +142,15 @@ pub fn router_ids<T: BatchId, O: IndexId>(
     }
     if let Some(&layer) = layers.iter().find(|&&l| l >= width) {
         return Err(Error::field("layers", format!("each below {width}"), layer));
+    }
+    if let RowNames::Origin(pairs) = names {
+        if Some(pairs.len()) != tokens.checked_mul(2) {
+            return Err(Error::field(
+                "origin",
+                format!("{tokens} x 2 values (sample and position of each row)"),
+                pairs.len(),
+            ));
+        }
     }
     if valid.is_some_and(|v| v.len() != tokens) {
         return Err(Error::field(
@@ -160,6 +199,7 @@ pub fn router_ids<T: BatchId, O: IndexId>(
         valid,
         num_experts,
         places,
+        names,
     };
     // Parts come back in row order: the first error is the first bad row, as on one thread.
     crate::kernels::parallel::each(parts, |part| check.fill(batch, part))
@@ -181,6 +221,7 @@ struct Check<'a> {
     valid: Option<&'a [bool]>,
     num_experts: u64,
     places: &'a [String],
+    names: RowNames<'a>,
 }
 
 impl Check<'_> {
@@ -191,36 +232,20 @@ impl Check<'_> {
             ..
         } = self.rows;
         let num_experts = self.num_experts;
-        let mut ids = vec![0u64; top_k];
         for (k, r) in part.rows.clone().enumerate() {
             let row = &batch[r * width * top_k..][..width * top_k];
             let row_valid = self.valid.is_none_or(|v| v[r]);
             for (i, &layer) in self.layers.iter().enumerate() {
                 let dst = &mut part.out[i][k * top_k..][..top_k];
-                let mut routed = row_valid;
-                for (slot, &v) in ids.iter_mut().zip(&row[layer * top_k..][..top_k]) {
-                    match v.id() {
-                        Some(id) => *slot = id,
-                        None => routed = false,
-                    }
-                }
+                let src = &row[layer * top_k..][..top_k];
+                let routed = row_valid && !src.iter().all(|&v| v.id() == Err(-1));
                 part.replayed[i][k] = routed;
                 if routed {
-                    for (j, &id) in ids.iter().enumerate() {
-                        if id >= num_experts {
-                            let what =
-                                format!("expert ids must be below num_experts {num_experts}");
-                            return Err(row_error(&self.places[i], r, &ids, what));
-                        }
-                        // top_k is small (8 for the models that matter): pairs beat a set.
-                        if ids[..j].contains(&id) {
-                            let what = "a row's expert ids must be distinct (a top-k router \
-                                        never picks one twice)";
-                            return Err(row_error(&self.places[i], r, &ids, what.into()));
-                        }
+                    if let Some(what) = self.bad_ids(src) {
+                        return Err(self.row_error(i, r, src, what));
                     }
-                    for (d, &id) in dst.iter_mut().zip(&ids) {
-                        *d = O::from_id(id);
+                    for (d, &v) in dst.iter_mut().zip(src) {
+                        *d = O::from_id(v.id().unwrap_or_default()); // checked just above
                     }
                 } else {
                     // r * top_k + j passes u64 only for rows no batch has; wrapping keeps it
@@ -234,10 +259,54 @@ impl Check<'_> {
         }
         Ok(())
     }
-}
 
-fn row_error(place: &str, row: usize, ids: &[u64], what: String) -> Error {
-    Error::payload(format!("{place}, row {row}: {what}, got {ids:?}"))
+    /// What is wrong with a replayed row's ids, if anything.
+    fn bad_ids<T: BatchId>(&self, src: &[T]) -> Option<String> {
+        let num_experts = self.num_experts;
+        for (j, &v) in src.iter().enumerate() {
+            match v.id() {
+                Err(-1) => {
+                    return Some(
+                        "-1 (no routing) beside real ids (a row without routing is -1 \
+                         throughout)"
+                            .into(),
+                    )
+                }
+                Err(_) => return Some(format!("expert ids must be in [0, {num_experts})")),
+                Ok(id) if id >= num_experts => {
+                    return Some(format!("expert ids must be in [0, {num_experts})"))
+                }
+                // top_k is small (8 for the models that matter): pairs beat a set.
+                Ok(id) if src[..j].iter().any(|&u| u.id() == Ok(id)) => {
+                    return Some(if src.iter().all(|&u| u.id() == Ok(0)) {
+                        "no routing (ids all zero: zero padding, or a token the engine routed \
+                         none for, as the last sampled token of vLLM's P + G - 1 rows): pass \
+                         the mask of rx.pack(..., mask=True) or pack with num_tokens"
+                            .into()
+                    } else {
+                        "a row's expert ids must be distinct (a top-k router never picks one \
+                         twice)"
+                            .into()
+                    });
+                }
+                Ok(_) => {}
+            }
+        }
+        None
+    }
+
+    fn row_error<T: BatchId>(&self, router: usize, row: usize, src: &[T], what: String) -> Error {
+        let ids: Vec<i128> = src
+            .iter()
+            .map(|&v| v.id().map_or_else(i128::from, i128::from))
+            .collect();
+        let place = &self.places[router];
+        let at = self.names.name(row);
+        Error::new(
+            ErrorKind::Row { router, row },
+            format!("{place}, {at}: {what}, got {ids:?}"),
+        )
+    }
 }
 
 #[cfg(test)]
@@ -269,6 +338,7 @@ mod tests {
             Some(&valid),
             8,
             &places,
+            RowNames::Index,
             &mut out,
             &mut replayed,
         )
@@ -288,6 +358,7 @@ mod tests {
             None,
             8,
             &places,
+            RowNames::Index,
             &mut both,
             &mut flags,
         )
@@ -303,6 +374,7 @@ mod tests {
             None,
             8,
             &one("r"),
+            RowNames::Index,
             &mut narrow,
             &mut replayed,
         )
@@ -321,12 +393,13 @@ mod tests {
             None,
             8,
             &one("router 4"),
+            RowNames::Index,
             &mut out,
             &mut replayed,
         );
         assert_eq!(
             e.unwrap_err().to_string(),
-            "router 4, row 2: expert ids must be below num_experts 8, got [9, 1]"
+            "router 4, row 2: expert ids must be in [0, 8), got [9, 1]"
         );
         let twice: [u16; 12] = [3, 3, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1];
         let e = router_ids(
@@ -336,6 +409,7 @@ mod tests {
             None,
             8,
             &one("r"),
+            RowNames::Index,
             &mut out,
             &mut replayed,
         );
@@ -352,6 +426,7 @@ mod tests {
             None,
             8,
             &one("r"),
+            RowNames::Index,
             &mut out,
             &mut replayed
         )
@@ -363,6 +438,7 @@ mod tests {
             None,
             8,
             &one("r"),
+            RowNames::Index,
             &mut out,
             &mut replayed
         )
@@ -374,6 +450,7 @@ mod tests {
             None,
             1,
             &one("r"),
+            RowNames::Index,
             &mut out,
             &mut replayed
         )
@@ -386,9 +463,118 @@ mod tests {
             None,
             1 << 40,
             &one("r"),
+            RowNames::Index,
             &mut small,
             &mut replayed,
         );
         assert!(e.unwrap_err().to_string().contains("at most 2147483647"));
+    }
+
+    fn first_error<T: BatchId>(batch: &[T], valid: Option<&[bool]>, names: RowNames<'_>) -> Error {
+        let mut out = [0i64; 6];
+        let mut replayed = [false; 3];
+        router_ids(
+            batch,
+            ROWS,
+            &[1],
+            valid,
+            8,
+            &one("r"),
+            names,
+            &mut out,
+            &mut replayed,
+        )
+        .unwrap_err()
+    }
+
+    #[test]
+    fn only_minus_one_throughout_means_no_routing() {
+        // A negative id other than -1 is corrupt, never filler (issue 54, item 3).
+        let e = first_error(
+            &[0i8, 0, 3, -5, 0, 0, 4, -1, 0, 0, 1, 2],
+            None,
+            RowNames::Index,
+        );
+        assert_eq!(
+            e.to_string(),
+            "r, row 0: expert ids must be in [0, 8), got [3, -5]"
+        );
+        assert_eq!(e.kind(), &ErrorKind::Row { router: 0, row: 0 });
+        // -1 beside a real id, even where the rest is fine.
+        let e = first_error(
+            &[0i64, 0, 3, 4, 0, 0, 4, -1, 0, 0, 1, 2],
+            None,
+            RowNames::Index,
+        );
+        assert!(
+            e.to_string()
+                .starts_with("r, row 1: -1 (no routing) beside real ids"),
+            "{e}"
+        );
+        assert_eq!(e.kind(), &ErrorKind::Row { router: 0, row: 1 });
+        // A masked-off row is not read at all, whatever it holds.
+        let mut out = [0i64; 6];
+        let mut replayed = [false; 3];
+        let batch = [0i16, 0, 3, -5, 0, 0, -1, -1, 0, 0, 1, 2];
+        let valid = [false, true, true];
+        router_ids(
+            &batch,
+            ROWS,
+            &[1],
+            Some(&valid),
+            8,
+            &one("r"),
+            RowNames::Index,
+            &mut out,
+            &mut replayed,
+        )
+        .unwrap();
+        assert_eq!(replayed, [false, false, true]);
+        assert_eq!(out, [0, 1, 2, 3, 1, 2]);
+    }
+
+    #[test]
+    fn a_row_of_zeros_says_it_has_no_routing_and_names_the_sample() {
+        let origin = [0i64, 5, 1, 0, 1, 1];
+        let e = first_error(
+            &[0u8, 0, 3, 4, 0, 0, 0, 0, 0, 0, 1, 2],
+            None,
+            RowNames::Origin(&origin),
+        );
+        let text = e.to_string();
+        assert!(
+            text.starts_with("r, sample 1, position 0: no routing (ids all zero"),
+            "{text}"
+        );
+        assert!(text.contains("mask=True"), "{text}");
+        // A negative sample names the row by its index.
+        let origin = [-1i64, 0, -1, 1, -1, 2];
+        let e = first_error(
+            &[0u8, 0, 3, 3, 0, 0, 1, 0, 0, 0, 1, 2],
+            None,
+            RowNames::Origin(&origin),
+        );
+        assert!(e
+            .to_string()
+            .starts_with("r, row 0: a row's expert ids must be distinct"));
+        // The origin must name every row.
+        let mut out = [0i64; 6];
+        let mut replayed = [false; 3];
+        let e = router_ids(
+            &[0u8; 12],
+            ROWS,
+            &[1],
+            None,
+            8,
+            &one("r"),
+            RowNames::Origin(&[0, 1]),
+            &mut out,
+            &mut replayed,
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().starts_with("`origin`: expected 3 x 2 values"),
+            "{e}"
+        );
     }
 }

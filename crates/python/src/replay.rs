@@ -5,15 +5,18 @@ use numpy::{PyArray2, PyArray3, PyArrayDyn, PyArrayMethods, PyUntypedArrayMethod
 use pyo3::prelude::*;
 
 use crate::errors::PyResult;
-use routed_experts::replay::{router_ids, BatchId, IndexId, Rows};
+use routed_experts::replay::{router_ids, BatchId, IndexId, RowNames, Rows};
 
 /// For router `i`, layer `layers[i]` of every row of `batch` (a C-contiguous `rows x layers x
 /// top_k` integer array), checked (ids in `[0, num_experts)`, none twice in a row, `places[i]`
 /// naming the router in errors) and written as `dtype` ("int64" or "int32") into a new
 /// `[routers, rows, top_k]` array, with a `[routers, rows]` bool array of the rows replayed.
-/// Rows `mask` drops or holding `-1` get ids spread over the experts. GIL released.
+/// Rows `mask` drops or holding `-1` throughout get ids spread over the experts. `origin`: a
+/// C-contiguous int64 `[rows, 2]` array, each row's sample and position, for errors to name it
+/// by. GIL released.
 #[pyfunction]
-#[pyo3(signature = (batch, layers, mask, num_experts, places, dtype))]
+#[pyo3(signature = (batch, layers, mask, num_experts, places, dtype, origin=None))]
+#[allow(clippy::too_many_arguments)]
 pub fn _replay_ids<'py>(
     py: Python<'py>,
     batch: &Bound<'py, PyAny>,
@@ -22,7 +25,24 @@ pub fn _replay_ids<'py>(
     num_experts: u64,
     places: Vec<String>,
     dtype: &str,
+    origin: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    let origin = match origin {
+        Some(o) => Some(
+            o.cast::<numpy::PyArray2<i64>>()
+                .map_err(|_| {
+                    routed_experts::Error::field("origin", "a 2-d int64 array", "another")
+                })?
+                .readonly(),
+        ),
+        None => None,
+    };
+    let names = match &origin {
+        Some(o) => RowNames::Origin(o.as_slice().map_err(|_| {
+            routed_experts::Error::field("origin", "a contiguous array", "a strided one")
+        })?),
+        None => RowNames::Index,
+    };
     if places.len() != layers.len() {
         return Err(routed_experts::Error::field(
             "places",
@@ -59,8 +79,8 @@ pub fn _replay_ids<'py>(
                 })?;
                 let rows = Rows { tokens, layers: width, top_k };
                 return match dtype {
-                    "int64" => fill::<$t, i64>(py, src, rows, &layers, valid, num_experts, &places),
-                    "int32" => fill::<$t, i32>(py, src, rows, &layers, valid, num_experts, &places),
+                    "int64" => fill::<$t, i64>(py, src, rows, &layers, valid, num_experts, &places, names),
+                    "int32" => fill::<$t, i32>(py, src, rows, &layers, valid, num_experts, &places, names),
                     other => Err(routed_experts::Error::field(
                         "dtype", "\"int64\" or \"int32\"", format!("{other:?}"),
                     ).into()),
@@ -76,6 +96,7 @@ pub fn _replay_ids<'py>(
     )
 }
 
+#[allow(clippy::too_many_arguments)]
 fn fill<'py, T: BatchId + numpy::Element, O: IndexId + numpy::Element>(
     py: Python<'py>,
     src: &[T],
@@ -84,6 +105,7 @@ fn fill<'py, T: BatchId + numpy::Element, O: IndexId + numpy::Element>(
     valid: Option<&[bool]>,
     num_experts: u64,
     places: &[String],
+    names: RowNames<'_>,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
     // The ids are left uninitialised: zeroing would be one more pass over every byte.
     // SAFETY: `router_ids` writes every id of every router's part (a replayed row its ids, any
@@ -97,6 +119,18 @@ fn fill<'py, T: BatchId + numpy::Element, O: IndexId + numpy::Element>(
         replayed
             .map_err(|_| routed_experts::Error::payload("a new numpy array is not contiguous"))?,
     );
-    py.detach(|| router_ids(src, rows, layers, valid, num_experts, places, out, replayed))?;
+    py.detach(|| {
+        router_ids(
+            src,
+            rows,
+            layers,
+            valid,
+            num_experts,
+            places,
+            names,
+            out,
+            replayed,
+        )
+    })?;
     Ok((ids.into_any(), flags.into_any()))
 }

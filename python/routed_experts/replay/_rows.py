@@ -46,23 +46,37 @@ def payload_layer(layer: int, payload_layers: int, pattern: Sequence[bool]) -> i
     )
 
 
+def layer_marks(rows: np.ndarray, valid: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Per payload layer of `rows` (`[tokens, layers, top_k]`), over the rows `valid` keeps:
+    whether any row carries routing there (an id other than 0 and -1), and whether any row is
+    there at all (an id other than -1: -1 throughout is a row without routing, format.md §7)."""
+    seen = rows if valid is None else rows[valid]
+    if seen.dtype.kind == "u":  # no -1 in an unsigned dtype (255 is an expert in uint8)
+        return (seen != 0).any(axis=(0, 2)), np.full(rows.shape[1], seen.shape[0] > 0)
+    return ((seen != 0) & (seen != -1)).any(axis=(0, 2)), (seen != -1).any(axis=(0, 2))
+
+
 def check_layers(rows: np.ndarray, pattern: Sequence[bool], valid: np.ndarray | None) -> None:
     """Refuse a payload of every hidden layer whose dense layers carry routing, or whose MoE
     layers have none (all zero: an all-zero row has top_k copies of expert 0, which no top-k
-    router picks when top_k >= 2). `rows`: [tokens, layers, top_k]."""
+    router picks when top_k >= 2). `rows`: [tokens, layers, top_k]; -1 is no routing anywhere."""
     if rows.shape[1] != len(pattern):
         return  # MoE layers only: no dense layer to look at
-    seen = rows if valid is None else rows[valid]
-    if seen.shape[0] == 0:
-        return
-    nonzero = (seen != 0).any(axis=(0, 2))
+    carries, present = layer_marks(rows, valid)
+    refuse_layers(carries, present, pattern, rows.shape[2])
+
+
+def refuse_layers(
+    carries: Sequence[bool], present: Sequence[bool], pattern: Sequence[bool], top_k: int
+) -> None:
+    """`check_layers`' verdict from `layer_marks` (which a device computes where the rows are)."""
     for layer, is_moe in enumerate(pattern):
-        if not is_moe and nonzero[layer]:
+        if not is_moe and carries[layer]:
             raise PayloadError(
                 f"payload layer {layer}: the model's decoder layer {layer} is dense, but the "
                 "payload carries routing there (is the payload from another model?)"
             )
-        if is_moe and not nonzero[layer] and rows.shape[2] >= 2:
+        if is_moe and present[layer] and not carries[layer] and top_k >= 2:
             raise PayloadError(
                 f"payload layer {layer}: the model's decoder layer {layer} has a router, but "
                 "the payload's rows there are all zero (a layer the engine did not record, "
@@ -77,21 +91,25 @@ def replay_ids(
     num_experts: int,
     places: Sequence[str],
     dtype: Any = np.int64,
+    origin: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Each router's `[tokens, top_k]` replay ids in an index dtype (int64 or int32), stacked
     `[routers, tokens, top_k]` (each router's part contiguous: torch takes it without a copy),
     and `[routers, tokens]`: which rows were replayed. Router i reads layer `layers[i]` of
-    `rows` (`[tokens, layers, top_k]`). Rows without routing (not `valid`, or holding -1) get ids
-    spread over the experts: row r takes experts (r * top_k + j) % num_experts, distinct within
-    the row when top_k <= num_experts (never the duplicates zero padding makes). Recorded rows
-    must hold distinct ids in [0, num_experts); `places[i]` names router i in errors. One pass
-    in Rust, the GIL released."""
+    `rows` (`[tokens, layers, top_k]`). Rows without routing (not `valid`, or -1 throughout) get
+    ids spread over the experts: row r takes experts (r * top_k + j) % num_experts, distinct
+    within the row when top_k <= num_experts (never the duplicates zero padding makes). Recorded
+    rows must hold distinct ids in [0, num_experts) (any other negative id, or -1 beside real
+    ids, is corrupt); `places[i]` names router i in errors, `origin` (`[tokens, 2]`: sample and
+    position; a negative sample names the row by its index) the row. One pass in Rust, the GIL
+    released."""
     batch = np.ascontiguousarray(rows)
     if batch.dtype.kind not in "iu":
         raise PayloadError(f"`rows`: expected an integer array, got dtype {batch.dtype}")
     mask = None if valid is None else np.ascontiguousarray(valid, dtype=bool)
     name = np.dtype(dtype).name
-    return _replay_ids(batch, list(layers), mask, num_experts, list(places), name)
+    names = None if origin is None else np.ascontiguousarray(origin, dtype=np.int64)
+    return _replay_ids(batch, list(layers), mask, num_experts, list(places), name, names)
 
 
 def fill_ids(
