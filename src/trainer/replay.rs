@@ -73,7 +73,8 @@ pub enum RowNames<'a> {
     #[default]
     Index,
     /// Two values a row, its sample then its position (`2 x tokens` in all); a negative sample
-    /// names the row by its index alone.
+    /// names the row `row {position}` (a row whose sample is not known, or one row checked
+    /// apart from its batch).
     Origin(&'a [i64]),
 }
 
@@ -83,7 +84,8 @@ impl RowNames<'_> {
             RowNames::Origin(pairs) if pairs[2 * row] >= 0 => {
                 format!("sample {}, position {}", pairs[2 * row], pairs[2 * row + 1])
             }
-            _ => format!("row {row}"),
+            RowNames::Origin(pairs) => format!("row {}", pairs[2 * row + 1]),
+            RowNames::Index => format!("row {row}"),
         }
     }
 }

@@ -92,7 +92,7 @@ def test_recorded_routing_carried_through_the_library_replays_bit_for_bit(model:
         for n, want in ids.items():
             expect = torch.zeros(SEQ * BATCH, EXPERTS, dtype=torch.bool).scatter(1, want, True)
             assert torch.equal(maps[n], expect), n
-            assert replay.replayed[n].all()
+            assert replay.replayed[n - 1].all()  # 0-based decoder layers, as the payload's
     # Cleared on exit: the next forward routes natively.
     for router, _, _ in rx.replay.megatron_routers(model):
         assert router.router_replay.router_replay_action is None
@@ -157,7 +157,7 @@ def test_rows_without_routing_are_filled_and_masked(model: Any) -> None:
         with torch.no_grad():
             forward(model)
         for n in ids:
-            got = replay.replayed[n].reshape(SEQ, BATCH)
+            got = replay.replayed[n - 1].reshape(SEQ, BATCH)
             assert got[:-1].all() and not got[-1].any()
 
 
@@ -168,11 +168,13 @@ def test_what_does_not_fit_is_refused(model: Any) -> None:
         rx.replay.megatron(model, routing[:, :, :2], layout="bshd")
     bad = routing.copy()
     bad[0, 3, 2] = [EXPERTS + 1, 0]  # past the model's experts
-    with pytest.raises(rx.PayloadError, match="expert ids must be below num_experts 8"):
+    with pytest.raises(rx.PayloadError, match="^router of decoder layer 2, sample 0, position 3: "
+                       "expert ids must be in \\[0, 8\\), got \\[9, 0\\]$"):
         rx.replay.megatron(model, bad, layout="bshd")
     bad = routing.copy()
     bad[1, 0, 1] = [3, 3]
-    with pytest.raises(rx.PayloadError, match="a row's expert ids must be distinct"):
+    with pytest.raises(rx.PayloadError, match="^router of decoder layer 1, sample 1, position 0: "
+                       "a row's expert ids must be distinct"):
         rx.replay.megatron(model, bad, layout="bshd")
     bad = routing.copy()
     bad[:, :, 0] = [1, 2]  # the dense layer carrying routing
@@ -181,8 +183,8 @@ def test_what_does_not_fit_is_refused(model: Any) -> None:
     # A replay whose length is not the router's token count (Megatron itself would leave the
     # other tokens unrouted): refused when the router runs.
     with rx.replay.megatron(model, routing[:1], layout="bshd"):
-        with pytest.raises(rx.ConfigError, match="routes 32 tokens on this rank, but the "
-                           "replay holds 16 rows"), torch.no_grad():
+        with pytest.raises(rx.ConfigError, match="^router of decoder layer 1: it routes 32 tokens "
+                           "on this rank, but the replay holds 16 rows"), torch.no_grad():
             forward(model)
     config = rx.replay.megatron_routers(model)[0][0].config
     config.moe_router_fusion = True
@@ -223,3 +225,115 @@ def test_activation_recompute_replays_the_same_ids_inside_backward(
 
     plain, recomputed = step(False), step(True)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, recomputed))
+
+
+@pytest.mark.parametrize("kind", ["sinkhorn", "quantile_balancing"])
+def test_a_routing_type_that_never_consults_replay_is_refused(model: Any, kind: str) -> None:
+    # Issue 54, item 1: these paths choose experts themselves; replay was accepted and ignored.
+    routing = bshd(as_payloads(record(model)[0], BATCH))
+    config = rx.replay.megatron_routers(model)[0][0].config
+    saved = config.moe_router_load_balancing_type
+    config.moe_router_load_balancing_type = kind
+    try:
+        with pytest.raises(rx.ConfigError, match=f"moe_router_load_balancing_type='{kind}'.*"
+                           "never consults RouterReplay"):
+            rx.replay.megatron(model, routing, layout="bshd")
+    finally:
+        config.moe_router_load_balancing_type = saved
+
+
+def test_a_packed_payload_meeting_a_batch_forward_is_refused(model: Any) -> None:
+    # Issue 54, item 2: two packed samples replayed (layout "thd", the default) into a [B=2, S]
+    # forward: as many rows as tokens, so nothing objected, and every token took another's ids.
+    ids, _ = record(model)
+    packed, cu = rx.pack(as_payloads(ids, BATCH), dtype="int32")
+    with rx.replay.megatron(model, packed, cu):
+        with pytest.raises(rx.ConfigError, match="layout=\"thd\" replays a packed batch .* "
+                           "\\[S=16, B=2, H\\]"), torch.no_grad():
+            forward(model)
+
+
+def test_a_packed_payloads_bad_row_is_named_by_sample_and_position(model: Any) -> None:
+    ids, _ = record(model)
+    payloads = as_payloads(ids, BATCH)
+    packed, cu = rx.pack(payloads, dtype="int32")
+    packed[SEQ + 5, 3] = [7, 7]  # sample 1, position 5, decoder layer 3
+    with pytest.raises(rx.PayloadError, match="^router of decoder layer 3, sample 1, position 5: "
+                       "a row's expert ids must be distinct"):
+        rx.replay.megatron(model, packed, cu)
+
+
+def own_picks(model: Any) -> tuple[dict[int, list[Any]], list[Any]]:
+    """Each router's own top-k in the next forwards, from its input and weight, computed here
+    (this config: top-k of the logits, softmax after): the independent count's side."""
+    picks: dict[int, list[Any]] = {}
+    hooks = []
+    for router, n, _ in rx.replay.megatron_routers(model):
+        def keep(m: Any, a: Any, n: int = n) -> None:
+            h = a[0].detach().reshape(-1, a[0].shape[-1])
+            logits = torch.nn.functional.linear(h, m.weight.detach())
+            picks.setdefault(n - 1, []).append(logits.topk(TOP_K, dim=-1).indices)
+        hooks.append(router.register_forward_pre_hook(keep))
+    return picks, hooks
+
+
+def test_the_flip_rate_counts_each_routers_own_pick_against_the_replayed_ids(model: Any) -> None:
+    ids, _ = record(model)
+    forced = forced_ids(ids)
+    # Every third row forced onto experts the router did not pick, the rest its own.
+    mixed = {n: torch.where((torch.arange(t.shape[0]) % 3 == 0)[:, None], forced[n], t)
+             for n, t in ids.items()}  # fmt: skip
+    mask = np.ones((BATCH, SEQ), dtype=bool)
+    mask[1, -2:] = False
+    picks, hooks = own_picks(model)
+    with rx.replay.megatron(model, bshd(as_payloads(mixed, BATCH)), None, mask,
+                            layout="bshd") as replay:  # fmt: skip
+        with torch.no_grad():
+            forward(model)
+            forward(model)
+        stats = replay.stats()
+    for h in hooks:
+        h.remove()
+    valid = torch.from_numpy(mask.T.reshape(-1))  # sequence-first, as the router's rows
+    flipped_total = replayed_total = 0
+    for n, t in mixed.items():
+        want = sum(int(((p.sort(-1).values != t.sort(-1).values).any(-1) & valid).sum())
+                   for p in picks[n - 1])  # fmt: skip
+        got = stats.layers[n - 1]
+        assert (got.flipped, got.replayed, got.filled, got.rows) == (want, 2 * 30, 2 * 2, 2 * 32)
+        assert got.flip_rate == want / 60
+        flipped_total, replayed_total = flipped_total + want, replayed_total + 60
+    assert stats.forwards == 2 and stats.flipped == flipped_total > 0
+    assert stats.flip_rate == flipped_total / replayed_total
+    assert stats.as_dict()["replay/flip_rate/layer_1"] == stats.layers[1].flip_rate
+    replay.reset_stats()
+    assert replay.stats().flipped == 0 and replay.stats().forwards == 0
+    # The model's own routing replayed: no router flips.
+    with rx.replay.megatron(model, bshd(as_payloads(ids, BATCH)), layout="bshd") as replay:
+        with torch.no_grad():
+            forward(model)
+        assert replay.stats().flipped == 0 and replay.stats().replayed == 3 * 32
+
+
+def test_the_device_path_makes_the_same_ids_on_cpu_tensors(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The path a GPU takes (rows copied narrow, checked and widened by torch), forced here.
+    from routed_experts.replay import _device
+
+    ids, recorded_loss = record(model)
+    routing = bshd(as_payloads(ids, BATCH)).astype(np.uint8)
+    host = rx.replay.megatron(model, routing, layout="bshd")
+    monkeypatch.setattr(_device, "wanted", lambda device, rows: _device.supported(rows))
+    with rx.replay.megatron(model, routing, layout="bshd", dtype=torch.int32) as replay:
+        with torch.no_grad():
+            loss = forward(model)
+    assert torch.equal(loss, recorded_loss)
+    for (_, a, _, la), (_, b, _, lb) in zip(host._targets, replay._targets):
+        assert la == lb and torch.equal(a.to(torch.int32), b) and b.dtype == torch.int32
+    bad = routing.copy()
+    bad[0, 3, 2] = [EXPERTS + 1, 0]
+    with pytest.raises(rx.PayloadError, match="^router of decoder layer 2, sample 0, position 3: "
+                       "expert ids must be in \\[0, 8\\), got \\[9, 0\\]$"):
+        rx.replay.megatron(model, bad, layout="bshd")
+

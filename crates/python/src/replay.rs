@@ -13,7 +13,7 @@ use routed_experts::replay::{router_ids, BatchId, IndexId, RowNames, Rows};
 /// `[routers, rows, top_k]` array, with a `[routers, rows]` bool array of the rows replayed.
 /// Rows `mask` drops or holding `-1` throughout get ids spread over the experts. `origin`: a
 /// C-contiguous int64 `[rows, 2]` array, each row's sample and position, for errors to name it
-/// by. GIL released.
+/// by (a negative sample: `row {position}`). GIL released.
 #[pyfunction]
 #[pyo3(signature = (batch, layers, mask, num_experts, places, dtype, origin=None))]
 #[allow(clippy::too_many_arguments)]

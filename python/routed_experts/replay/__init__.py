@@ -7,8 +7,14 @@ this rank's routers, forward and backward, cleared.
 
 Both map payload layers to the model's routers by walking the model, refuse a payload that
 does not fit it (layer counts, a dense layer carrying routing, a MoE layer all zero, ids out of
-range or repeated in a row), and give rows without routing ids spread over the experts, with a
-mask (`.replayed`) of the rows that were replayed.
+range, negative or repeated in a row) or a model whose routing would ignore replay, and give
+rows without routing ids spread over the experts, with a mask (`.replayed`, by 0-based decoder
+layer) of the rows that were replayed. The ids are made where the model is (`device=`: on a
+GPU, the decoded rows copied once and checked there). `stats()` counts, while the context is
+open, how often each router's own pick differs from the engine's (the router flip rate).
+
+The frameworks' modules are private (`_megatron`, `_hf`): `rx.replay.megatron` and
+`rx.replay.hf` are the functions.
 """
 
 from __future__ import annotations
@@ -21,14 +27,17 @@ from ._rows import (
     payload_layer,
     replay_ids,
 )
-from .hf import HfReplay, hf
-from .hf import gates as hf_gates
-from .megatron import MegatronReplay, local_rows, megatron
-from .megatron import routers as megatron_routers
+from ._hf import HfReplay, hf
+from ._hf import gates as hf_gates
+from ._megatron import MegatronReplay, local_rows, megatron
+from ._megatron import routers as megatron_routers
+from ._stats import LayerStats, ReplayStats
 
 __all__ = [
     "HfReplay",
+    "LayerStats",
     "MegatronReplay",
+    "ReplayStats",
     "check_layers",
     "cp_sp_positions",
     "fill_ids",

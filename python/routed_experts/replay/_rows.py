@@ -101,7 +101,7 @@ def replay_ids(
     within the row when top_k <= num_experts (never the duplicates zero padding makes). Recorded
     rows must hold distinct ids in [0, num_experts) (any other negative id, or -1 beside real
     ids, is corrupt); `places[i]` names router i in errors, `origin` (`[tokens, 2]`: sample and
-    position; a negative sample names the row by its index) the row. One pass in Rust, the GIL
+    position; a negative sample names it `row {position}`) the row. One pass in Rust, the GIL
     released."""
     batch = np.ascontiguousarray(rows)
     if batch.dtype.kind not in "iu":

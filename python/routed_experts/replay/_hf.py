@@ -1,0 +1,210 @@
+"""Router replay into a Hugging Face transformers (5.x) MoE model: each MoE block's gate is made
+to return the replayed expert ids, with weights recomputed by that model's own rule from its
+live logits at those ids, so gradients reach the gate (format.md §6.2).
+
+    with rx.replay.hf(model, routing):     # routing: [B, S, layers, top_k], as input_ids [B, S]
+        loss = model(input_ids, labels=labels).loss
+        loss.backward()
+
+The gate's forward is wrapped by a forward hook for as long as the context is open (activation
+recompute runs it again inside backward: keep backward inside the context). The auxiliary
+load-balancing loss transformers computes from the logits keeps the gate's own top-k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._core import ConfigError
+from . import _device
+from ._rows import check_layers, payload_layer, replay_ids
+from ._stats import Counter, ReplayStats
+
+
+def _softmax_rule(gate: Any, logits: Any, ids: Any) -> Any:
+    # Qwen3-MoE, OLMoE: softmax in float32, gathered, renormalised when norm_topk_prob, cast
+    # back to the logits' dtype.
+    import torch
+
+    weights = torch.softmax(logits, dtype=torch.float, dim=-1).gather(1, ids)
+    if gate.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype)
+
+
+def _mixtral_rule(gate: Any, logits: Any, ids: Any) -> Any:
+    # Mixtral: softmax in float32, gathered, always renormalised, left in float32.
+    import torch
+
+    weights = torch.softmax(logits.float(), dim=-1).gather(1, ids)
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
+def _deepseek_v3_rule(gate: Any, logits: Any, ids: Any) -> Any:
+    # DeepSeek-V3: the unbiased sigmoid scores gathered (the correction bias and group limit only
+    # choose), renormalised when norm_topk_prob, times routed_scaling_factor.
+    weights = logits.sigmoid().gather(1, ids)
+    if gate.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * gate.routed_scaling_factor
+
+
+# Each gate class transformers 5.x defines with a top-k router, and how it weighs its picks.
+WEIGHT_RULES: dict[str, Callable[[Any, Any, Any], Any]] = {
+    "Qwen3MoeTopKRouter": _softmax_rule,
+    "OlmoeTopKRouter": _softmax_rule,
+    "MixtralTopKRouter": _mixtral_rule,
+    "DeepseekV3TopkRouter": _deepseek_v3_rule,
+}
+
+
+# Where transformers 5.x keeps a decoder layer's MoE block, and the block its router.
+_BLOCKS = ("mlp", "block_sparse_moe")
+_ROUTERS = ("gate", "router")
+_FAMILIES = "Qwen3-MoE, OLMoE, Mixtral, DeepSeek-V3"
+
+
+def _model_type(model: Any) -> str:
+    return str(getattr(getattr(model, "config", None), "model_type", type(model).__name__))
+
+
+def gates(model: Any) -> list[Any]:
+    """The top-k router of each decoder layer (None for a dense layer), in layer order. A top-k
+    router of a family without a weight rule here (GPT-OSS, GraniteMoE, PhiMoE, ...) is a
+    `ConfigError` naming it: replaying it by another family's rule would be silently wrong."""
+    layers = getattr(getattr(model, "model", model), "layers", None)
+    if layers is None:
+        raise ConfigError("`model`: expected a transformers causal LM (model.model.layers)")
+    out = []
+    for i, layer in enumerate(layers):
+        found = None
+        for block in (getattr(layer, name, None) for name in _BLOCKS):
+            for router in (getattr(block, name, None) for name in _ROUTERS):
+                if router is not None and hasattr(router, "top_k"):
+                    found = found or router
+        if found is not None and type(found).__name__ not in WEIGHT_RULES:
+            raise ConfigError(
+                f"`model`: {_model_type(model)!r} is a mixture-of-experts model rx.replay.hf "
+                f"does not support: decoder layer {i}'s router {type(found).__name__} has no "
+                f"weight rule here (supported families: {_FAMILIES})"
+            )
+        out.append(found)
+    return out
+
+
+def _device_of(gate: Any) -> Any:
+    return next(gate.parameters()).device
+
+
+class HfReplay:
+    """Replay set on `model`'s gates while the context is open (see the module's doc).
+    `.replayed[layer]`: the rows replayed (0-based decoder layers); `stats()`: what replay
+    changed in the forwards run so far (`ReplayStats`: the router flip rate, per layer)."""
+
+    def __init__(
+        self, model: Any, routing: Any, mask: Any = None, *, device: Any = None,
+        pin_memory: bool = True,
+    ) -> None:  # fmt: skip
+        import torch
+
+        found = gates(model)
+        pattern = [g is not None for g in found]
+        if not any(pattern):
+            raise ConfigError(
+                f"`model`: {_model_type(model)!r} has no top-k router in any decoder layer "
+                f"(rx.replay.hf replays mixture-of-experts models: {_FAMILIES})"
+            )
+        batch = np.asarray(routing)
+        if batch.ndim != 4:
+            raise ConfigError(f"`routing`: expected [B, S, layers, top_k], got shape {batch.shape}")
+        b, s, layers, top_k = batch.shape
+        rows = batch.reshape(b * s, layers, top_k)  # transformers flattens batch-first
+        valid = None
+        if mask is not None:
+            m = np.asarray(mask, dtype=bool)
+            if m.shape != (b, s):
+                raise ConfigError(f"`mask`: expected shape {(b, s)}, got {m.shape}")
+            valid = m.reshape(-1)
+        routed = [(i, gate) for i, gate in enumerate(found) if gate is not None]
+        for i, gate in routed:
+            if top_k != gate.top_k:
+                raise ConfigError(
+                    f"gate of decoder layer {i}: top_k {gate.top_k}, but the payload has {top_k}"
+                )
+        experts = sorted({gate.num_experts for _, gate in routed})
+        if len(experts) != 1:
+            raise ConfigError(f"`model`: its gates have different expert counts {experts}")
+        # Errors name a row by its sample and position ([B, S] flattened batch-first).
+        origin = np.stack([np.repeat(np.arange(b), s), np.tile(np.arange(s), b)], axis=1)
+        target = torch.device(_device_of(routed[0][1]) if device is None else device)
+        places = [f"gate of decoder layer {i}" for i, _ in routed]
+        picked = [payload_layer(i, layers, pattern) for i, _ in routed]
+        if _device.wanted(target, rows):
+            ids, replayed = _device.ids_on(
+                rows, picked, valid, experts[0], places, device=target, pattern=pattern,
+                origin=origin, pin_memory=pin_memory,
+            )  # fmt: skip
+        else:
+            check_layers(rows, pattern, valid)
+            host_ids, host_replayed = replay_ids(rows, picked, valid, experts[0], places,
+                                                 origin=origin)  # fmt: skip
+            ids = torch.from_numpy(host_ids).to(target)
+            replayed = torch.from_numpy(host_replayed).to(target)
+        self.replayed: dict[int, Any] = {}
+        self._targets: list[tuple[Any, Any, Any, int]] = []
+        for k, (i, gate) in enumerate(routed):
+            self.replayed[i] = replayed[k]
+            # Moved once, here: the hook hands the gate what is already on its device.
+            self._targets.append((gate, ids[k], ids[k].sort(dim=-1).values, i))
+        self._counter = Counter(self.replayed)
+        self._hooks: list[Any] = []
+
+    def __enter__(self) -> HfReplay:
+        for gate, ids, ordered, i in self._targets:
+            self._hooks.append(gate.register_forward_hook(self._replay(ids, ordered, i)))
+        return self
+
+    def _replay(self, ids: Any, ordered: Any, layer: int) -> Any:
+        counter = self._counter
+
+        def hook(gate: Any, _args: Any, output: Any) -> Any:
+            logits, weights, picked = output
+            if logits.shape[0] != ids.shape[0]:
+                raise ConfigError(
+                    f"gate of decoder layer {layer}: it routes {logits.shape[0]} tokens, but the "
+                    f"replay holds {ids.shape[0]} rows ([B, S] of the routing must be the input's)"
+                )
+            forced = ids if ids.device == picked.device else ids.to(picked.device)
+            counter.add(layer, picked.detach(), ordered.to(picked.device))
+            rule = WEIGHT_RULES[type(gate).__name__]
+            return logits, rule(gate, logits, forced).to(weights.dtype), forced
+
+        return hook
+
+    def stats(self) -> ReplayStats:
+        """Per router and overall, over the forwards run inside the context since it was
+        entered (or `reset_stats`): rows replayed and filled, and the router flip rate (the
+        share of replayed rows whose own top-k differs from the engine's ids). One small copy
+        from the device."""
+        return self._counter.read()
+
+    def reset_stats(self) -> None:
+        """Start counting again (each training step, say)."""
+        self._counter.reset()
+
+    def __exit__(self, *exc: object) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+
+def hf(
+    model: Any, routing: Any, mask: Any = None, *, device: Any = None, pin_memory: bool = True
+) -> HfReplay:
+    """Replay `routing` on a transformers MoE model's gates: see `HfReplay`. `device`: where the
+    ids are made and checked (default: the gates' own device; on a GPU the decoded rows are
+    copied there once, from pinned memory unless `pin_memory=False`)."""
+    return HfReplay(model, routing, mask, device=device, pin_memory=pin_memory)

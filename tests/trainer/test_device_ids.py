@@ -1,0 +1,84 @@
+"""The replay ids a GPU makes (`rx.replay._device.ids_on`: rows copied narrow, checked and
+widened by torch) held to the host's Rust pass (`rx.replay.replay_ids`) on CPU tensors: the same
+ids, the same rows replayed, the same first bad row refused with the same words, for rows of
+every dtype an engine sends, hostile ones included (make test-trainer)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import routed_experts as rx
+from routed_experts.replay import _device, replay_ids
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> dict[str, Any]:
+    experts = draw(st.integers(1, 12))
+    top_k = draw(st.integers(1, min(experts, 4)))
+    tokens = draw(st.integers(0, 10))
+    width = draw(st.integers(1, 4))
+    dtype = draw(st.sampled_from(["int8", "int16", "int32", "int64", "uint8", "uint16"]))
+    low = -3 if dtype.startswith("int") else 0
+    high = {"uint16": 70000, "int64": 2**40}.get(dtype, experts + 1)
+    cell = st.integers(low, experts + 1) | st.integers(low, min(high, np.iinfo(dtype).max))
+    n = tokens * width * top_k
+    rows = np.array(draw(st.lists(cell, min_size=n, max_size=n)), dtype=np.int64)
+    rows = rows.reshape(tokens, width, top_k)
+    for r in draw(st.lists(st.integers(0, max(tokens - 1, 0)), max_size=3)):
+        if tokens and low < 0:
+            rows[r, draw(st.integers(0, width - 1))] = -1
+    if draw(st.booleans()):  # mostly valid rows, so the fill and copy are reached too
+        for r in range(tokens):
+            for w in range(width):
+                rows[r, w] = np.random.default_rng(r * 7 + w).permutation(experts)[:top_k]
+    layers = draw(st.lists(st.integers(0, width - 1), min_size=1, max_size=3))
+    valid = draw(st.none() | st.lists(st.booleans(), min_size=tokens, max_size=tokens))
+    return {
+        "rows": rows.astype(dtype), "layers": layers, "experts": experts,
+        "valid": None if valid is None else np.array(valid, dtype=bool),
+        "origin": draw(st.none() | st.just(np.stack([np.arange(tokens) // 3,
+                                                     np.arange(tokens) % 3], axis=1))),
+        "index": draw(st.sampled_from([torch.int64, torch.int32])),
+    }  # fmt: skip
+
+
+@settings(deadline=None, max_examples=300)
+@given(case=cases())
+def test_the_device_path_makes_and_refuses_what_the_host_does(case: dict[str, Any]) -> None:
+    rows, layers, experts, valid = case["rows"], case["layers"], case["experts"], case["valid"]
+    places = [f"router {i}" for i in range(len(layers))]
+    np_index = np.int64 if case["index"] == torch.int64 else np.int32
+    try:
+        want = replay_ids(rows, layers, valid, experts, places, np_index, origin=case["origin"])
+    except rx.PayloadError as e:
+        with pytest.raises(rx.PayloadError) as got:
+            _device.ids_on(rows, layers, valid, experts, places, device="cpu",
+                           dtype=case["index"], origin=case["origin"])  # fmt: skip
+        assert str(got.value) == str(e)
+        return
+    ids, replayed = _device.ids_on(rows, layers, valid, experts, places, device="cpu",
+                                   dtype=case["index"], origin=case["origin"])  # fmt: skip
+    assert ids.dtype == case["index"] and ids.is_contiguous()
+    np.testing.assert_array_equal(ids.numpy(), want[0])
+    np.testing.assert_array_equal(replayed.numpy(), want[1])
+
+
+def test_the_layer_checks_run_where_the_rows_are() -> None:
+    pattern = [False, True, True]
+    rows = np.zeros((4, 3, 2), dtype=np.int16)
+    rows[:, 1:] = [0, 1]
+    rows[3] = -1  # no routing: on a dense layer as anywhere else
+    _device.ids_on(rows, [1, 2], None, 8, ["a", "b"], device="cpu", pattern=pattern)
+    rows[2, 0] = [1, 2]
+    with pytest.raises(rx.PayloadError, match="decoder layer 0 is dense"):
+        _device.ids_on(rows, [1, 2], None, 8, ["a", "b"], device="cpu", pattern=pattern)
+    rows[2, 0] = 0
+    rows[:3, 2] = 0
+    with pytest.raises(rx.PayloadError, match="payload layer 2: .* all zero"):
+        _device.ids_on(rows, [1, 2], None, 8, ["a", "b"], device="cpu", pattern=pattern)
