@@ -201,9 +201,13 @@ test-trainer: build-dev
 
 # The replay tensors from a rank's rows beside the torch glue frameworks write and a memcpy, at
 # DEVELOPERS.md's model sizes, 4k to 128k tokens (benches/replay_tensors.py; BENCHMARKS.md).
+# Then the whole way from the engine's .npy text to every router's ids on the GPU (the CPU
+# where there is none: the device path's code, timed on CPU tensors).
 bench-replay: build-dev
 	py=$$(python3 tests/trainer/trainer_env.py | tail -n 1); \
-	OMP_NUM_THREADS=1 PYTHONPATH=python $$py benches/replay_tensors.py
+	OMP_NUM_THREADS=1 PYTHONPATH=python $$py benches/replay_tensors.py && \
+	dev=$$($$py -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")'); \
+	OMP_NUM_THREADS=1 PYTHONPATH=python $$py benches/replay_tensors.py --device $$dev
 
 # SGLang: no release serves on a CPU as published (its CPU kernels are not on PyPI; routing
 # capture pins memory through the CUDA driver). Its own environment (the release without its
@@ -225,11 +229,13 @@ record-sglang: engine-sglang
 		&& cp "$$(dirname $$(dirname $$py))/environment.txt" tests/real/sglang/$(SGLANG)/environment.txt
 
 # Two real vLLM servers in P/D behind the proxy, every reply's routing against the model's own
-# (tests/real/test_live_vllm.py; about 4 minutes once the environment is made), then a real
-# SGLang server read by the library (tests/real/test_live_sglang.py; about 3 minutes).
+# (tests/real/test_live_vllm.py; about 4 minutes once the environment is made); the R3 loop
+# closed in bfloat16, a second P/D pair's routing replayed in transformers
+# (tests/real/test_live_r3.py; about 1.5 minutes); then a real SGLang server read by the
+# library (tests/real/test_live_sglang.py; about 3 minutes).
 test-engines: build-dev $(VENV)/.test-deps engine-vllm engine-sglang
 	RX_VLLM_PYTHON=$(ENGINE_PY) RX_VLLM_RELEASE=$(VLLM) $(PY) -m pytest -q -p no:cacheprovider \
-		tests/real/test_live_vllm.py
+		tests/real/test_live_vllm.py tests/real/test_live_r3.py
 	RX_SGLANG_PYTHON=$(SGLANG_PY) RX_SGLANG_RELEASE=$(SGLANG) OMP_NUM_THREADS=1 $(PY) -m pytest \
 		-q -p no:cacheprovider tests/real/test_live_sglang.py
 

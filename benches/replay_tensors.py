@@ -10,9 +10,18 @@ the trainer tests' environment: torch is needed for the glue):
   and made contiguous, one view per router; no check at all.
 - memcpy: writing the same int64 bytes once (numpy fill of a new array), the floor.
 
-    python benches/replay_tensors.py [--repeat 5]
+    python benches/replay_tensors.py [--repeat 5] [--device cuda]
 
 Prints one line per size: the best of `--repeat` runs of each, in ms, and the ratios.
+
+`--device D` times instead the whole way from the engine's `.npy` text to every router's ids
+on device D (issue 54's goal: within 2x of decode + the pinned copy, 20x faster than before):
+
+- rx: `rx.decode`, then `rx.replay`'s device path (`_device.ids_on`): the narrow rows pinned
+  and copied once, checked and widened to int64 on the device;
+- before: `rx.decode`, the int64 ids made on the host (`replay_ids`), copied from pageable
+  memory (what `rx.replay.megatron(device=...)` did before);
+- floor: `rx.decode` and the pinned copy of the narrow rows alone.
 """
 
 from __future__ import annotations
@@ -82,12 +91,65 @@ def measure(batch: np.ndarray, experts: int, repeat: int) -> tuple[float, float,
     return r, g, m
 
 
+def measure_device(
+    batch: np.ndarray, experts: int, repeat: int, device: torch.device
+) -> tuple[float, float, float]:
+    """Best ms from text to every router's ids on `device`: rx, before, floor."""
+    import routed_experts as rx
+    from routed_experts.replay import _device
+
+    tokens, layers, top_k = batch.shape
+    text = rx.encode(rx.RoutedExperts.from_array(batch, num_experts=experts), "vllm_npy")
+    mask = np.ones(tokens, dtype=bool)
+    mask[-1] = False
+    names = [f"router {i}" for i in range(layers)]
+
+    def done(x: object) -> object:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return x
+
+    def rx_path() -> object:
+        rows_ = rx.decode(text, start=0).to_numpy()
+        return done(_device.ids_on(rows_, range(layers), mask, experts, names, device=device))
+
+    def before() -> object:
+        rows_ = rx.decode(text, start=0).to_numpy()
+        ids, _ = replay_ids(rows_, range(layers), mask, experts, names)
+        return done(torch.from_numpy(ids).to(device))
+
+    def floor() -> object:
+        host = torch.from_numpy(rx.decode(text, start=0).to_numpy())
+        if device.type == "cuda":
+            host = host.pin_memory()
+        return done(host.to(device, non_blocking=True))
+
+    return best(rx_path, repeat), best(before, repeat), best(floor, repeat)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768, 131072])
+    ap.add_argument("--device", default=None, help="time text -> ids on this torch device")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.device is not None:
+        device = torch.device(args.device)
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "no GPU"
+        print(f"replay ids on {device} ({gpu}): {platform.processor() or platform.machine()}, "
+              f"{os.cpu_count()} cores, torch {torch.__version__}")
+        print(f"{'model':16} {'tokens':>7} {'rx ms':>8} {'before ms':>9} {'floor ms':>8} "
+              f"{'before/rx':>9} {'rx/floor':>8}")
+        for name, layers, top_k, experts, dtype in MODELS:
+            for tokens in args.tokens:
+                if tokens * layers * top_k * 8 > 2**30 and name != "Qwen3-30B-A3B":
+                    continue
+                batch = rows(tokens, layers, top_k, experts, dtype)
+                r, b, f = measure_device(batch, experts, args.repeat, device)
+                print(f"{name:16} {tokens:>7} {r:8.2f} {b:9.2f} {f:8.2f} {b / r:8.1f}x "
+                      f"{r / f:7.2f}x", flush=True)
+        return
     print(f"replay tensors: {platform.processor() or platform.machine()}, {os.cpu_count()} "
           f"cores, torch {torch.__version__} ({torch.get_num_threads()} threads)")
     print(f"{'model':16} {'tokens':>7} {'rx ms':>8} {'glue ms':>8} {'memcpy ms':>9} "

@@ -14,7 +14,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +22,13 @@ import numpy as np
 import pytest
 
 import routed_experts as rx
-from routed_experts.proxy import ProxyServer
 
 HARNESS = Path(__file__).resolve().parent / "harness"
 sys.path.insert(0, str(HARNESS))
 
 import engine  # noqa: E402
 import tiny_model  # noqa: E402
+from pd_stack import Stack  # noqa: E402
 
 PYTHON = Path(os.environ["RX_VLLM_PYTHON"])
 RELEASE = os.environ["RX_VLLM_RELEASE"]
@@ -37,48 +36,10 @@ RELEASE = os.environ["RX_VLLM_RELEASE"]
 LONG = " ".join(tiny_model.WORDS[i % 24] for i in range(66))
 
 
-class Stack:
-    def __init__(self, work: Path) -> None:
-        self.work = work
-        self.model = work / "tiny-e8"
-        subprocess.run([str(PYTHON), str(HARNESS / "tiny_model.py"), str(self.model)], check=True)
-        kv = work / "kv"
-        self.prefill = engine.Server(PYTHON, RELEASE, self.model, work / "prefill.log",
-                                     kv_share=kv, kv_role="kv_producer")  # fmt: skip
-        self.decode = engine.Server(PYTHON, RELEASE, self.model, work / "decode.log",
-                                    kv_share=kv, kv_role="kv_consumer")  # fmt: skip
-        self.proxy: ProxyServer | None = None
-
-    def start(self) -> None:
-        for s in (self.prefill, self.decode):
-            s.start()
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda s: s.wait_ready(), (self.prefill, self.decode)))
-        self.proxy = ProxyServer([self.prefill.url], [self.decode.url]).__enter__()
-
-    def stop(self) -> None:
-        if self.proxy is not None:
-            self.proxy.__exit__(None, None, None)
-        for s in (self.prefill, self.decode):
-            s.stop()
-
-    @property
-    def url(self) -> str:
-        assert self.proxy is not None
-        return self.proxy.url
-
-    def logs(self) -> str:
-        tail = []
-        for name in ("prefill.log", "decode.log"):
-            text = (self.work / name).read_text(errors="replace").splitlines()
-            tail.append(f"--- {name} ---\n" + "\n".join(text[-30:]))
-        return "\n".join(tail)
-
-
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     with tempfile.TemporaryDirectory(prefix="rx-live-") as tmp:
-        s = Stack(Path(tmp))
+        s = Stack(PYTHON, RELEASE, Path(tmp))
         try:
             s.start()
             yield s
@@ -136,6 +97,18 @@ def test_plain_requests_through_the_proxy_merge_to_the_truth(
     body = json.loads(json.dumps(body).replace(LONG, LONG + " " + path.split("/")[-1]
                                                + str(body.get("n", 1))))  # fmt: skip
     check_reply(stack, httpx.post(stack.url + path, json=body, timeout=300))
+    both_alive(stack)
+
+
+def test_the_loop_in_float32_replays_what_native_routing_already_agrees_with(
+    stack: Stack,
+) -> None:
+    # The R3 loop (tests/real/test_live_r3.py closes it in bfloat16) on the float32 stack: the
+    # wide-gated model routes the same in both libraries, so replay changes nothing it needs to
+    # and hands every router the engine's ids; the log-probs agree to float32 rounding.
+    f = stack.r3_loop("float32", count=3, tokens=8, tag="fp32 loop")
+    assert f["replay_agree"] == f["native_agree"] == f["routers"] > 0, f
+    assert f["flipped"] == 0 and f["replay_logprob_gap"]["max"] < 1e-3, f
     both_alive(stack)
 
 

@@ -15,6 +15,7 @@ from trainer_models import (
     EXPERTS,
     SEQ,
     TOP_K,
+    hybrid_model,
     megatron_forward,
     megatron_model,
     megatron_world,
@@ -336,4 +337,25 @@ def test_the_device_path_makes_the_same_ids_on_cpu_tensors(
     with pytest.raises(rx.PayloadError, match="^router of decoder layer 2, sample 0, position 3: "
                        "expert ids must be in \\[0, 8\\), got \\[9, 0\\]$"):
         rx.replay.megatron(model, bad, layout="bshd")
+
+
+def test_a_hybrid_model_replays_by_its_layer_pattern(model: Any) -> None:
+    # megatron-core 0.19 deprecates GPTModel for HybridModel, whose MoE layers are the 'E' of
+    # its layer pattern (moe_layer_freq is not read): "-E-E" has routers at decoder layers 1, 3.
+    hybrid = hybrid_model("-E-E")
+    assert [n for _, n, _ in rx.replay.megatron_routers(hybrid)] == [2, 4]
+    ids, recorded_loss = record(hybrid)
+    layers = [np.zeros((SEQ, BATCH, TOP_K), dtype=np.int64) for _ in range(4)]
+    layers[1], layers[3] = (ids[n].reshape(SEQ, BATCH, TOP_K).numpy() for n in (2, 4))
+    every = np.stack(layers, axis=2).transpose(1, 0, 2, 3)  # [B, S, 4 layers, top_k]
+    for routing in (every, every[:, :, [1, 3]]):  # every hidden layer, or the MoE layers only
+        with rx.replay.megatron(hybrid, routing, layout="bshd") as replay:
+            with torch.no_grad():
+                loss = forward(hybrid)
+        assert torch.equal(loss, recorded_loss)
+        assert sorted(replay.replayed) == [1, 3] and replay.stats().flipped == 0
+    wrong = every.copy()
+    wrong[:, :, 2] = [1, 2]  # an MLP layer carrying routing
+    with pytest.raises(rx.PayloadError, match="decoder layer 2 is dense"):
+        rx.replay.megatron(hybrid, wrong, layout="bshd")
 

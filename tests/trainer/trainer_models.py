@@ -85,6 +85,56 @@ def megatron_model(config: Any = None, **stage: Any) -> Any:
     return gpt
 
 
+def hybrid_model(pattern: str = "-E-E") -> Any:
+    """A seeded HybridModel of MLP ('-') and MoE ('E') layers with router replay on (inside
+    `megatron_world`). megatron-core's own hybrid specs are TransformerEngine's; this one is
+    built of its local modules (no attention: local attention needs a GPU)."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import (
+        MoETransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    norm = LocalSpecProvider().layer_norm()
+    dense = ModuleSpec(module=MLP, submodules=MLPSubmodules(
+        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))  # fmt: skip
+    layer = TransformerLayerSubmodules
+    stack = HybridStackSubmodules(
+        moe_layer=ModuleSpec(module=MoETransformerLayer, submodules=layer(
+            pre_mlp_layernorm=norm, mlp=get_moe_module_spec(use_te=False, num_experts=EXPERTS,
+                                                            moe_grouped_gemm=False),
+            mlp_bda=get_bias_dropout_add)),
+        mlp_layer=ModuleSpec(module=MLPLayer, submodules=layer(
+            pre_mlp_layernorm=norm, mlp=dense, mlp_bda=get_bias_dropout_add)),
+    )  # fmt: skip
+    config = TransformerConfig(
+        num_layers=len(pattern), hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+        num_moe_experts=EXPERTS, moe_ffn_hidden_size=32, moe_router_topk=TOP_K,
+        moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+        moe_enable_routing_replay=True, use_cpu_initialization=True, params_dtype=torch.float32,
+        add_bias_linear=False, hidden_dropout=0.0, gradient_accumulation_fusion=False,
+        is_hybrid_model=True,
+    )  # fmt: skip
+    torch.manual_seed(1234)
+    RouterReplay.clear_global_router_replay_instances()
+    model = HybridModel(
+        config, ModuleSpec(module=HybridStack, params={"post_layer_norm": False},
+                           submodules=stack),
+        vocab_size=VOCAB, max_sequence_length=4 * SEQ, hybrid_layer_pattern=pattern,
+        position_embedding_type="none",
+    )  # fmt: skip
+    model.train()
+    return model
+
+
 def megatron_forward(model: Any, batch: int, seq: int = SEQ) -> Any:
     """The per-token loss of a seeded batch `[batch, seq]`."""
     g = torch.Generator().manual_seed(7)

@@ -1,5 +1,5 @@
 """Router replay into a Megatron-core model (megatron-core 0.19: `RouterReplay`, enabled by
-`moe_enable_routing_replay`). One step: payloads in, replay set on this rank's routers, forward
+`moe_enable_routing_replay`; `GPTModel` and `HybridModel`). One step: payloads in, replay set on this rank's routers, forward
 and backward, cleared (format.md §6.2).
 
     packed, cu, mask = rx.pack(payloads, mask=True)
@@ -74,6 +74,23 @@ def _refuse_unreplayed(config: Any) -> None:
             "consults RouterReplay (replay would be ignored in every layer); use a top-k "
             "routing type (\"aux_loss\", \"seq_aux_loss\", \"global_aux_loss\" or \"none\")"
         )
+
+
+def model_pattern(model: Any, config: Any) -> list[bool]:
+    """Which of the model's decoder layers (0-based, global) have a router. A `HybridModel`
+    (megatron-core 0.19's successor to `GPTModel`) says it in its `hybrid_layer_pattern`, one
+    symbol a layer (`E`: MoE; `|` marks pipeline stages, `/` starts the multi-token-prediction
+    layers, which engines do not record); a `GPTModel` in `moe_layer_freq`."""
+    for module in model.modules():
+        pattern = getattr(module, "hybrid_layer_pattern", None)
+        if isinstance(pattern, str) and pattern:
+            return [symbol == "E" for symbol in pattern.split("/")[0].replace("|", "")]
+    if getattr(config, "is_hybrid_model", False):
+        raise ConfigError(
+            "`model`: config.is_hybrid_model is set, but no module holds a hybrid_layer_pattern "
+            "(which layers are MoE cannot be told)"
+        )
+    return moe_pattern(config.num_layers, config.moe_layer_freq)
 
 
 def _rank(config: Any) -> dict[str, int]:
@@ -195,7 +212,7 @@ class MegatronReplay:
         dtype = torch.int64 if dtype is None else dtype
         if dtype not in (torch.int64, torch.int32):
             raise ConfigError(f"`dtype`: expected torch.int64 or torch.int32, got {dtype}")
-        pattern = moe_pattern(config.num_layers, config.moe_layer_freq)
+        pattern = model_pattern(model, config)
         place = _rank(config) if rank is None else rank
         rows, valid = local_rows(
             routing, cu_seqlens, mask, layout=layout, cp_split=cp_split, **place

@@ -3,10 +3,13 @@ layout Qwen3-MoE checkpoints use (one tensor per expert), and a byte-level BPE t
 trained on generated text, with a chat template. No hub is reached: the model is made, not
 fetched. Runs in an engine environment (torch, safetensors, tokenizers).
 
-    python tiny_model.py DIR [--experts 8] [--dense-layers 2|none|0,3]
+    python tiny_model.py DIR [--experts 8] [--dense-layers 2|none|0,3] [--gate-scale 0.05]
 
 `--dense-layers none` makes every layer a MoE layer (SGLang's qwen3_moe ignores
 `mlp_only_layers` and would run a dense layer as a MoE one); the default is layer 2 dense.
+`--gate-scale` narrows the routers' weights (the same draws, scaled): logits closer together,
+so two libraries' bfloat16 rounding picks different experts more often (the R3 loop's
+tie-prone model, tests/real/test_live_r3.py); the default 1 keeps the gates wide.
 
 The same seed gives the same files, so a recording can be made again and compared.
 """
@@ -71,7 +74,9 @@ def config(experts: int, dense: list[int] | None = None) -> dict:
     }
 
 
-def weights(experts: int, seed: int, dense: list[int] | None = None) -> dict:
+def weights(
+    experts: int, seed: int, dense: list[int] | None = None, gate_scale: float = 1.0
+) -> dict:
     import torch
 
     dense = DENSE_LAYERS if dense is None else dense
@@ -101,7 +106,7 @@ def weights(experts: int, seed: int, dense: list[int] | None = None) -> dict:
             t[p + "mlp.down_proj.weight"] = normal(HIDDEN, INTERMEDIATE)
             continue
         # A wide gate: logits far apart, so the top-k is the same in any float32 order.
-        t[p + "mlp.gate.weight"] = normal(experts, HIDDEN, std=0.5)
+        t[p + "mlp.gate.weight"] = normal(experts, HIDDEN, std=0.5) * gate_scale
         for e in range(experts):
             q = f"{p}mlp.experts.{e}."
             t[q + "gate_proj.weight"] = normal(MOE_INTERMEDIATE, HIDDEN)
@@ -146,9 +151,13 @@ def tokenizer(out: Path, seed: int) -> None:
     )
 
 
-def make(out: Path, experts: int = 8, seed: int = 0, dense: list[int] | None = None) -> Path:
+def make(
+    out: Path, experts: int = 8, seed: int = 0, dense: list[int] | None = None,
+    gate_scale: float = 1.0,
+) -> Path:
     """Write the model into `out` (kept if it is already there, from the same arguments).
-    `dense`: the layers with no router (default `DENSE_LAYERS`; `[]` for none)."""
+    `dense`: the layers with no router (default `DENSE_LAYERS`; `[]` for none); `gate_scale`:
+    the routers' weights scaled (1: as drawn)."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -156,6 +165,8 @@ def make(out: Path, experts: int = 8, seed: int = 0, dense: list[int] | None = N
     made: dict = {"experts": experts, "seed": seed, "layers": LAYERS, "top_k": TOP_K}
     if dense is not None and list(dense) != DENSE_LAYERS:
         made["dense_layers"] = list(dense)  # the default's stamp stays as it was
+    if gate_scale != 1.0:
+        made["gate_scale"] = gate_scale
     if stamp.exists() and json.loads(stamp.read_text()) == made:
         return out
     (out / "config.json").write_text(json.dumps(config(experts, dense), indent=1))
@@ -163,7 +174,8 @@ def make(out: Path, experts: int = 8, seed: int = 0, dense: list[int] | None = N
         json.dumps({"bos_token_id": 0, "eos_token_id": 0, "do_sample": False})
     )
     save_file(
-        weights(experts, seed, dense), str(out / "model.safetensors"), metadata={"format": "pt"}
+        weights(experts, seed, dense, gate_scale), str(out / "model.safetensors"),
+        metadata={"format": "pt"},
     )
     tokenizer(out, seed)
     stamp.write_text(json.dumps(made))
@@ -182,9 +194,11 @@ if __name__ == "__main__":
         + ",".join(map(str, DENSE_LAYERS))
         + ")",
     )
+    a.add_argument("--gate-scale", type=float, default=1.0,
+                   help="scale the routers' weights (default 1; 0.05: the tie-prone model)")
     args = a.parse_args()
     dense = None
     if args.dense_layers is not None:
         text = args.dense_layers.strip().lower()
         dense = [] if text in ("none", "") else [int(x) for x in text.split(",")]
-    print(make(args.out, args.experts, args.seed, dense))
+    print(make(args.out, args.experts, args.seed, dense, args.gate_scale))
