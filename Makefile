@@ -22,7 +22,7 @@ DIST ?= dist
 
 .PHONY: run test test-wheel check-wheels wheel wheel-x86_64 wheel-aarch64 build-dev lint bench bench-rust bench-python bench-table bench-proxy \
 	bench-quality clean fuzz \
-	fuzz-build engine-vllm record-vllm test-engines bench-proxy-ci test-trainer bench-replay \
+	fuzz-build engine-vllm record-vllm test-engines bench-proxy-ci test-trainer bench-replay bench-r3 \
 	engine-sglang record-sglang
 
 # Coverage-guided fuzzing (cargo fuzz, libFuzzer, nightly): every target for FUZZ_SECONDS each.
@@ -208,6 +208,13 @@ bench-replay: build-dev
 	OMP_NUM_THREADS=1 PYTHONPATH=python $$py benches/replay_tensors.py && \
 	dev=$$($$py -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")'); \
 	OMP_NUM_THREADS=1 PYTHONPATH=python $$py benches/replay_tensors.py --device $$dev
+
+# The R3 loop measured: a real vLLM (P/D behind the proxy) in float32 and bfloat16, the tiny
+# model as served and tie-prone, its routing replayed in transformers; agreement and the
+# sampled tokens' log-prob gap, native against replay (benches/r3_loop.py; BENCHMARKS.md's
+# table and plot; about 7 minutes on 2 cores once the engine's environment is made).
+bench-r3: build-dev $(VENV)/.test-deps engine-vllm
+	$(PY) benches/r3_loop.py $(ENGINE_PY) $(VLLM) --json target/r3.json --plot BENCHMARKS-r3.png
 
 # SGLang: no release serves on a CPU as published (its CPU kernels are not on PyPI; routing
 # capture pins memory through the CUDA driver). Its own environment (the release without its

@@ -195,5 +195,5 @@ def test_ids_are_moved_once_and_the_device_path_matches_the_host(
                 gate.register_forward_hook(lambda _g, _a, out, i=i: handed.__setitem__(i, out[2]))
         with torch.no_grad():
             model(INPUT)
-    for gate, ids, _, i in replay._targets:
+    for _gate, ids, _, i in replay._targets:
         assert handed[i].data_ptr() == ids.data_ptr(), i

@@ -19,6 +19,10 @@ The frameworks' modules are private (`_megatron`, `_hf`): `rx.replay.megatron` a
 
 from __future__ import annotations
 
+from ._hf import HfReplay, hf
+from ._hf import gates as hf_gates
+from ._megatron import MegatronReplay, local_rows, megatron
+from ._megatron import routers as megatron_routers
 from ._rows import (
     check_layers,
     cp_sp_positions,
@@ -27,10 +31,6 @@ from ._rows import (
     payload_layer,
     replay_ids,
 )
-from ._hf import HfReplay, hf
-from ._hf import gates as hf_gates
-from ._megatron import MegatronReplay, local_rows, megatron
-from ._megatron import routers as megatron_routers
 from ._stats import LayerStats, ReplayStats
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Router replay into a Megatron-core model (megatron-core 0.19: `RouterReplay`, enabled by
-`moe_enable_routing_replay`; `GPTModel` and `HybridModel`). One step: payloads in, replay set on this rank's routers, forward
-and backward, cleared (format.md §6.2).
+`moe_enable_routing_replay`; `GPTModel` and `HybridModel`). One step: payloads in, replay set
+on this rank's routers, forward and backward, cleared (format.md §6.2).
 
     packed, cu, mask = rx.pack(payloads, mask=True)
     with rx.replay.megatron(model, packed, cu, mask) as replay:

@@ -63,7 +63,7 @@ def check_layers(rows: np.ndarray, pattern: Sequence[bool], valid: np.ndarray | 
     if rows.shape[1] != len(pattern):
         return  # MoE layers only: no dense layer to look at
     carries, present = layer_marks(rows, valid)
-    refuse_layers(carries, present, pattern, rows.shape[2])
+    refuse_layers(carries.tolist(), present.tolist(), pattern, rows.shape[2])
 
 
 def refuse_layers(
