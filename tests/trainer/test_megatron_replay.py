@@ -309,11 +309,25 @@ def test_the_flip_rate_counts_each_routers_own_pick_against_the_replayed_ids(mod
     assert stats.as_dict()["replay/flip_rate/layer_1"] == stats.layers[1].flip_rate
     replay.reset_stats()
     assert replay.stats().flipped == 0 and replay.stats().forwards == 0
-    # The model's own routing replayed: no router flips.
+    # The model's own routing replayed: no router flips. A framework's own wrapper of
+    # get_replay_topk is called through and put back on exit.
+    first = rx.replay.megatron_routers(model)[0][0].router_replay
+    calls = []
+    theirs = first.get_replay_topk
+
+    def wrapper(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        return theirs(*a, **k)
+
+    first.get_replay_topk = wrapper
     with rx.replay.megatron(model, bshd(as_payloads(ids, BATCH)), layout="bshd") as replay:
         with torch.no_grad():
             forward(model)
         assert replay.stats().flipped == 0 and replay.stats().replayed == 3 * 32
+    assert calls == [1] and first.get_replay_topk is wrapper
+    del first.get_replay_topk
+    assert all("get_replay_topk" not in r.router_replay.__dict__
+               for r, _, _ in rx.replay.megatron_routers(model))
 
 
 def test_the_device_path_makes_the_same_ids_on_cpu_tensors(

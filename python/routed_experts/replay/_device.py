@@ -10,6 +10,7 @@ Runs on any torch device, CPU included, so the tests here run the code a GPU run
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,7 +65,9 @@ def ids_on(
     if valid is not None and len(valid) != batch.shape[0]:
         replay_ids(batch, layers, valid, num_experts, places, np_dtype)  # raises: the mask
     wide_from_u16 = batch.dtype == np.uint16
-    host = torch.from_numpy(batch.view(np.int16) if wide_from_u16 else batch)
+    with warnings.catch_warnings():  # a decoded payload's rows are read-only; never written
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        host = torch.from_numpy(batch.view(np.int16) if wide_from_u16 else batch)
     if pin_memory and device.type == "cuda":
         host = host.pin_memory()
     narrow = host.to(device, non_blocking=True)

@@ -266,11 +266,13 @@ class MegatronReplay:
         self._hooks: list[Any] = []
 
     def __enter__(self) -> MegatronReplay:
+        self._saved: list[tuple[Any, Any]] = []
         for router, target, ordered, layer in self._targets:
             replay = router.router_replay
             replay.clear_indices()
             replay.set_target_indices(target)
             replay.set_router_replay_action(self._action.REPLAY_FORWARD)
+            self._saved.append((replay, replay.__dict__.get("get_replay_topk")))
             replay.get_replay_topk = self._counted(replay, ordered, layer)
             check = self._check(target.shape[0], layer, self._layout)
             self._hooks.append(router.register_forward_pre_hook(check))
@@ -281,7 +283,7 @@ class MegatronReplay:
         # scores (the top-k function Megatron passes in): the flip counted on the device.
         import torch
 
-        original = type(replay).get_replay_topk.__get__(replay)
+        original = replay.get_replay_topk  # another wrapper of the instance's, if any
         counter, actions = self._counter, (self._action.REPLAY_FORWARD,
                                            self._action.REPLAY_BACKWARD)  # fmt: skip
 
@@ -340,11 +342,15 @@ class MegatronReplay:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        for replay, before in getattr(self, "_saved", []):
+            if before is None:
+                replay.__dict__.pop("get_replay_topk", None)
+            else:
+                replay.get_replay_topk = before
+        self._saved = []
         for router, _, _, _ in self._targets:
-            replay = router.router_replay
-            replay.__dict__.pop("get_replay_topk", None)
-            replay.clear_indices()
-            replay.clear_router_replay_action()
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()
 
 
 def megatron(model: Any, routing: Any, cu_seqlens: Any = None, mask: Any = None, **kwargs: Any
