@@ -35,24 +35,27 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['model']}\n{r['dtype']}" for r in rows]
-    x = range(len(rows))
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    short = {"float32": "fp32", "bfloat16": "bf16"}
+    names = {"as served": "served", "tie-prone (gates x0.05)": "tie-prone"}
+    labels = [f"{names.get(r['model'], r['model'])}\n{short.get(r['dtype'], r['dtype'])}"
+              for r in rows]  # fmt: skip
+    x = list(range(len(rows)))
     w = 0.38
-    a.bar([i - w / 2 for i in x], [100 * (1 - r["native_agreement"]) for r in rows], w,
-          label="native")
-    a.bar([i + w / 2 for i in x], [100 * (1 - r["replay_agreement"]) for r in rows], w,
-          label="replay")
-    a.set_title("routers whose top-k differs from the engine's (%)")
-    b.bar([i - w / 2 for i in x], [r["native_logprob_gap"]["mean"] for r in rows], w,
-          label="native")
-    b.bar([i + w / 2 for i in x], [r["replay_logprob_gap"]["mean"] for r in rows], w,
-          label="replay")
-    b.set_title("mean |Δ logprob| of sampled tokens vs the engine")
-    for ax in (a, b):
-        ax.set_xticks(list(x), labels, fontsize=8)
-        ax.legend()
-    fig.suptitle("R3 loop: real vLLM (P/D, behind the proxy) -> rx -> transformers")
+    panels = [
+        ("routers whose top-k differs\nfrom the engine's (%)",
+         lambda r, k: 100 * (1 - r[f"{k}_agreement"])),
+        ("mean |Δ logprob| of sampled\ntokens vs the engine's", lambda r, k: r[f"{k}_logprob_gap"]["mean"]),
+        ("max |Δ logprob| of sampled\ntokens vs the engine's", lambda r, k: r[f"{k}_logprob_gap"]["max"]),
+    ]  # fmt: skip
+    fig, axes = plt.subplots(1, len(panels), figsize=(13, 4))
+    for ax, (title, value) in zip(axes, panels):
+        for shift, kind in ((-w / 2, "native"), (w / 2, "replay")):
+            ax.bar([i + shift for i in x], [value(r, kind) for r in rows], w, label=kind)
+        ax.set_title(title, fontsize=10)
+        ax.set_xticks(x, labels, fontsize=8)
+        ax.legend(fontsize=8)
+    fig.suptitle("R3 loop: real vLLM (P/D behind the proxy) -> rx -> transformers "
+                 "(served: as made; tie-prone: routers x0.05)", fontsize=10)  # fmt: skip
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
@@ -65,7 +68,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--json", type=Path, default=Path("r3.json"))
     ap.add_argument("--plot", type=Path, default=None)
+    ap.add_argument("--replot", action="store_true", help="only plot --json's figures again")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(args.json.read_text()), args.plot or Path("BENCHMARKS-r3.png"))
+        return
     rows = []
     print(f"R3 loop: vLLM {args.release} (CPU build), {platform.processor() or platform.machine()}"
           f"; {args.requests} greedy requests of {args.tokens} tokens per case")
