@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import io
 import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -65,6 +67,13 @@ def expected(body: dict[str, Any]) -> rx.RoutedExperts:
     return rx.RoutedExperts.from_array(truth(tokens, max_tokens(body))[S:], start=S)
 
 
+def read_as_one_vllm_client_does(body: bytes, choice: int = 0) -> np.ndarray:
+    """What a client written against one vLLM server does with a reply: the choice's
+    `routed_experts`, base64 of a `.npy` file, straight into numpy (no library)."""
+    value = json.loads(body)["choices"][choice]["routed_experts"]
+    return np.load(io.BytesIO(base64.b64decode(value)), allow_pickle=False)
+
+
 COMPLETION = {"model": "moe", "prompt": list(range(3, 40)), "max_tokens": 9}
 CHAT = {
     "model": "moe",
@@ -86,7 +95,9 @@ def test_plain_requests_merge_to_the_truth(
     for _ in range(2):  # twice: round robin reaches both pairs
         r = httpx.post(stack["url"] + endpoint, json=body, timeout=30)
         assert r.status_code == 200, r.text
-        got = rx.from_response(r.content)
+        # The start asked for, as a client of one vLLM server passes it: vLLM's .npy value,
+        # which the proxy answers in its own format by default, carries none.
+        got = rx.from_response(r.content, start=start)
         want = expected(body)
         # Equal values are not enough (uint8 == uint16): the dtype and start too.
         assert got is not None and got == want and got.start == start
@@ -640,3 +651,22 @@ def test_the_merge_cap_is_the_proxys_own_setting(stack: dict[str, Any]) -> None:
     assert ok.status_code == 200, ok.text
     got = rx.from_response(ok.content)
     assert got is not None and got == expected(COMPLETION)
+
+
+@pytest.mark.parametrize("stack", [{"mode": "full", "fmt": "vllm_npy"}], indirect=True,
+                         ids=["vllm_npy"])
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("start", [0, 5])
+def test_a_client_of_one_vllm_server_reads_the_proxys_answer_unchanged(
+    stack: dict[str, Any], endpoint: str, start: int
+) -> None:
+    # Issue 55: the engine's own format is the default, so the proxy is a drop-in in front of
+    # a vLLM client: the same key, .npy text of rows [S, P + G - 1), read with np.load.
+    body = dict(CHAT if "chat" in endpoint else COMPLETION, routed_experts_prompt_start=start)
+    r = httpx.post(stack["url"] + endpoint, json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    rows = read_as_one_vllm_client_does(r.content)
+    want = expected(body)
+    assert rows.dtype == want.dtype and rows.shape == want.to_numpy().shape
+    np.testing.assert_array_equal(rows, want.to_numpy())
+

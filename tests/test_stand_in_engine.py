@@ -162,8 +162,10 @@ def test_the_proxy_merges_its_halves_to_the_truth(stream: bool, path: str) -> No
                 assert b"[DONE]" not in events
                 assert b"missing routing" in events[-1], events[-1]
                 return
-            # The finishing event's routing (merged: a compact sidecar); the others' are null.
-            reply = next(e for e in events if b'"shape"' in e)
+            # The finishing event's routing (merged, in the engine's own format: vLLM's .npy
+            # text, as one vLLM server streams it); the others' are null.
+            reply = next(e for e in events if b'"routed_experts": "' in e
+                         or b'"routed_experts":"' in e)
         p = rx.from_response(reply)
         assert p is not None
         assert p.to_numpy().dtype == np.uint16  # 384 experts

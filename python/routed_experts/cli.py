@@ -752,11 +752,11 @@ COMMANDS: list[Command] = [
             ),
             arg(
                 "--routing-format",
-                choices=["compact", "engine"],
-                default="compact",
+                choices=["engine", "compact"],
+                default="engine",
                 help="the proxy's routing_format in the load, stream, memory and fault parts "
-                     "(engine: the merged routing in the engines' own format, vLLM's .npy text "
-                     "for --bodies vllm)",
+                     "(engine, the proxy's default: the merged routing in the engines' own "
+                     "format, vLLM's .npy text for --bodies vllm; compact: a compact sidecar)",
             ),
             arg(
                 "--only",

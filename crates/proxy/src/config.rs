@@ -102,7 +102,7 @@ macro_rules! settings {
                     decode_policy: Policy::LeastLoad,
                     session_header: None,
                     upstreams_file: None,
-                    routing_format: RoutingFormat::Compact,
+                    routing_format: RoutingFormat::Engine,
                     $( $name: settings!(@default $unit, $default), )*
                 }
             }
@@ -302,10 +302,10 @@ pub const TEXT_SETTINGS: &[(&str, Option<&str>, &str)] = &[
     ),
     (
         "routing_format",
-        Some("compact"),
-        "how the merged routing reaches the client: compact (a compact sidecar, whatever the \
-         engines sent) or engine (in the decode engine's own format, e.g. vLLM's .npy text, as \
-         a client of one engine reads it)",
+        Some("engine"),
+        "how the merged routing reaches the client: engine (the default: in the decode \
+         engine's own format, e.g. vLLM's .npy text, as a client of one engine reads it) or \
+         compact (a compact sidecar, whatever the engines sent)",
     ),
     (
         "upstreams_file",
@@ -513,9 +513,9 @@ mod tests {
                 assert_eq!(c.set_text(name, d), Ok(()));
             }
         }
-        assert_eq!(c.routing_format, RoutingFormat::Compact);
-        assert_eq!(c.set_text("routing_format", "engine"), Ok(()));
         assert_eq!(c.routing_format, RoutingFormat::Engine);
+        assert_eq!(c.set_text("routing_format", "compact"), Ok(()));
+        assert_eq!(c.routing_format, RoutingFormat::Compact);
         assert_eq!(
             c.set_text("routing_format", "npy").unwrap_err().message,
             "routing_format: expected compact or engine, got \"npy\""
