@@ -147,14 +147,17 @@ bench-proxy: build-dev $(VENV)/.test-deps
 # 0.98x on the regression; the margin is for a noisy 2-core VM). vLLM 0.32's P/D bodies, where
 # the proxy sends 14 times the bytes vllm-router relays: 1.0x (measured 0.51-0.61x plain,
 # 0.54-0.75x before replies were read whole, where one run of a clean clone once gave 0.91x
-# streamed); plain only, for CI's time (the streamed round is `bench-proxy --bodies vllm`'s; the
-# proxy answers its default, compact sidecars: `--routing-format engine`, 0.30-0.45x, is
-# measured by hand and its text copy held by npy_text's tests). About 4 minutes on 2 cores.
+# streamed); plain only, for CI's time (the streamed round is `bench-proxy --bodies vllm`'s),
+# answered in the proxy's default, the engine's own .npy text (0.30-0.45x by hand before it
+# was the default), and as compact sidecars (`--routing-format compact`, the default before
+# issue 55: 0.51-0.61x). About 5 minutes on 2 cores.
 bench-proxy-ci: build-dev $(VENV)/.test-deps
 	routed-experts bench-proxy --only load stream --requests 300 --max-cpu-ratio 0.85 \
 		--json target/bench-proxy-ci.json
 	routed-experts bench-proxy --only load --requests 200 --bodies vllm \
 		--max-cpu-ratio 1.0 --json target/bench-proxy-ci-vllm.json
+	routed-experts bench-proxy --only load --requests 200 --bodies vllm --routing-format compact \
+		--max-cpu-ratio 1.0 --json target/bench-proxy-ci-vllm-compact.json
 
 fuzz-build:
 	@cargo +nightly --version >/dev/null 2>&1 || { echo "fuzz: the nightly toolchain is missing (rustup toolchain install nightly)"; exit 1; }
@@ -238,11 +241,11 @@ record-sglang: engine-sglang
 # Two real vLLM servers in P/D behind the proxy, every reply's routing against the model's own
 # (tests/real/test_live_vllm.py; about 4 minutes once the environment is made); the R3 loop
 # closed in bfloat16, a second P/D pair's routing replayed in transformers
-# (tests/real/test_live_r3.py; about 1.5 minutes); then a real SGLang server read by the
+# (tests/real/test_live_vllm_r3.py; about 1.5 minutes); then a real SGLang server read by the
 # library (tests/real/test_live_sglang.py; about 3 minutes).
 test-engines: build-dev $(VENV)/.test-deps engine-vllm engine-sglang
 	RX_VLLM_PYTHON=$(ENGINE_PY) RX_VLLM_RELEASE=$(VLLM) $(PY) -m pytest -q -p no:cacheprovider \
-		tests/real/test_live_vllm.py tests/real/test_live_r3.py
+		tests/real/test_live_vllm.py tests/real/test_live_vllm_r3.py
 	RX_SGLANG_PYTHON=$(SGLANG_PY) RX_SGLANG_RELEASE=$(SGLANG) OMP_NUM_THREADS=1 $(PY) -m pytest \
 		-q -p no:cacheprovider tests/real/test_live_sglang.py
 

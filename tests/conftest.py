@@ -37,12 +37,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 REPO = Path(__file__).resolve().parent.parent
 # The live tests need a real engine: `make test-engines` makes its environment and names it
-# (RX_VLLM_PYTHON and RX_VLLM_RELEASE; RX_SGLANG_PYTHON and RX_SGLANG_RELEASE); elsewhere
+# (RX_VLLM_PYTHON and RX_VLLM_RELEASE: test_live_vllm*.py; RX_SGLANG_PYTHON and
+# RX_SGLANG_RELEASE: test_live_sglang*.py); elsewhere
 # (`make test`, the wheel checks) they are not collected, and the recorded bodies stand in
 # (tests/test_real_vllm.py, tests/test_real_sglang.py). Declared here: a conftest.py of
 # tests/real/ would be imported as the same module name as this one.
 collect_ignore_glob = [
-    f"real/test_live_{engine}.py"
+    f"real/test_live_{engine}*.py"
     for engine, var in (("vllm", "RX_VLLM_PYTHON"), ("sglang", "RX_SGLANG_PYTHON"))
     if not os.environ.get(var)
 ]

@@ -109,7 +109,7 @@ def test_plain_requests_through_the_proxy_merge_to_the_truth(
 def test_the_loop_in_float32_replays_what_native_routing_already_agrees_with(
     stack: Stack,
 ) -> None:
-    # The R3 loop (tests/real/test_live_r3.py closes it in bfloat16) on the float32 stack: the
+    # The R3 loop (tests/real/test_live_vllm_r3.py closes it in bfloat16) on the float32 stack: the
     # wide-gated model routes the same in both libraries, so replay changes nothing it needs to
     # and hands every router the engine's ids; the log-probs agree to float32 rounding.
     f = stack.r3_loop("float32", count=3, tokens=8, tag="fp32 loop")

@@ -1,6 +1,6 @@
 """Two real vLLM servers in prefill/decode, joined by vLLM's ExampleConnector over a shared
 folder, behind the project's proxy: the stack the live tests send requests to
-(tests/real/test_live_vllm.py, tests/real/test_live_r3.py). Runs in the project's environment;
+(tests/real/test_live_vllm.py, tests/real/test_live_vllm_r3.py). Runs in the project's environment;
 the servers run in the engine's.
 """
 

@@ -9,7 +9,7 @@ fetched. Runs in an engine environment (torch, safetensors, tokenizers).
 `mlp_only_layers` and would run a dense layer as a MoE one); the default is layer 2 dense.
 `--gate-scale` narrows the routers' weights (the same draws, scaled): logits closer together,
 so two libraries' bfloat16 rounding picks different experts more often (the R3 loop's
-tie-prone model, tests/real/test_live_r3.py); the default 1 keeps the gates wide.
+tie-prone model, tests/real/test_live_vllm_r3.py); the default 1 keeps the gates wide.
 
 The same seed gives the same files, so a recording can be made again and compared.
 """
