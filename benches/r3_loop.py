@@ -44,8 +44,10 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
     panels = [
         ("routers whose top-k differs\nfrom the engine's (%)",
          lambda r, k: 100 * (1 - r[f"{k}_agreement"])),
-        ("mean |Δ logprob| of sampled\ntokens vs the engine's", lambda r, k: r[f"{k}_logprob_gap"]["mean"]),
-        ("max |Δ logprob| of sampled\ntokens vs the engine's", lambda r, k: r[f"{k}_logprob_gap"]["max"]),
+        ("mean |Δ logprob| of sampled\ntokens vs the engine's",
+         lambda r, k: r[f"{k}_logprob_gap"]["mean"]),
+        ("max |Δ logprob| of sampled\ntokens vs the engine's",
+         lambda r, k: r[f"{k}_logprob_gap"]["max"]),
     ]  # fmt: skip
     fig, axes = plt.subplots(1, len(panels), figsize=(13, 4))
     for ax, (title, value) in zip(axes, panels):
