@@ -514,7 +514,7 @@ impl<'a> StreamMerger<'a> {
             };
             self.prefill
                 .merge(b"{}", opts)
-                .map_err(StreamError::Merge)?;
+                .map_err(|e| StreamError::Merge(with_stream_advice(e)))?;
         }
         out.extend(held);
         Ok(())
@@ -694,6 +694,23 @@ impl<'a> StreamMerger<'a> {
     }
 }
 
+/// A decode stream that ended without routing where prefill had some: what the client can do
+/// instead, said in the error it reads (vLLM, through 0.33, sends routing on no
+/// `/v1/completions` or `/v1/chat/completions` stream).
+fn with_stream_advice(e: routed_experts::Error) -> routed_experts::Error {
+    use routed_experts::{ErrorKind, Half};
+    if *e.kind() != ErrorKind::MissingRouting(Half::Decode) {
+        return e;
+    }
+    let message = format!(
+        "{}; the decode stream ended without routing (vLLM sends none on /v1/completions and \
+         /v1/chat/completions streams): ask without \"stream\" to get the routing, or stream \
+         /inference/v1/generate, whose finishing event carries it",
+        e.message()
+    );
+    routed_experts::Error::new(e.kind().clone(), message)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -827,6 +844,17 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
         assert!(
             e.to_string().contains("missing routing on the decode side"),
             "{e}"
+        );
+        // It says what the client can do instead (issue 55), and stays the same kind.
+        assert!(
+            e.to_string().contains(
+                "ask without \"stream\" to get the routing, or stream /inference/v1/generate"
+            ),
+            "{e}"
+        );
+        assert_eq!(
+            e.kind(),
+            &routed_experts::ErrorKind::MissingRouting(routed_experts::Half::Decode)
         );
         // vLLM 0.32 streams no routing on /v1/completions: the `[DONE]` it sent is held back, so
         // the error event the relay writes next is not after it (clients stop at `[DONE]`).
