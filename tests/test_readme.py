@@ -147,10 +147,14 @@ def test_the_trainer_steps_run_on_real_models() -> None:
         half = tm.SEQ // 2  # two samples packed as one sequence of SEQ tokens
         payloads = [rx.RoutedExperts.from_array(rows[:half], num_experts=tm.EXPERTS),
                     rx.RoutedExperts.from_array(rows[half:], num_experts=tm.EXPERTS)]
+        logged: list[dict[str, float]] = []
         ns: dict[str, object] = {"rx": rx, "model": model, "payloads": payloads,
+                                 "num_tokens": [half, tm.SEQ - half], "log": logged.append,
                                  "forward": lambda m: tm.megatron_forward(m, 1)}
         exec(compile(megatron_step, "docs/usage.md trainer step (Megatron)", "exec"), ns)  # noqa: S102
         assert torch.equal(ns["loss"].detach(), own)  # type: ignore[union-attr]
+        # The model's own routing replayed: the stats the step logs say no router flipped.
+        assert logged and logged[0]["replay/flip_rate"] == 0.0
 
     model = tm.hf_model("qwen3_moe")
     b, s = 2, 6
@@ -173,3 +177,4 @@ def test_the_trainer_steps_run_on_real_models() -> None:
     # causal LM's loss ends at the token before), so the loss is the model's own, bit for bit.
     assert torch.equal(ns["loss"].detach(), own)  # type: ignore[attr-defined]
     assert model.model.layers[1].mlp.gate.weight.grad is not None  # the step's backward ran
+    assert ns["stats"].flipped == 0 and ns["stats"].filled == 2 * 2  # type: ignore[attr-defined]
