@@ -245,3 +245,15 @@ def test_a_rank_given_only_its_share_replays_the_same_rows() -> None:
     np.testing.assert_array_equal(given, whole)
     assert given_mask is not None and whole_mask is not None
     np.testing.assert_array_equal(given_mask, whole_mask)
+
+
+def test_the_framework_functions_are_not_shadowed_by_their_modules() -> None:
+    # Issue 54, item 7: `import routed_experts.replay.megatron` gave the function (the module's
+    # name was the function's); the modules are private now, and the names are the functions.
+    import importlib
+
+    assert callable(rx.replay.megatron) and callable(rx.replay.hf)
+    for name in ("megatron", "hf"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"routed_experts.replay.{name}")
+    assert importlib.import_module("routed_experts.replay._megatron").megatron is rx.replay.megatron
