@@ -30,7 +30,7 @@ import argparse
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -54,6 +54,17 @@ def rows(tokens: int, layers: int, top_k: int, experts: int, dtype: type) -> np.
         n = min(4096, tokens - start)
         out[start : start + n] = np.argsort(rng.random((n, layers, experts)), axis=2)[..., :top_k]
     return out
+
+
+def sizes(token_counts: list[int]) -> Iterator[tuple[str, int, np.ndarray, int]]:
+    """(model, tokens, the rank's rows, experts) of every size measured: each model at each
+    token count, but a size past 1 GiB of int64 ids only for Qwen3-30B-A3B (the larger models
+    at 128k are left out)."""
+    for name, layers, top_k, experts, dtype in MODELS:
+        for tokens in token_counts:
+            if tokens * layers * top_k * 8 > 2**30 and name != "Qwen3-30B-A3B":
+                continue
+            yield name, tokens, rows(tokens, layers, top_k, experts, dtype), experts
 
 
 def best(f: Callable[[], object], repeat: int) -> float:
@@ -141,26 +152,19 @@ def main() -> None:
               f"{os.cpu_count()} cores, torch {torch.__version__}")
         print(f"{'model':16} {'tokens':>7} {'rx ms':>8} {'before ms':>9} {'floor ms':>8} "
               f"{'before/rx':>9} {'rx/floor':>8}")
-        for name, layers, top_k, experts, dtype in MODELS:
-            for tokens in args.tokens:
-                if tokens * layers * top_k * 8 > 2**30 and name != "Qwen3-30B-A3B":
-                    continue
-                batch = rows(tokens, layers, top_k, experts, dtype)
-                r, b, f = measure_device(batch, experts, args.repeat, device)
-                print(f"{name:16} {tokens:>7} {r:8.2f} {b:9.2f} {f:8.2f} {b / r:8.1f}x "
-                      f"{r / f:7.2f}x", flush=True)
+        for name, tokens, batch, experts in sizes(args.tokens):
+            r, b, f = measure_device(batch, experts, args.repeat, device)
+            print(f"{name:16} {tokens:>7} {r:8.2f} {b:9.2f} {f:8.2f} {b / r:8.1f}x "
+                  f"{r / f:7.2f}x", flush=True)
         return
     print(f"replay tensors: {platform.processor() or platform.machine()}, {os.cpu_count()} "
           f"cores, torch {torch.__version__} ({torch.get_num_threads()} threads)")
     print(f"{'model':16} {'tokens':>7} {'rx ms':>8} {'glue ms':>8} {'memcpy ms':>9} "
           f"{'glue/rx':>8} {'rx/memcpy':>9}")
-    for name, layers, top_k, experts, dtype in MODELS:
-        for tokens in args.tokens:
-            if tokens * layers * top_k * 8 > 2**30 and name != "Qwen3-30B-A3B":
-                continue  # past 1 GiB of int64 ids: the largest model at 128k is left out
-            r, g, m = measure(rows(tokens, layers, top_k, experts, dtype), experts, args.repeat)
-            print(f"{name:16} {tokens:>7} {r:8.1f} {g:8.1f} {m:9.1f} {g / r:7.2f}x "
-                  f"{r / m:8.2f}x", flush=True)
+    for name, tokens, batch, experts in sizes(args.tokens):
+        r, g, m = measure(batch, experts, args.repeat)
+        print(f"{name:16} {tokens:>7} {r:8.1f} {g:8.1f} {m:9.1f} {g / r:7.2f}x "
+              f"{r / m:8.2f}x", flush=True)
 
 
 if __name__ == "__main__":

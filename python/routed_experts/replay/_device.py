@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ._rows import refuse_layers, replay_ids
+from ._rows import check_layers, refuse_layers, replay_ids
 
 # The dtypes torch copies as they are; uint16 travels as int16 bits and is widened on the
 # device. uint32 and uint64 (no engine sends them) stay on the host path.
@@ -32,6 +32,39 @@ def wanted(device: Any, rows: np.ndarray) -> bool:
     """Whether a replay whose model is on `device` makes its ids there: off the CPU (where the
     Rust pass, one pass on every core, is the faster), for the dtypes `ids_on` takes."""
     return bool(device.type != "cpu" and supported(rows))
+
+
+def router_tensors(
+    rows: np.ndarray,
+    layers: Sequence[int],
+    valid: np.ndarray | None,
+    num_experts: int,
+    places: Sequence[str],
+    *,
+    device: Any,
+    dtype: Any,
+    pattern: Sequence[bool],
+    origin: np.ndarray | None,
+    pin_memory: bool,
+) -> tuple[Any, Any]:
+    """What both replay contexts hand their routers: every router's ids (`[routers, tokens,
+    top_k]`, each router's part contiguous) and the rows replayed (`[routers, tokens]`), as
+    torch tensors on `device`, the layers checked against the model's `pattern`. Made there
+    where `wanted` says (`ids_on`); else by the host's Rust pass (`replay_ids`, each router's
+    part handed to torch without a copy), moved to `device` when it is not the CPU."""
+    import torch
+
+    if wanted(device, rows):
+        return ids_on(rows, layers, valid, num_experts, places, device=device, dtype=dtype,
+                      pattern=pattern, origin=origin, pin_memory=pin_memory)  # fmt: skip
+    check_layers(rows, pattern, valid)
+    np_dtype = np.int32 if dtype == torch.int32 else np.int64
+    host_ids, host_replayed = replay_ids(rows, layers, valid, num_experts, places, np_dtype,
+                                         origin=origin)  # fmt: skip
+    ids, replayed = torch.from_numpy(host_ids), torch.from_numpy(host_replayed)
+    if device.type != "cpu":  # rows of a dtype the device path does not take
+        ids, replayed = ids.to(device), replayed.to(device)
+    return ids, replayed
 
 
 def ids_on(

@@ -20,7 +20,7 @@ import numpy as np
 
 from .._core import ConfigError
 from . import _device
-from ._rows import check_layers, payload_layer, replay_ids
+from ._rows import payload_layer
 from ._stats import Counter, ReplayStats
 
 
@@ -142,17 +142,10 @@ class HfReplay:
         target = torch.device(_device_of(routed[0][1]) if device is None else device)
         places = [f"gate of decoder layer {i}" for i, _ in routed]
         picked = [payload_layer(i, layers, pattern) for i, _ in routed]
-        if _device.wanted(target, rows):
-            ids, replayed = _device.ids_on(
-                rows, picked, valid, experts[0], places, device=target, pattern=pattern,
-                origin=origin, pin_memory=pin_memory,
-            )  # fmt: skip
-        else:
-            check_layers(rows, pattern, valid)
-            host_ids, host_replayed = replay_ids(rows, picked, valid, experts[0], places,
-                                                 origin=origin)  # fmt: skip
-            ids = torch.from_numpy(host_ids).to(target)
-            replayed = torch.from_numpy(host_replayed).to(target)
+        ids, replayed = _device.router_tensors(
+            rows, picked, valid, experts[0], places, device=target, dtype=torch.int64,
+            pattern=pattern, origin=origin, pin_memory=pin_memory,
+        )  # fmt: skip
         self.replayed: dict[int, Any] = {}
         self._targets: list[tuple[Any, Any, Any, int]] = []
         for k, (i, gate) in enumerate(routed):

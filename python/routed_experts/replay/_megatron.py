@@ -22,7 +22,7 @@ import numpy as np
 
 from .._core import ConfigError, shard
 from . import _device
-from ._rows import check_layers, cp_sp_positions, moe_pattern, payload_layer, replay_ids
+from ._rows import cp_sp_positions, moe_pattern, payload_layer
 from ._stats import Counter, ReplayStats
 
 Layout = Literal["thd", "bshd", "rank"]
@@ -242,21 +242,10 @@ class MegatronReplay:
         )  # fmt: skip
         layers = [payload_layer(layer, rows.shape[1], pattern) for _, layer in replaying]
         places = [f"router of decoder layer {layer}" for _, layer in replaying]
-        if _device.wanted(target, rows):
-            ids, replayed = _device.ids_on(
-                rows, layers, valid, config.num_moe_experts, places, device=target, dtype=dtype,
-                pattern=pattern, origin=origin, pin_memory=pin_memory,
-            )  # fmt: skip
-        else:
-            check_layers(rows, pattern, valid)
-            np_dtype = np.int64 if dtype == torch.int64 else np.int32
-            host_ids, host_replayed = replay_ids(
-                rows, layers, valid, config.num_moe_experts, places, np_dtype, origin=origin
-            )
-            ids = torch.from_numpy(host_ids)  # each router's part contiguous: no copy
-            replayed = torch.from_numpy(host_replayed)
-            if target.type != "cpu":  # rows of a dtype the device path does not take
-                ids, replayed = ids.to(target), replayed.to(target)
+        ids, replayed = _device.router_tensors(
+            rows, layers, valid, config.num_moe_experts, places, device=target, dtype=dtype,
+            pattern=pattern, origin=origin, pin_memory=pin_memory,
+        )  # fmt: skip
         self.replayed: dict[int, Any] = {}
         self._targets: list[tuple[Any, Any, Any, int]] = []
         for i, (router, layer) in enumerate(replaying):
