@@ -58,12 +58,12 @@ class _Answers(VllmAnswers):
         self.engine = engine
 
     def routed_rows(
-        self, tokens: list[int], generated: int, start: int
+        self, tokens: list[int], generated: int, start: int, choice: int = 0
     ) -> tuple[np.ndarray, int]:
         fail = self.engine.fail
         if fail == "gap" and self.role == "decode":  # rows from P + 1: two positions missing
             start = len(tokens) + 1
-        rows, start = super().routed_rows(tokens, generated, start)
+        rows, start = super().routed_rows(tokens, generated, start, choice)
         if fail == "zero_routes":  # a broken kernel: right shape, every id 0
             rows = np.zeros_like(rows)
         elif fail == "duplicate_routes":  # every top_k holds its first expert twice

@@ -48,7 +48,10 @@ def stack(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     decode_urls = [s.url for s in servers[2:]]
     if opts.get("prefill_down"):
         prefill_urls = [closed_port_url()]  # nothing listens
-    proxy = Server(create_app(prefill_urls, decode_urls, read_timeout=10, **opts.get("proxy", {})))
+    # The stand-in engines stream routing on completions and chat (as SGLang does): relayed,
+    # unless a test asks for the default (`stream_routing` buffered, vLLM's case).
+    settings = {"read_timeout": 10, "stream_routing": "relay", **opts.get("proxy", {})}
+    proxy = Server(create_app(prefill_urls, decode_urls, **settings))
     proxy.__enter__()
     try:
         yield {

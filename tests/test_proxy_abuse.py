@@ -253,6 +253,8 @@ def test_operator_endpoints_move_to_the_admin_port() -> None:
 def proxy_process(decode_url: str, *flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """`routed-experts proxy` in a child process, as an operator runs it."""
     with Server(Engine().app()) as p:
+        # The stand-in streams routing on completions (as SGLang does): relayed.
+        flags = ("--stream-routing", "relay", *flags)
         proc, url, _ = proxy_command(["--prefill", p.url, "--decode", decode_url, *flags])
         try:
             wait_for(lambda: _answers(url), seconds=20)

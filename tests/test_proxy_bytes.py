@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import routed_experts as rx
 from conftest import sidecar
-from routed_experts.proxy import ProxyServer
+from routed_experts.proxy import ProxyConfig, ProxyServer
 
 KV = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_block_ids": [1]}
 # What each dtype may hold here: a -1 sentinel for the signed ones, ids past 255 and 65535.
@@ -82,7 +82,8 @@ class Replay:
 def front() -> Iterator[tuple[Replay, str]]:
     replay = Replay()
     try:
-        with ProxyServer([replay.url], [replay.url]) as proxy:
+        # The replayed streams carry routing: relayed as they are (not `buffered`).
+        with ProxyServer([replay.url], [replay.url], ProxyConfig(stream_routing="relay")) as proxy:
             yield replay, proxy.url
     finally:
         replay.close()

@@ -55,6 +55,8 @@ def stack(
         p = [e if isinstance(e, str) else next(urls) for e in prefills]
         d = [e if isinstance(e, str) else next(urls) for e in decodes]
         settings.setdefault("read_timeout", 10)
+        # The stand-in engines stream routing on completions (as SGLang does): relayed.
+        settings.setdefault("stream_routing", "relay")
         proxy = stack.enter_context(Server(create_app(p, d, **settings)))
         yield proxy.url
 
@@ -542,6 +544,10 @@ def test_bench_proxy_runs_every_part_small(tmp_path: Any) -> None:
         # vllm-router (tests/requirements.txt installs it) as a column, its routing checked
         assert results[part]["vllm-router"]["ok"] == 20
         assert set(results[part]["vs_vllm_router"]) == {"cpu_per_request", "requests_per_s", "p99"}
+        # The fair race: vllm-router's decode answers every row, so both send the same bytes,
+        # and the no-merge floor relays that many with nothing to merge.
+        assert results[part]["floor"]["ok"] == 20 and "vs_floor" in results[part]
+        assert results[part]["pinned"] is True
     assert len(results["memory"]["rounds"]) == 3
     faults = results["faults"]
     assert all(f["wrong_200"] == 0 for f in faults.values())
@@ -569,7 +575,7 @@ def test_bench_proxy_without_vllm_router_says_how_to_add_it(
     out = capsys.readouterr().out
     assert "(vllm-router not installed: pip install vllm-router (the bench extra)" in out
     rows = [ln.split()[0] for ln in out.splitlines() if "req/s" in ln and "wrong 200s" in ln]
-    assert rows == ["passthrough", "proxy"]
+    assert rows == ["passthrough", "proxy", "floor"]
 
 
 def test_the_proxy_command_serves_and_logs_one_line_per_request() -> None:

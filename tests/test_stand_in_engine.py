@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import routed_experts as rx
-from routed_experts.proxy import ProxyServer
+from routed_experts.proxy import ProxyConfig, ProxyServer
 from routed_experts.stand_in_engine import (
     BLOCK,
     PrefixCache,
@@ -156,14 +156,11 @@ def test_the_proxy_merges_its_halves_to_the_truth(stream: bool, path: str) -> No
         assert status == 200, reply
         if stream:
             events = [line[6:] for line in reply.split(b"\n") if line.startswith(b"data: ")]
-            if not path.endswith("generate"):
-                # As vLLM 0.32: no routing on completions and chat streams. The client's stream
-                # ends in the proxy's error, never in a [DONE] it would stop reading at.
-                assert b"[DONE]" not in events
-                assert b"missing routing" in events[-1], events[-1]
-                return
+            assert events[-1] == b"[DONE]"
             # The finishing event's routing (merged, in the engine's own format: vLLM's .npy
-            # text, as one vLLM server streams it); the others' are null.
+            # text, as one vLLM server streams generate); the others' are null or absent. On
+            # completions and chat, where vLLM streams none, the proxy asked decode plainly and
+            # wrote its answer as the stream (`stream_routing` buffered, the default).
             reply = next(e for e in events if b'"routed_experts": "' in e
                          or b'"routed_experts":"' in e)
         p = rx.from_response(reply)
@@ -172,6 +169,29 @@ def test_the_proxy_merges_its_halves_to_the_truth(stream: bool, path: str) -> No
         np.testing.assert_array_equal(
             p.to_numpy(), routing_of(list(text.encode()), 6, "kimi-k2")
         )
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_relayed_stream_without_routing_ends_in_an_error_naming_the_way_out(path: str) -> None:
+    # `stream_routing` relay: decode's own stream, which from vLLM carries no routing on these
+    # endpoints. The client's stream ends in the proxy's error, never in a [DONE] it would stop
+    # reading at, and the error says what to do instead.
+    with StandInEngine("prefill") as prefill, StandInEngine("decode") as decode, ProxyServer(
+        [prefill.url], [decode.url], ProxyConfig(stream_routing="relay")
+    ) as proxy:
+        body: dict[str, Any] = {"model": "m", "max_tokens": 3, "stream": True}
+        if path.endswith("chat/completions"):
+            body["messages"] = [{"role": "user", "content": "hello"}]
+        else:
+            body["prompt"] = "hello"
+        status, reply = _post(proxy.url, body, path)
+        assert status == 200, reply
+        events = [line[6:] for line in reply.split(b"\n") if line.startswith(b"data: ")]
+        assert b"[DONE]" not in events
+        error = json.loads(events[-1])["error"]
+        assert "missing routing" in error["message"]
+        assert "--stream-routing buffered" in error["message"], error
+        assert '/inference/v1/generate' in error["message"]
 
 
 def test_a_decode_asked_for_rows_it_did_not_compute_answers_500() -> None:

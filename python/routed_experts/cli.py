@@ -293,6 +293,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
             args.role, args.model, args.host, args.port,
             prefill_us_per_token=args.prefill_us_per_token, cache_blocks=args.cache_blocks,
             decode_ms=args.decode_ms, uncomputed_rows=args.uncomputed_rows,
+            stream_ms=args.stream_ms,
         )
     except OSError as e:
         print(f"routed-experts engine: cannot listen on {args.host}:{args.port}: {e}",
@@ -710,6 +711,13 @@ COMMANDS: list[Command] = [
                 type=_seconds_or_zero,
                 default=0.0,
                 help="decode: milliseconds each request takes",
+            ),
+            arg(
+                "--stream-ms",
+                type=_seconds_or_zero,
+                default=0.0,
+                help="milliseconds between a stream's events (0: all at once); stop the engine "
+                     "mid-stream to see what the proxy's client then gets",
             ),
             arg(
                 "--uncomputed-rows",

@@ -21,6 +21,10 @@ the whole routing with each choice's finishing event.
 - A position's routing depends only on the tokens up to it (a rolling hash), so every server
   agrees on a prompt's rows and a merge can be checked against `routing_of(tokens, G)`.
 - A token is a byte of the prompt's UTF-8 text (or an id of a prompt given as ids).
+- `n` choices (1 to `MAX_CHOICES`) each generate their own tokens (choice i's are all 7 + i),
+  so their generated rows differ and their prompt rows agree, as a real engine's do.
+- With `stream_ms`, a stream's events are written one at a time that many milliseconds apart
+  (chunked), so a decode that fails or is stopped mid-stream can be shown.
 - With `cache_blocks`, prefill keeps an LRU of 16-token blocks, hashed in a chain as vLLM's
   automatic prefix caching does: a prompt's leading blocks found there are cached, and only the
   rest costs compute time (`prefill_us_per_token`, one prompt at a time, as a GPU's compute is
@@ -43,6 +47,7 @@ from routed_experts._core import RoutedExperts, encode
 
 BLOCK = 16  # tokens per prefix-cache block (vLLM's default block size)
 MAX_BODY = 64 << 20  # a request body larger than this is refused (413)
+MAX_CHOICES = 16  # a request's `n` past this is refused (400)
 _MASK = (1 << 61) - 1  # rolling hashes are kept below a Mersenne prime
 
 
@@ -62,17 +67,18 @@ def prompt_tokens(body: dict[str, Any]) -> list[int]:
 
 
 def routing_of(
-    tokens: list[int], generated: int, model: str | tuple[int, int, int]
+    tokens: list[int], generated: int, model: str | tuple[int, int, int], choice: int = 0
 ) -> np.ndarray:
     """The routing a monolithic engine would record for `tokens` and `generated` more: rows
     [0, P + G - 1), each row `top_k` distinct experts per layer, a function of the tokens up to
-    its position. `model`: a name of MODELS, or (layers, top_k, experts)."""
+    its position. `model`: a name of MODELS, or (layers, top_k, experts). Choice `choice`
+    generates tokens 7 + `choice`, so choices share only the prompt's rows."""
     layers, top_k, experts = _dims(model)
     rows = len(tokens) + generated - 1
     hashes = np.empty(max(rows, 0), dtype=np.uint64)
     h = 0
     for i in range(rows):
-        token = tokens[i] if i < len(tokens) else 7  # generated tokens: one fixed stand-in
+        token = tokens[i] if i < len(tokens) else 7 + choice  # generated: the choice's token
         h = (h * 1_000_003 + token + 1) & _MASK
         hashes[i] = h
     per_layer = np.arange(layers, dtype=np.uint64) * np.uint64(2654435761)
@@ -145,6 +151,7 @@ class VllmAnswers:
         prefill_us_per_token: float = 0.0,
         cache_blocks: int = 0,
         decode_ms: float = 0.0,
+        stream_ms: float = 0.0,
         uncomputed_rows: str = "error",
         routing_format: str = "vllm_npy",
         stream_routing: bool = False,
@@ -167,21 +174,23 @@ class VllmAnswers:
         self.uncomputed_rows, self.routing_format = uncomputed_rows, routing_format
         self.stream_routing, self.release = stream_routing, release
         self.prefill_us_per_token, self.decode_ms = prefill_us_per_token, decode_ms
+        self.stream_ms = stream_ms
         self.cache = PrefixCache(cache_blocks) if cache_blocks > 0 else None
         self.compute = threading.Lock()  # one prompt's compute at a time
         self.stats_lock = threading.Lock()
         self.stats: dict[str, int] = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
         self.engine_id = engine_id or f"stand-in-{role}-{id(self):x}"
 
-    def truth(self, tokens: list[int], generated: int) -> np.ndarray:
-        """Rows [0, P + G - 1) as a monolithic engine records them (`routing_of`)."""
-        return routing_of(tokens, generated, self.dims)
+    def truth(self, tokens: list[int], generated: int, choice: int = 0) -> np.ndarray:
+        """Rows [0, P + G - 1) of choice `choice` as a monolithic engine records them
+        (`routing_of`)."""
+        return routing_of(tokens, generated, self.dims, choice)
 
     def routed_rows(
-        self, tokens: list[int], generated: int, start: int
+        self, tokens: list[int], generated: int, start: int, choice: int = 0
     ) -> tuple[np.ndarray, int]:
         """The rows this engine answers for a request asked from `start`, and their start."""
-        return self.truth(tokens, generated)[start:], start
+        return self.truth(tokens, generated, choice)[start:], start
 
     def routing_value(self, rows: np.ndarray, start: int) -> Any:
         """The routing value written into a reply: vLLM's base64 `.npy` (no start in it), or
@@ -219,6 +228,11 @@ class VllmAnswers:
         if not isinstance(limits, dict):
             return _error_doc(400, "sampling_params must be an object")
         generated = int(limits.get("max_completion_tokens") or limits.get("max_tokens") or 16)
+        n = limits.get("n", 1) if limits.get("n") is not None else 1
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+            return _error_doc(400, f"n must be an integer in 1..{MAX_CHOICES}, got {n!r}")
+        if n > 1 and self.release == "0.21":
+            return _error_doc(400, "the stand-in's vLLM 0.21 answers one choice (n=1)")
         start = limits.get("routed_experts_prompt_start") or 0
         if self.release == "0.21" or (self.release == "0.27" and not generate):
             start = 0  # 0.21 takes no start; 0.25 to 0.27 take it on generate only
@@ -231,8 +245,8 @@ class VllmAnswers:
             self._prefill_compute(tokens)
             if self.release == "0.21":
                 return 200, self._split_reply(path, tokens, 1)
-            rows, at = self.routed_rows(tokens, 1, start)
-            doc = self._reply(path, "x", rows, at, len(tokens), 1, body)
+            routed = [self.routed_rows(tokens, 1, start, c) for c in range(n)]
+            doc = self._reply(path, "x", routed, len(tokens), 1, body)
             doc["kv_transfer_params"] = self.kv_transfer_params(tokens)
             return 200, doc
         if not kv.get("do_remote_prefill") or not kv.get("remote_engine_id"):
@@ -253,13 +267,13 @@ class VllmAnswers:
             )
         if self.decode_ms:
             time.sleep(self.decode_ms / 1000)
-        rows, at = self.routed_rows(tokens, generated, start)
-        if at < len(tokens) and self.uncomputed_rows == "zeros":
-            rows = rows.copy()
-            rows[: len(tokens) - at] = 0  # the prompt's rows, never computed here
+        routed = [self.routed_rows(tokens, generated, start, c) for c in range(n)]
+        if self.uncomputed_rows == "zeros":
+            for rows, at in routed:
+                rows[: max(len(tokens) - at, 0)] = 0  # the prompt's rows, never computed here
         if body.get("stream"):
-            return 200, self._stream(path, rows, at, len(tokens), generated, body)
-        return 200, self._reply(path, " tok" * generated, rows, at, len(tokens), generated, body)
+            return 200, self._stream(path, routed, len(tokens), generated, body)
+        return 200, self._reply(path, " tok" * generated, routed, len(tokens), generated, body)
 
     def _prefill_compute(self, tokens: list[int]) -> None:
         with self.compute:
@@ -272,35 +286,39 @@ class VllmAnswers:
             self.stats["cached_tokens"] += cached
 
     def _choice(
-        self, path: str, text: str, generated: int, body: dict[str, Any]
+        self, path: str, text: str, generated: int, body: dict[str, Any], index: int = 0
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": index}
         if path == "/v1/chat/completions":
             choice["message"] = {"role": "assistant", "content": text}
         elif path == "/v1/completions":
             choice["text"] = text
         else:
-            choice["token_ids"] = [7] * generated
+            choice["token_ids"] = [7 + index] * generated
         choice["logprobs"] = _logprobs(path, generated) if body.get("logprobs") else None
         choice["finish_reason"] = "length"
         return choice
 
     def _reply(
-        self, path: str, text: str, rows: np.ndarray, start: int, prompt: int, generated: int,
-        body: dict[str, Any],
+        self, path: str, text: str, routed: list[tuple[np.ndarray, int]], prompt: int,
+        generated: int, body: dict[str, Any],
     ) -> dict[str, Any]:
-        choice = self._choice(path, text, generated, body)
-        choice["routed_experts"] = self.routing_value(rows, start)
-        usage = _usage(prompt, generated)
+        """A plain reply with one choice per `routed` (its rows and their start)."""
+        choices = []
+        for i, (rows, start) in enumerate(routed):
+            choice = self._choice(path, text, generated, body, i)
+            choice["routed_experts"] = self.routing_value(rows, start)
+            choices.append(choice)
+        usage = _usage(prompt, generated * len(routed))
         if path == "/inference/v1/generate":
             return {"request_id": f"generate-tokens-{self.role}", "model": self.model,
                     "usage": usage, "prompt_token_ids": None, "kv_transfer_params": None,
-                    "choices": [choice]}  # fmt: skip
+                    "choices": choices}  # fmt: skip
         return {
             "id": f"cmpl-{self.role}",
             "object": "chat.completion" if path == "/v1/chat/completions" else "text_completion",
             "model": self.model,
-            "choices": [choice],
+            "choices": choices,
             "usage": usage,
             "kv_transfer_params": None,
         }
@@ -325,38 +343,41 @@ class VllmAnswers:
                 "kv_transfer_params": self.kv_transfer_params(tokens) if prefill else None}
 
     def _stream(
-        self, path: str, rows: np.ndarray, start: int, prompt: int, generated: int,
+        self, path: str, routed: list[tuple[np.ndarray, int]], prompt: int, generated: int,
         body: dict[str, Any],
     ) -> list[dict[str, Any]]:
         """As vLLM 0.32 streams: routing only on `/inference/v1/generate`, the whole value on
-        the finishing event (`null` before it); none on completions and chat streams (unless
-        `stream_routing`); a usage-only event last when `stream_options.include_usage`."""
+        each choice's finishing event (`null` before it); none on completions and chat streams
+        (unless `stream_routing`); a usage-only event last when `stream_options.include_usage`.
+        The choices' events take turns, one token each."""
         chat, generate = path == "/v1/chat/completions", path == "/inference/v1/generate"
         kind = "chat.completion.chunk" if chat else "text_completion"
         events: list[dict[str, Any]] = []
         for i in range(generated):
-            choice: dict[str, Any] = {"index": 0}
-            if chat:
-                choice["delta"] = {"content": " tok"}
-            elif generate:
-                choice["token_ids"] = [7]
-            else:
-                choice["text"] = " tok"
-            last = i == generated - 1
-            choice["finish_reason"] = "length" if last else None
-            if generate:
-                choice["routed_experts"] = self.routing_value(rows, start) if last else None
-                doc = {"request_id": "generate-tokens-decode", "usage": None, "choices": [choice]}
-            else:
-                if last and self.stream_routing:
-                    choice["routed_experts"] = self.routing_value(rows, start)
-                doc = {"id": "cmpl-decode", "object": kind, "model": self.model,
-                       "choices": [choice]}  # fmt: skip
-            events.append(doc)
+            for index, (rows, start) in enumerate(routed):
+                choice: dict[str, Any] = {"index": index}
+                if chat:
+                    choice["delta"] = {"content": " tok"}
+                elif generate:
+                    choice["token_ids"] = [7 + index]
+                else:
+                    choice["text"] = " tok"
+                last = i == generated - 1
+                choice["finish_reason"] = "length" if last else None
+                if generate:
+                    choice["routed_experts"] = self.routing_value(rows, start) if last else None
+                    doc = {"request_id": "generate-tokens-decode", "usage": None,
+                           "choices": [choice]}  # fmt: skip
+                else:
+                    if last and self.stream_routing:
+                        choice["routed_experts"] = self.routing_value(rows, start)
+                    doc = {"id": "cmpl-decode", "object": kind, "model": self.model,
+                           "choices": [choice]}  # fmt: skip
+                events.append(doc)
         options = body.get("stream_options")
         if not generate and isinstance(options, dict) and options.get("include_usage"):
             events.append({"id": "cmpl-decode", "object": kind, "model": self.model,
-                           "choices": [], "usage": _usage(prompt, generated)})
+                           "choices": [], "usage": _usage(prompt, generated * len(routed))})
         return events
 
 
@@ -374,10 +395,11 @@ class StandInEngine:
         cache_blocks: int = 0,
         decode_ms: float = 0.0,
         uncomputed_rows: str = "error",
+        stream_ms: float = 0.0,
     ) -> None:
         self.answers = VllmAnswers(
             role, model, prefill_us_per_token=prefill_us_per_token, cache_blocks=cache_blocks,
-            decode_ms=decode_ms, uncomputed_rows=uncomputed_rows,
+            decode_ms=decode_ms, uncomputed_rows=uncomputed_rows, stream_ms=stream_ms,
         )
         self.role, self.model = role, model
         self.server = ThreadingHTTPServer((host, port), self._handler())
@@ -452,9 +474,29 @@ class StandInEngine:
                     body = json.loads(raw)
                     if not isinstance(body, dict):
                         raise ValueError("the body is not a JSON object")
+                    if answers.stream_ms and body.get("stream"):
+                        status, reply = answers.reply(self.path, body)
+                        if isinstance(reply, list):
+                            self._send_slowly(reply)
+                            return
+                        self._send(status, "application/json", json.dumps(reply).encode())
+                        return
                     self._send(*answers.answer(self.path, body))
                 except (ValueError, TypeError) as e:
                     self._send(*_error(400, str(e)))
+
+            def _send_slowly(self, events: list[dict[str, Any]]) -> None:
+                """A stream's events one chunk at a time, `stream_ms` apart."""
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                texts = [b"data: " + json.dumps(doc).encode() + b"\n\n" for doc in events]
+                for text in [*texts, b"data: [DONE]\n\n"]:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(text), text))
+                    self.wfile.flush()
+                    time.sleep(answers.stream_ms / 1000)
+                self.wfile.write(b"0\r\n\r\n")
 
         return Handler
 

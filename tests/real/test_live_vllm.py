@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import routed_experts as rx
+from routed_experts.proxy import ProxyConfig, ProxyServer
 
 HARNESS = Path(__file__).resolve().parent / "harness"
 sys.path.insert(0, str(HARNESS))
@@ -149,23 +150,70 @@ def test_generate_plain_and_streamed_merge_to_the_truth(stack: Stack) -> None:
     both_alive(stack)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_streamed_completions_and_chat_end_with_every_choices_routing(
+    stack: Stack, endpoint: str, n: int
+) -> None:
+    # vLLM sends no routing on these streams; the proxy (`stream_routing` buffered, the
+    # default) asks decode plainly and answers the stream the client asked for, each choice's
+    # routing on its finishing chunk. Read with the OpenAI SDK, as a client would.
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0,
+                           timeout=300)
+    text = f"{LONG} sdk stream {endpoint} {n}"
+    extra = {"return_token_ids": True}
+    common = {"model": "tiny", "max_tokens": 5, "n": n, "stream": True, "extra_body": extra,
+              "stream_options": {"include_usage": True}, "temperature": 1.0 if n > 1 else 0,
+              "seed": 11}
+    if endpoint == "chat":
+        stream = client.chat.completions.create(
+            messages=[{"role": "user", "content": text}], **common)
+    else:
+        stream = client.completions.create(prompt=text, **common)
+    prompt: list[int] | None = None
+    routed, generated, usage = {}, {}, []
+    for chunk in stream:
+        prompt = prompt or (chunk.model_extra or {}).get("prompt_token_ids")
+        if chunk.usage is not None:
+            usage.append(chunk.usage)
+        for c in chunk.choices:
+            extra_fields = c.model_extra or {}
+            prompt = prompt or extra_fields.get("prompt_token_ids")
+            if c.finish_reason is not None:
+                routed[c.index] = rx.from_response(chunk, c.index)
+                generated[c.index] = extra_fields["token_ids"]
+    assert sorted(routed) == list(range(n)) and prompt, (routed, prompt)
+    want = truth(stack, [list(prompt) + list(generated[i]) for i in range(n)])
+    for i in range(n):
+        got = routed[i]
+        assert got is not None and got.start == 0
+        np.testing.assert_array_equal(got.to_numpy(), want[i])
+    assert [u.completion_tokens for u in usage] == [sum(len(g) for g in generated.values())]
+    both_alive(stack)
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)],
     ids=["completions", "chat"],
 )
-def test_a_stream_the_release_sends_no_routing_on_ends_in_an_error_never_done(
+def test_a_relayed_stream_the_release_sends_no_routing_on_ends_in_an_error_never_done(
     stack: Stack, path: str, body: dict[str, Any]
 ) -> None:
-    # vLLM 0.32 sends no routing on these streams: the client sees every token, then the
-    # proxy's error as the last event, and no [DONE] (an OpenAI client stops reading there).
+    # `stream_routing` relay: decode's own stream, which vLLM 0.32 sends without routing here.
+    # The client sees every token, then the proxy's error as the last event, and no [DONE] (an
+    # OpenAI client stops reading there); the error names the setting that gives the routing.
     body = {**body, "stream": True}
-    with httpx.stream("POST", stack.url + path, json=body, timeout=300) as r:
-        assert r.status_code == 200
-        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    relay = ProxyConfig(stream_routing="relay")
+    with ProxyServer([stack.prefill.url], [stack.decode.url], relay) as proxy:
+        with httpx.stream("POST", proxy.url + path, json=body, timeout=300) as r:
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert "data: [DONE]" not in lines
     last = json.loads(lines[-1][6:])
     assert last["error"]["side"] == "decode" and "missing routing" in last["error"]["message"]
+    assert "--stream-routing buffered" in last["error"]["message"]
     both_alive(stack)
 
 

@@ -11,12 +11,13 @@ use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Response};
 
 use super::budget::Share;
-use super::config::RoutingFormat;
+use super::buffered_stream::events_from_body;
+use super::config::{RoutingFormat, StreamRouting};
 use super::fault::Fault;
 use super::metrics::Phase;
 use super::parts::{shared_parts, Held, Part, PartsBody};
 use super::pool::{Lease, Outcome, Side};
-use super::request::{decode_start, ClientBody};
+use super::request::{decode_start, Api, ClientBody};
 use super::stream::SAMPLE_ROWS;
 use routed_experts::body::{read_prefill_scanned, Base64Runs, PrefillBody};
 use routed_experts::response::{merge_response_found, merge_suspects, suspect_rows, MergeOptions};
@@ -61,7 +62,12 @@ impl Call {
         };
         let prefill_json = body.prefill_request();
         let (prefill, mut prefill_share) = self.prefill(ex, prefill_json, body.session).await?;
-        if ex.stream {
+        // A completions or chat stream whose routing the engine would not stream is asked
+        // plainly and answered as a stream (`stream_routing` buffered).
+        let as_events = ex.stream
+            && body.api() != Api::Generate
+            && proxy.config.stream_routing == StreamRouting::Buffered;
+        if ex.stream && !as_events {
             return self
                 .stream(ex, body, lease, (prefill, prefill_share), slot)
                 .await;
@@ -71,7 +77,11 @@ impl Call {
             runs,
         } = prefill;
         let (read, decode_start) = self.read_prefill(&prefill_body, runs.as_ref(), body.start)?;
-        let decode_json = body.decode_request(read.kv_transfer_params, decode_start);
+        let decode_json = if as_events {
+            body.plain_decode_request(read.kv_transfer_params, decode_start)
+        } else {
+            body.decode_request(read.kv_transfer_params, decode_start)
+        };
         let lease = lease.take();
         ex.decode = lease.upstream.url.clone();
         let (
@@ -96,7 +106,7 @@ impl Call {
             // sidecar) is written as it is sent, a piece at a time while it is in cache.
             let opts = MergeOptions {
                 require_routing: true,
-                defer_recode: true,
+                defer_recode: !as_events,
                 ..self.merge_options(body.start, decode_start)
             };
             let mut spliced =
@@ -113,7 +123,13 @@ impl Call {
             ))
         })
         .map_err(merge_fault)?;
-        let (parts, (prefill_seen, decode_seen)) = parts;
+        let (mut parts, (prefill_seen, decode_seen)) = parts;
+        if as_events {
+            parts = blocking_if(decode_body.len() >= BLOCKING_BYTES, || {
+                events_from_body(&joined(parts)?, body.api(), body.include_usage)
+            })
+            .map(|events| vec![Part::Ready(Bytes::from(events))])?;
+        }
         proxy
             .metrics
             .routing_rows(Side::Prefill, &ex.prefill, prefill_seen);
@@ -129,8 +145,13 @@ impl Call {
         let held: Held = Arc::new((slot, prefill_share, decode_share));
         let body = PartsBody::new(parts, held);
         let mut r = Response::new(BodyExt::boxed(body));
+        let mime = if as_events {
+            "text/event-stream"
+        } else {
+            "application/json"
+        };
         r.headers_mut()
-            .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            .insert(CONTENT_TYPE, HeaderValue::from_static(mime));
         ex.tag(&mut r);
         Ok(r)
     }
@@ -310,6 +331,24 @@ impl Call {
 pub(crate) struct Reply {
     pub(crate) body: Bytes,
     pub(crate) runs: Option<Base64Runs>,
+}
+
+/// A merged body's parts as one buffer (to be written again as a stream's events).
+fn joined(parts: Vec<Part>) -> Result<Vec<u8>, Fault> {
+    let mut out = Vec::with_capacity(parts.iter().map(Part::len).sum());
+    for mut part in parts {
+        loop {
+            let (bytes, rest) = part
+                .next_piece()
+                .map_err(|e| Fault::new(Blame::Proxy, 500, format!("merged routing: {e}")))?;
+            out.extend_from_slice(&bytes);
+            match rest {
+                Some(r) => part = r,
+                None => break,
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Gives a lease back when a request ends before its upstream call starts.

@@ -84,8 +84,11 @@ macro_rules! settings {
             /// A file listing the servers (`prefill URL` or `decode URL` a line), read at start
             /// and again on SIGHUP; then `prefill` and `decode` stay empty.
             pub upstreams_file: Option<PathBuf>,
-            /// How the merged routing is written for the client (default: a compact sidecar).
+            /// How the merged routing is written for the client (default: the decode engine's
+            /// own format).
             pub routing_format: RoutingFormat,
+            /// How a completions or chat stream gets its routing (default: buffered).
+            pub stream_routing: StreamRouting,
             $(
                 #[doc = $help]
                 pub $name: settings!(@type $unit),
@@ -103,6 +106,7 @@ macro_rules! settings {
                     session_header: None,
                     upstreams_file: None,
                     routing_format: RoutingFormat::Engine,
+                    stream_routing: StreamRouting::Buffered,
                     $( $name: settings!(@default $unit, $default), )*
                 }
             }
@@ -275,6 +279,42 @@ impl RoutingFormat {
     }
 }
 
+/// How a `/v1/completions` or `/v1/chat/completions` stream request gets its routing
+/// (`stream_routing`). Generate streams are always relayed: vLLM's carry routing on their
+/// finishing event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamRouting {
+    /// Decode is asked plainly and its merged answer is sent as the stream the client asked
+    /// for, the routing on each choice's finishing chunk (the tokens come together, once
+    /// decode is done). vLLM streams no routing on these endpoints.
+    Buffered,
+    /// Decode's own stream is relayed as it comes, its routing event merged; a stream that
+    /// ends without routing ends with an error event. For engines that stream routing there
+    /// (SGLang 0.5.9+).
+    Relay,
+}
+
+impl StreamRouting {
+    /// Every choice, in the order the help lists them.
+    pub const ALL: [StreamRouting; 2] = [StreamRouting::Buffered, StreamRouting::Relay];
+
+    /// Its name in the settings.
+    pub fn name(self) -> &'static str {
+        match self {
+            StreamRouting::Buffered => "buffered",
+            StreamRouting::Relay => "relay",
+        }
+    }
+
+    /// The choice `name` names; `Err` lists the names.
+    pub fn parse(name: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|f| f.name() == name)
+            .ok_or_else(|| format!("expected buffered or relay, got {name:?}"))
+    }
+}
+
 /// The settings that take text, beside [`SETTINGS`]: `(name, default, help)`.
 pub const TEXT_SETTINGS: &[(&str, Option<&str>, &str)] = &[
     (
@@ -306,6 +346,15 @@ pub const TEXT_SETTINGS: &[(&str, Option<&str>, &str)] = &[
         "how the merged routing reaches the client: engine (the default: in the decode \
          engine's own format, e.g. vLLM's .npy text, as a client of one engine reads it) or \
          compact (a compact sidecar, whatever the engines sent)",
+    ),
+    (
+        "stream_routing",
+        Some("buffered"),
+        "how a completions or chat stream gets its routing: buffered (the default: decode is \
+         asked plainly and its answer sent as the stream asked for, each choice's routing on \
+         its finishing chunk, the tokens together at the end; vLLM streams no routing there) \
+         or relay (decode's stream relayed as it comes, for engines that stream routing, such \
+         as SGLang; one that ends without routing ends with an error event)",
     ),
     (
         "upstreams_file",
@@ -340,6 +389,10 @@ impl Config {
             "upstreams_file" => self.upstreams_file = Some(PathBuf::from(value)),
             "routing_format" => {
                 self.routing_format = RoutingFormat::parse(value)
+                    .map_err(|e| ConfigError::new(name, format!("{name}: {e}")))?
+            }
+            "stream_routing" => {
+                self.stream_routing = StreamRouting::parse(value)
                     .map_err(|e| ConfigError::new(name, format!("{name}: {e}")))?
             }
             _ => {
@@ -519,6 +572,13 @@ mod tests {
         assert_eq!(
             c.set_text("routing_format", "npy").unwrap_err().message,
             "routing_format: expected compact or engine, got \"npy\""
+        );
+        assert_eq!(c.stream_routing, StreamRouting::Buffered);
+        assert_eq!(c.set_text("stream_routing", "relay"), Ok(()));
+        assert_eq!(c.stream_routing, StreamRouting::Relay);
+        assert_eq!(
+            c.set_text("stream_routing", "live").unwrap_err().message,
+            "stream_routing: expected buffered or relay, got \"live\""
         );
         assert_eq!(c.set_text("decode_policy", "round_robin"), Ok(()));
         assert_eq!(c.decode_policy, Policy::RoundRobin);

@@ -24,6 +24,7 @@
 //! end (504 or a last error event).
 
 mod budget;
+mod buffered_stream;
 mod call;
 pub mod config;
 mod config_error;

@@ -52,6 +52,8 @@ pub struct ClientBody {
     pub start: Option<u64>,
     /// Whether the client asked for a stream.
     pub stream: bool,
+    /// `stream_options.include_usage` of a stream request: its last chunk carries `usage`.
+    pub include_usage: bool,
     /// The key of the request's `session_id` (vLLM's stable identity of related requests,
     /// such as a rollout's turns): its turns go to the same servers.
     pub session: Option<u64>,
@@ -129,6 +131,13 @@ impl ClientBody {
                 ))
             }
         };
+        // Anything but an object with `include_usage: true` asks for no usage chunk; the
+        // engine judges the field as a whole where the stream is relayed.
+        let include_usage = stream
+            && fields.get("stream_options").is_some_and(|v| {
+                serde_json::from_str::<IndexMap<String, Box<RawValue>>>(v.get())
+                    .is_ok_and(|o| o.get("include_usage").is_some_and(|u| u.get() == "true"))
+            });
         let session = match fields.get("session_id").map(|v| v.get()) {
             None | Some("null") => None,
             Some(text) => Some(super::pool::session_key(text.as_bytes())),
@@ -139,8 +148,14 @@ impl ClientBody {
             sampling,
             start,
             stream,
+            include_usage,
             session,
         })
+    }
+
+    /// The endpoint the request was sent to.
+    pub fn api(&self) -> Api {
+        self.api
     }
 
     /// The request for the prefill server: one token, no streaming, KV cache kept for decode.
@@ -182,8 +197,27 @@ impl ClientBody {
     /// `sampling_params` for a generate request): a decode engine must never be asked for the
     /// rows of prompt positions whose KV it received rather than computed (vLLM 0.32 dies).
     pub fn decode_request(&self, kv_transfer_params: Option<&[u8]>, start: Option<u64>) -> Vec<u8> {
+        self.decode_fields(kv_transfer_params, start, false)
+    }
+
+    /// [`decode_request`](Self::decode_request) asked without streaming (`stream` false,
+    /// `stream_options` dropped): a stream request whose answer the proxy writes as the stream
+    /// (`stream_routing` buffered).
+    pub fn plain_decode_request(
+        &self,
+        kv_transfer_params: Option<&[u8]>,
+        start: Option<u64>,
+    ) -> Vec<u8> {
+        self.decode_fields(kv_transfer_params, start, true)
+    }
+
+    fn decode_fields(&self, kv: Option<&[u8]>, start: Option<u64>, plain: bool) -> Vec<u8> {
         let mut fields = self.fields.clone();
         fields.retain(|k, _| k != "kv_transfer_params" && !STEERING.contains(&k.as_str()));
+        if plain && self.stream {
+            fields.insert("stream".into(), raw("false"));
+            fields.shift_remove("stream_options");
+        }
         if let Some(s) = start {
             let at = raw(&s.to_string());
             match self.api {
@@ -203,7 +237,7 @@ impl ClientBody {
             out.push(b',');
         }
         out.extend_from_slice(br#""kv_transfer_params":"#);
-        out.extend_from_slice(kv_transfer_params.unwrap_or(b"null"));
+        out.extend_from_slice(kv.unwrap_or(b"null"));
         out.push(b'}');
         out
     }
@@ -317,6 +351,27 @@ mod tests {
         assert_eq!(v["kv_transfer_params"]["do_remote_decode"], true);
         let chat = ClientBody::parse(client, Api::Chat).unwrap();
         assert_eq!(json(&chat.prefill_request())["max_completion_tokens"], 1);
+
+        assert!(body.include_usage && body.api() == Api::Completions);
+        let plain = json(&body.plain_decode_request(None, Some(2)));
+        assert_eq!(plain["stream"], false);
+        assert!(plain.get("stream_options").is_none());
+        assert_eq!(plain["routed_experts_prompt_start"], 2);
+        for (options, usage) in [
+            (r#""stream":true"#, false),
+            (
+                r#""stream":true,"stream_options":{"include_usage":false}"#,
+                false,
+            ),
+            (r#""stream":true,"stream_options":[1]"#, false),
+            (
+                r#""stream":false,"stream_options":{"include_usage":true}"#,
+                false,
+            ),
+        ] {
+            let b = ClientBody::parse(format!("{{{options}}}").as_bytes(), Api::Chat).unwrap();
+            assert_eq!(b.include_usage, usage, "{options}");
+        }
 
         let d = body.decode_request(Some(br#"{"remote_host":"h"}"#), None);
         let v = json(&d);

@@ -704,8 +704,10 @@ fn with_stream_advice(e: routed_experts::Error) -> routed_experts::Error {
     }
     let message = format!(
         "{}; the decode stream ended without routing (vLLM sends none on /v1/completions and \
-         /v1/chat/completions streams): ask without \"stream\" to get the routing, or stream \
-         /inference/v1/generate, whose finishing event carries it",
+         /v1/chat/completions streams): run the proxy with --stream-routing buffered (the \
+         default; `stream_routing`), which asks decode plainly and ends the stream with the \
+         routing, ask without \"stream\", or stream /inference/v1/generate, whose finishing \
+         event carries it",
         e.message()
     );
     routed_experts::Error::new(e.kind().clone(), message)
@@ -847,9 +849,10 @@ data: {\"choices\":[{\"index\":0,\"text\":\"i\",\"routed_experts\":{\"data\":\"H
         );
         // It says what the client can do instead (issue 55), and stays the same kind.
         assert!(
-            e.to_string().contains(
-                "ask without \"stream\" to get the routing, or stream /inference/v1/generate"
-            ),
+            e.to_string()
+                .contains("run the proxy with --stream-routing buffered")
+                && e.to_string().contains("ask without \"stream\"")
+                && e.to_string().contains("or stream /inference/v1/generate"),
             "{e}"
         );
         assert_eq!(

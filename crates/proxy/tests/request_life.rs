@@ -18,6 +18,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use routed_experts::formats::encode_json;
 use routed_experts::{from_response, DTypeChoice, Format, Hints, Payload, Shape};
+use routed_experts_proxy::config::StreamRouting;
 use routed_experts_proxy::{Config, Server, Stop};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
@@ -351,10 +352,36 @@ async fn a_stream_relays_every_event_and_merges_the_routing_event() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_completions_stream_without_routing_ends_in_an_error_never_in_done() {
-    // vLLM 0.32 sends no routing on completions streams: the client gets every token, then
-    // the proxy's error as the last event, and no [DONE] it would stop reading at.
+async fn a_completions_stream_is_answered_from_a_plain_decode_and_ends_with_its_routing() {
+    // vLLM 0.32 sends no routing on completions streams: by default (`stream_routing`
+    // buffered) decode is asked plainly and its merged answer goes out as the stream, the
+    // content first, then the finishing chunk with the routing, then [DONE].
     let proxy = working_proxy().await;
+    let (status, body) = post(proxy.addr, "/v1/completions", &completion(true)).await;
+    assert_eq!(status, 200);
+    let text = String::from_utf8(body).unwrap();
+    let events = data_lines(&text);
+    assert_eq!(events.len(), 3, "{text}");
+    assert_eq!(events[2], "[DONE]");
+    assert!(events[0].contains("\"finish_reason\":null"), "{text}");
+    assert!(events[1].contains("\"finish_reason\":\"length\""), "{text}");
+    assert_truth(events[1].as_bytes());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relayed_completions_stream_without_routing_ends_in_an_error_never_in_done() {
+    // `stream_routing` relay: decode's own stream, which from vLLM 0.32 carries no routing on
+    // completions. The client gets every token, then the proxy's error as the last event
+    // (naming the setting that would have given it the routing), and no [DONE] it would stop
+    // reading at.
+    let (p, d) = counters();
+    let config = Config {
+        prefill: vec![engine(Engine::Working, p).await],
+        decode: vec![engine(Engine::Working, d).await],
+        stream_routing: StreamRouting::Relay,
+        ..Config::default()
+    };
+    let proxy = Running::start_config(config, false);
     let (status, body) = post(proxy.addr, "/v1/completions", &completion(true)).await;
     assert_eq!(status, 200);
     let text = String::from_utf8(body).unwrap();
@@ -362,7 +389,8 @@ async fn a_completions_stream_without_routing_ends_in_an_error_never_in_done() {
     assert_eq!(events.len(), GENERATED + 1, "{text}");
     assert!(!text.contains("[DONE]"), "{text}");
     assert!(
-        events[GENERATED].contains("missing routing on the decode side"),
+        events[GENERATED].contains("missing routing on the decode side")
+            && events[GENERATED].contains("--stream-routing buffered"),
         "{text}"
     );
 }

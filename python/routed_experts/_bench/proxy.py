@@ -59,6 +59,11 @@ class Bodies:
     merged: bytes
     merged_stream: bytes
     decode_start: int | None = None
+    # Decode's answer asked from 0 by an engine that zeroes the rows it did not compute (vLLM
+    # before 0.32): every row [0, P + G - 1), so a router relaying it sends the client the
+    # bytes the proxy's merge sends (the fair race's decode for vllm-router).
+    decode_full: bytes = b""
+    stream_full: bytes = b""
 
     @classmethod
     def make(
@@ -100,12 +105,35 @@ class Bodies:
         last = events[-1][6:]  # the finishing event, with the routing
         merged_stream = stream.replace(last, rx.merge_response(
             prefill_body, last, decode_start=decode_start, keep_format=keep_format))
-        return cls(request, prefill_body, decode_body, stream, merged, merged_stream, decode_start)
+        decode_full, stream_full = decode_body, stream
+        if decode_start is not None:
+            zeros = VllmAnswers("decode", model, routing_format=fmt, stream_routing=True,
+                                uncomputed_rows="zeros")
+            from_zero = {**asked_decode, "routed_experts_prompt_start": 0}
+            decode_full = json.dumps(_answered(zeros, path, from_zero)).encode()
+            stream_full = b"\n\n".join([
+                *(b"data: " + json.dumps(e).encode()
+                  for e in _answered(zeros, path, {**from_zero, "stream": True})),
+                b"data: [DONE]",
+            ]) + b"\n\n"
+        return cls(request, prefill_body, decode_body, stream, merged, merged_stream, decode_start,
+                   decode_full, stream_full)
 
     def without_routing(self) -> bytes:
         doc = json.loads(self.decode)
         del doc["choices"][0]["routed_experts"]
         return json.dumps(doc).encode()
+
+    def unrouted(self) -> tuple[bytes, bytes, bytes]:
+        """The no-merge floor's traffic: prefill's body without routing, and decode's whole
+        answer (`decode_full`, plain and streamed) with its routing key renamed to one no
+        reader takes as routing, of the same length: the bytes the proxy moves for a merge,
+        with nothing to merge."""
+        doc = json.loads(self.prefill)
+        del doc["choices"][0]["routed_experts"]
+        rename = (b'"routed_experts"', b'"filler_payload"')
+        return (json.dumps(doc).encode(), self.decode_full.replace(*rename),
+                self.stream_full.replace(*rename))
 
 
 # --- stand-in engines (run as child processes) --------------------------------------------------
@@ -114,10 +142,18 @@ class Bodies:
 class Engine:
     """Serves prebuilt bodies. `fault`: None, "hang" (reads requests, never answers),
     "no_routing", "status500", "truncated" (closes half way through a body), "byte_split" (a
-    stream's routing event one byte per HTTP chunk). A request whose client marked it
+    stream's routing event one byte per HTTP chunk); the fair race's variants: "full_rows"
+    (decode answers every row, `Bodies.decode_full`, whatever start it is asked) and
+    "unrouted" (`Bodies.unrouted`: the no-merge floor). A request whose client marked it
     `"user": "small"` is answered with the bodies of an 8-token request."""
 
     def __init__(self, role: str, bodies: Bodies, fault: str | None, shape: str = "sidecar"):
+        if fault == "unrouted":
+            prefill, decode, stream = bodies.unrouted()
+            bodies = Bodies(bodies.request, prefill, decode, stream, b"", b"")
+        elif fault == "full_rows":
+            bodies = Bodies(bodies.request, bodies.prefill, bodies.decode_full,
+                            bodies.stream_full, b"", b"")
         self.role, self.bodies, self.fault, self.shape = role, bodies, fault, shape
         self.requests = 0
         self.disconnects = 0
@@ -264,6 +300,9 @@ def _serve_main(kind: str, prefill: list[str], decode: list[str], settings: dict
             from routed_experts.proxy.server import configure_logging
 
             configure_logging("info")
+        # The bench's stand-in engines stream routing on every endpoint (as vLLM's generate
+        # does), and vllm-router relays streams: the proxy relays them too.
+        settings = {"stream_routing": "relay", **settings}
         server = ProxyServer(prefill, decode, ProxyConfig(**settings))
         print(f"PORT {server.port}", flush=True)
         server.serve(signals=True)
@@ -545,45 +584,73 @@ def _get(url: str) -> tuple[int, Any]:
 
 
 def bench_load(args: argparse.Namespace, bodies: Bodies, stream: bool) -> dict[str, Any]:
-    """The proxy, the pass-through relay and vllm-router (when installed) on the same engines,
-    one after the other."""
+    """The fair race: the proxy, vllm-router (when installed), the no-merge floor and the
+    pass-through relay, one after the other, each front answering the client the same bytes
+    (vllm-router's decode answers every row, `Bodies.decode_full`; the floor's engines send
+    the same bytes with nothing to merge, `Bodies.unrouted`), the front under test on a core
+    of its own and the client and engines on the others (`pin_cores`)."""
     body = bodies.request
     if stream:
         body = body[:-1] + b',"stream":true}'
-    decode_routing = rx.from_response(bodies.decode, start=bodies.decode_start)
-    kinds = ["passthrough", "vllm-router", "proxy"] if vllm_router() else ["passthrough", "proxy"]
+    full_routing = rx.from_response(bodies.decode_full, start=None if bodies.decode_start is
+                                    None else 0)
+    kinds = ["passthrough", "vllm-router", "proxy", "floor"]
+    if not vllm_router():
+        kinds.remove("vllm-router")
     results: dict[str, Any] = {}
-    with children(_engine("prefill", args), _engine("decode", args)) as (p, d):
+    unrouted = bodies.unrouted()
+    specs = [_engine("prefill", args), _engine("decode", args),
+             _engine("decode", args, "full_rows"),
+             _engine("prefill", args, "unrouted"), _engine("decode", args, "unrouted")]
+    with children(*specs) as (p, d, d_full, p_floor, d_floor):
+        cores = pin_cores([p, d, d_full, p_floor, d_floor])
         for kind in kinds:
             expect: Expect
             if kind == "proxy":
                 expect = bodies.merged_stream if stream else bodies.merged
             elif kind == "passthrough":
                 expect = bodies.stream if stream else bodies.decode
+            elif kind == "floor":  # decode's answer relayed as it came: nothing to merge
+                expect = unrouted[2] if stream else unrouted[1]
             elif stream:  # vllm-router relays the stream as it came
-                expect = bodies.stream
+                expect = bodies.stream_full
             else:
                 # vllm-router rewrites the JSON (it adds usage.total_tokens) and relays the
                 # decode server's routing, zeroed prompt rows included: that is what is checked.
                 def expect(content: bytes | bytearray) -> bool:
-                    return rx.from_response(content, start=bodies.decode_start) == decode_routing
+                    got = rx.from_response(content, start=full_routing.start if full_routing
+                                           else None)
+                    return got == full_routing
             with contextlib.ExitStack() as stack:
                 if kind == "vllm-router":
-                    server: Child = RouterChild([p], [d])
+                    server: Child = RouterChild([p], [d_full])
                     stack.callback(server.stop)
                 else:
-                    settings = _proxy_settings(args) if kind == "proxy" else {}
-                    (server,) = stack.enter_context(
-                        children(_server(kind, [p], [d], **settings)))
+                    settings = _proxy_settings(args) if kind in ("proxy", "floor") else {}
+                    front = "proxy" if kind == "floor" else kind
+                    ups = ([p_floor], [d_floor]) if kind == "floor" else ([p], [d])
+                    (server,) = stack.enter_context(children(_server(front, *ups, **settings)))
+                if cores:
+                    _set_affinity(server.proc.pid, cores[0])
                 # Steady state: one round at full concurrency first, so the heap has grown to
                 # what this load needs (a proxy runs for days; its first minute is not the case).
                 _measure(server, body, None, args.concurrency * 2, args.concurrency, "warm-up")
-                results[kind] = _measure(
-                    server, body, expect, args.requests, args.concurrency, kind
-                ).summary()
+                r = _measure(server, body, expect, args.requests, args.concurrency, kind)
+                results[kind] = r.summary()
+                # How much of its core the front kept busy: near 1, it is the bottleneck.
+                results[kind]["busy"] = round(r.cpu_seconds / max(r.seconds, 1e-9), 2)
+        if cores:
+            os.sched_setaffinity(0, cores[0] | cores[1])
+    results["pinned"] = bool(cores)
+    results["bytes_out"] = {"proxy": len(bodies.merged_stream if stream else bodies.merged),
+                            "vllm-router": len(bodies.stream_full if stream
+                                               else bodies.decode_full)}
     proxy = results["proxy"]
     results["ratio_requests_per_s"] = round(
         proxy["requests_per_s"] / max(results["passthrough"]["requests_per_s"], 1e-9), 2
+    )
+    results["vs_floor"] = round(
+        proxy["cpu_ms_per_request"] / max(results["floor"]["cpu_ms_per_request"], 1e-9), 2
     )
     if "vllm-router" in results:
         router = results["vllm-router"]
@@ -597,6 +664,27 @@ def bench_load(args: argparse.Namespace, bodies: Bodies, stream: bool) -> dict[s
             "p99": round(proxy["p99_ms"] / max(router["p99_ms"], 1e-9), 2),
         }
     return results
+
+
+def pin_cores(others: Sequence[Child]) -> tuple[set[int], set[int]] | None:
+    """With two cores or more: (the front's core, the rest). The engines in `others` and this
+    process (the client) are moved to the rest, so the front under test has a core of its own
+    (`_set_affinity` puts it there). None with one core: nothing is pinned."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        return None
+    front, rest = {allowed[0]}, set(allowed[1:])
+    for c in others:
+        _set_affinity(c.proc.pid, rest)
+    os.sched_setaffinity(0, rest)
+    return front, rest
+
+
+def _set_affinity(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (threads it starts later inherit it)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(task), cpus)
 
 
 def bench_memory(args: argparse.Namespace, bodies: Bodies) -> dict[str, Any]:

@@ -132,21 +132,24 @@ def _reliable(results: dict[str, Any]) -> bool:
 
 
 def _print_load(title: str, r: dict[str, Any]) -> None:
-    print(f"\n{title}: requests/s, server CPU per request (the load client's), latency p50/p99,"
-          " statuses")
+    pinned = "each front on a core of its own" if r.get("pinned") else "nothing pinned"
+    print(f"\n{title} ({pinned}; the proxy and vllm-router send {r['bytes_out']['proxy']} and "
+          f"{r['bytes_out']['vllm-router']} bytes a reply): requests/s, the front's CPU per "
+          "request (the load client's), its core kept busy, latency p50/p99, statuses")
     if "vllm-router" not in r:
         print(f"  (vllm-router not installed: {_VLLM_ROUTER_HINT})")
-    for kind in ("passthrough", "vllm-router", "proxy"):
+    for kind in ("passthrough", "vllm-router", "proxy", "floor"):
         if kind not in r:
             continue
         s = r[kind]
         print(
             f"  {kind:12} {s['requests_per_s']:7.1f} req/s  {s['cpu_ms_per_request']:6.2f} ms CPU"
-            f" ({s['client_cpu_ms_per_request']:.2f})"
+            f" ({s['client_cpu_ms_per_request']:.2f})  busy {s['busy']:.2f}"
             f"  p50 {s['p50_ms']:7.1f} ms  p99 {s['p99_ms']:7.1f} ms  {s['statuses']}"
             f"  wrong 200s: {s['wrong_200']}"
         )
-    print(f"  proxy / pass-through requests/s: {r['ratio_requests_per_s']}x", flush=True)
+    print(f"  proxy / pass-through requests/s: {r['ratio_requests_per_s']}x; proxy / no-merge "
+          f"floor CPU per request: {r['vs_floor']}x", flush=True)
     if "vs_vllm_router" in r:
         v = r["vs_vllm_router"]
         print(

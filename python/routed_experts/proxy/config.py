@@ -35,6 +35,7 @@ class ProxyConfig:
     session_header: str | None = None  # e.g. "X-Session-Id"; else the body's session_id
     upstreams_file: str | None = None  # `prefill URL` / `decode URL` lines, re-read on SIGHUP
     routing_format: str = "engine"  # the decode engine's own format (vLLM's .npy), or "compact"
+    stream_routing: str = "buffered"  # completions/chat streams from a plain decode, or "relay"
     header_timeout: float = 30.0
     max_header_bytes: int = 64 * 1024
     max_connections: int = 4096

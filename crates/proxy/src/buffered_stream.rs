@@ -1,0 +1,314 @@
+//! A stream request answered from a plain one (`stream_routing` buffered). vLLM sends no
+//! routing on `/v1/completions` or `/v1/chat/completions` streams, so such a request's decode
+//! is asked plainly and its merged answer is written as the OpenAI event stream the client
+//! asked for: each choice's content, then its finishing chunk carrying every other field of
+//! the choice (the routing where the plain body had it), then the body's other top-level
+//! fields and, when `stream_options.include_usage` asked, its `usage`, then `data: [DONE]`.
+//! Values are copied as their JSON text, never read into numbers or rewritten.
+
+use indexmap::IndexMap;
+use serde_json::value::RawValue;
+
+use super::fault::{push_json_string, Blame, Fault};
+use super::request::Api;
+
+/// Top-level fields every chunk repeats (`object` is set per chunk).
+const HEAD: [&str; 3] = ["id", "created", "model"];
+
+/// Fields of a choice its content chunk carries; the rest go on its finishing chunk.
+const CONTENT: [&str; 5] = ["index", "text", "message", "logprobs", "finish_reason"];
+
+type Fields<'a> = IndexMap<String, &'a RawValue>;
+
+/// The event stream for the plain answer `body` of a completions (`Api::Completions`) or chat
+/// request; `include_usage`: the client's `stream_options.include_usage`. An answer that is
+/// not an object with a `choices` array of objects is decode's fault (it was merged from it).
+pub(crate) fn events_from_body(
+    body: &[u8],
+    api: Api,
+    include_usage: bool,
+) -> Result<Vec<u8>, Fault> {
+    let bad = |why: &str| {
+        Fault::new(
+            Blame::Decode,
+            502,
+            format!("decode's answer cannot be written as a stream: {why}"),
+        )
+    };
+    let top: Fields = serde_json::from_slice(body).map_err(|_| bad("not a JSON object"))?;
+    let choices = top.get("choices").ok_or_else(|| bad("no choices"))?;
+    let choices: Vec<Fields> = serde_json::from_str(choices.get())
+        .map_err(|_| bad("choices is not an array of objects"))?;
+    let chat = api == Api::Chat;
+    let object = if chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    let mut out = Vec::with_capacity(body.len() + 512 * (choices.len() + 2));
+    for (position, choice) in choices.iter().enumerate() {
+        let index = choice
+            .get("index")
+            .map_or(position.to_string(), |v| v.get().into());
+        let mut content = format!("{{\"index\":{index},");
+        let mut finishing = content.clone();
+        if chat {
+            let message = choice
+                .get("message")
+                .ok_or_else(|| bad("a choice has no message"))?;
+            content.push_str("\"delta\":");
+            content.push_str(&as_delta(message).map_err(|_| bad("a message is not an object"))?);
+            finishing.push_str("\"delta\":{}");
+        } else {
+            let text = choice.get("text").map_or("\"\"", |v| v.get());
+            content.push_str("\"text\":");
+            content.push_str(text);
+            finishing.push_str("\"text\":\"\"");
+        }
+        content.push_str(",\"logprobs\":");
+        content.push_str(choice.get("logprobs").map_or("null", |v| v.get()));
+        content.push_str(",\"finish_reason\":null}");
+        finishing.push_str(",\"logprobs\":null,\"finish_reason\":");
+        finishing.push_str(choice.get("finish_reason").map_or("null", |v| v.get()));
+        push_fields(
+            &mut finishing,
+            choice
+                .iter()
+                .filter(|(k, _)| !CONTENT.contains(&k.as_str())),
+        );
+        finishing.push('}');
+        for part in [content, finishing] {
+            write_chunk(&mut out, &top, object, &part, std::iter::empty());
+        }
+    }
+    let rest = top.iter().filter(|(k, _)| {
+        !HEAD.contains(&k.as_str()) && !matches!(k.as_str(), "object" | "choices" | "usage")
+    });
+    let usage = top.get_key_value("usage").filter(|_| include_usage);
+    if rest.clone().next().is_some() || usage.is_some() {
+        write_chunk(&mut out, &top, object, "", rest.chain(usage));
+    }
+    out.extend_from_slice(b"data: [DONE]\n\n");
+    Ok(out)
+}
+
+/// One `data:` event: the head fields, `object`, the choices (`choices`: their JSON, joined)
+/// and `extra` fields.
+fn write_chunk<'a>(
+    out: &mut Vec<u8>,
+    top: &Fields,
+    object: &str,
+    choices: &str,
+    extra: impl Iterator<Item = (&'a String, &'a &'a RawValue)>,
+) {
+    let mut text = String::from("data: {");
+    let mut first = true;
+    for key in HEAD {
+        if let Some(v) = top.get(key) {
+            if !first {
+                text.push(',');
+            }
+            first = false;
+            push_json_string(&mut text, key);
+            text.push(':');
+            text.push_str(v.get());
+        }
+    }
+    if !first {
+        text.push(',');
+    }
+    text.push_str("\"object\":\"");
+    text.push_str(object);
+    text.push_str("\",\"choices\":[");
+    text.push_str(choices);
+    text.push(']');
+    push_fields(&mut text, extra);
+    text.push_str("}\n\n");
+    out.extend_from_slice(text.as_bytes());
+}
+
+/// `,"key":value` for each field.
+fn push_fields<'a>(out: &mut String, fields: impl Iterator<Item = (&'a String, &'a &'a RawValue)>) {
+    for (k, v) in fields {
+        out.push(',');
+        push_json_string(out, k);
+        out.push(':');
+        out.push_str(v.get());
+    }
+}
+
+/// A chat `message` as a stream's `delta`: the same fields, with each tool call given the
+/// `index` stream deltas carry (clients join a tool call's pieces by it).
+fn as_delta(message: &RawValue) -> Result<String, serde_json::Error> {
+    let fields: Fields = serde_json::from_str(message.get())?;
+    let calls: Option<Vec<Fields>> = match fields.get("tool_calls") {
+        Some(v) if v.get().trim_start().starts_with('[') => Some(serde_json::from_str(v.get())?),
+        _ => None,
+    };
+    let Some(calls) = calls.filter(|c| !c.is_empty()) else {
+        return Ok(message.get().to_string());
+    };
+    let mut out = String::from("{");
+    for (i, (k, v)) in fields.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        push_json_string(&mut out, k);
+        out.push(':');
+        if k != "tool_calls" {
+            out.push_str(v.get());
+            continue;
+        }
+        out.push('[');
+        for (n, call) in calls.iter().enumerate() {
+            if n > 0 {
+                out.push(',');
+            }
+            out.push('{');
+            let mut rest = call
+                .iter()
+                .filter(|(k, _)| k.as_str() != "index")
+                .peekable();
+            out.push_str(&format!(
+                "\"index\":{}",
+                call.get("index").map_or(n.to_string(), |v| v.get().into())
+            ));
+            if rest.peek().is_some() {
+                push_fields(&mut out, rest);
+            }
+            out.push('}');
+        }
+        out.push(']');
+    }
+    out.push('}');
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{json, Value};
+
+    fn events(body: &Value, api: Api, usage: bool) -> Vec<Value> {
+        let out = events_from_body(body.to_string().as_bytes(), api, usage).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+        text.split("\n\n")
+            .filter(|e| !e.is_empty() && *e != "data: [DONE]")
+            .map(|e| serde_json::from_str(e.strip_prefix("data: ").unwrap()).unwrap())
+            .collect()
+    }
+
+    fn completion() -> Value {
+        json!({"id": "cmpl-1", "object": "text_completion", "created": 7, "model": "m",
+               "choices": [
+                 {"index": 0, "text": "ab", "logprobs": null, "finish_reason": "length",
+                  "stop_reason": null, "token_ids": [1, 2], "routed_experts": "AAA="},
+                 {"index": 1, "text": "cd", "logprobs": {"tokens": ["c", "d"]},
+                  "finish_reason": "stop", "routed_experts": "BBB="}],
+               "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+               "system_fingerprint": "fp", "kv_transfer_params": null})
+    }
+
+    #[test]
+    fn each_choice_streams_its_content_then_a_finishing_chunk_with_the_rest() {
+        let ev = events(&completion(), Api::Completions, false);
+        assert_eq!(ev.len(), 5);
+        for e in &ev {
+            assert_eq!(
+                (&e["id"], &e["object"], &e["created"], &e["model"]),
+                (
+                    &json!("cmpl-1"),
+                    &json!("text_completion"),
+                    &json!(7),
+                    &json!("m")
+                )
+            );
+        }
+        assert_eq!(
+            ev[0]["choices"],
+            json!([{"index": 0, "text": "ab", "logprobs": null,
+                                             "finish_reason": null}])
+        );
+        assert_eq!(
+            ev[1]["choices"],
+            json!([{"index": 0, "text": "", "logprobs": null,
+            "finish_reason": "length", "stop_reason": null, "token_ids": [1, 2],
+            "routed_experts": "AAA="}])
+        );
+        assert_eq!(
+            ev[2]["choices"][0]["logprobs"],
+            json!({"tokens": ["c", "d"]})
+        );
+        assert_eq!(ev[3]["choices"][0]["routed_experts"], "BBB=");
+        // The body's other fields close the stream; usage only when asked.
+        assert_eq!(ev[4]["choices"], json!([]));
+        assert_eq!(
+            (&ev[4]["system_fingerprint"], &ev[4]["kv_transfer_params"]),
+            (&json!("fp"), &Value::Null)
+        );
+        assert!(ev[4].get("usage").is_none());
+        let with = events(&completion(), Api::Completions, true);
+        assert_eq!(with[4]["usage"]["total_tokens"], 7);
+    }
+
+    #[test]
+    fn a_chat_message_is_the_delta_and_tool_calls_get_their_index() {
+        let body = json!({"id": "c", "object": "chat.completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi",
+                "tool_calls": [{"id": "t", "type": "function",
+                                "function": {"name": "f", "arguments": "{}"}}]},
+                "logprobs": null, "finish_reason": "tool_calls", "routed_experts": "AA=="}]});
+        let ev = events(&body, Api::Chat, true);
+        assert_eq!(
+            ev.len(),
+            2,
+            "no other top-level fields and no usage: no closing chunk"
+        );
+        assert_eq!(ev[0]["object"], "chat.completion.chunk");
+        let delta = &ev[0]["choices"][0]["delta"];
+        assert_eq!(
+            (&delta["role"], &delta["content"]),
+            (&json!("assistant"), &json!("hi"))
+        );
+        assert_eq!(delta["tool_calls"][0]["index"], 0);
+        assert_eq!(delta["tool_calls"][0]["function"]["name"], "f");
+        assert_eq!(ev[1]["choices"][0]["delta"], json!({}));
+        assert_eq!(ev[1]["choices"][0]["finish_reason"], "tool_calls");
+        assert_eq!(ev[1]["choices"][0]["routed_experts"], "AA==");
+    }
+
+    #[test]
+    fn values_are_copied_as_their_text() {
+        let body = br#"{"id":"x","created":1,"model":"m","choices":[{"index":0,"text":"\u00e9",
+            "finish_reason":null,"big":123456789012345678901234567890,"routed_experts":"A"}]}"#;
+        let out = events_from_body(body, Api::Completions, false).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.contains(r#""text":"\u00e9""#), "{text}");
+        assert!(text.contains("123456789012345678901234567890"), "{text}");
+    }
+
+    #[test]
+    fn an_answer_that_is_not_a_completion_is_decodes_fault() {
+        for body in [
+            &b"[1]"[..],
+            b"{}",
+            br#"{"choices":{}}"#,
+            br#"{"choices":[1]}"#,
+            br#"{"choices":[{"index":0}]}"#,
+        ] {
+            let api = if body.ends_with(b"0}]}") {
+                Api::Chat
+            } else {
+                Api::Completions
+            };
+            let e = events_from_body(body, api, false).unwrap_err();
+            assert_eq!((e.side, e.status), (Blame::Decode, 502), "{body:?}");
+            assert!(
+                e.message.contains("cannot be written as a stream"),
+                "{}",
+                e.message
+            );
+        }
+    }
+}
