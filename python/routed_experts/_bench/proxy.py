@@ -125,15 +125,22 @@ class Bodies:
         return json.dumps(doc).encode()
 
     def unrouted(self) -> tuple[bytes, bytes, bytes]:
-        """The no-merge floor's traffic: prefill's body without routing, and decode's whole
-        answer (`decode_full`, plain and streamed) with its routing key renamed to one no
-        reader takes as routing, of the same length: the bytes the proxy moves for a merge,
-        with nothing to merge."""
-        doc = json.loads(self.prefill)
-        del doc["choices"][0]["routed_experts"]
+        """The no-merge floor's traffic: the bytes the proxy moves for a merge, in and out,
+        with nothing to merge. Decode sends its whole answer (`decode_full`, plain and
+        streamed), the routing key renamed to one of the same length no reader takes as
+        routing, and the proxy relays it as it came. Prefill's routing is renamed the same way
+        where decode's answer is as long as the merge's already (sidecar bodies: the proxy
+        reads both halves whole), and left out where decode's own rows are few (vLLM's: the
+        proxy reads prefill's rows and a short decode, so the floor reads a short prefill and
+        decode's whole rows)."""
         rename = (b'"routed_experts"', b'"filler_payload"')
-        return (json.dumps(doc).encode(), self.decode_full.replace(*rename),
-                self.stream_full.replace(*rename))
+        if self.decode_start is None:
+            prefill = self.prefill.replace(*rename)
+        else:
+            doc = json.loads(self.prefill)
+            del doc["choices"][0]["routed_experts"]
+            prefill = json.dumps(doc).encode()
+        return prefill, self.decode_full.replace(*rename), self.stream_full.replace(*rename)
 
 
 # --- stand-in engines (run as child processes) --------------------------------------------------

