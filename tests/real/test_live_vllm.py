@@ -1,9 +1,11 @@
 """A real vLLM in prefill/decode behind the proxy (`make test-engines`, which CI runs): two
 servers of vLLM's CPU build joined by its ExampleConnector, the tiny MoE model made here, and
 every reply's routing checked against the model's own (transformers, in the engine's
-environment). The prompt is long enough that decode receives two 32-token blocks of KV and
-computes only the rest, as in production: asked for rows of positions it did not compute, a
-vLLM 0.32 decode engine dies."""
+environment). The prompt is long enough that decode receives two 32-token blocks of KV: a vLLM
+0.32 decode engine loads them and computes only the rest, as in production, and dies when asked
+for rows of positions it did not compute; 0.33 (the release CI runs) ignores KV whose routing it
+does not hold and recomputes the prompt (format.md §3.5). Either way the proxy asks decode from
+`P - 1`."""
 
 from __future__ import annotations
 
@@ -201,7 +203,7 @@ def test_streamed_completions_and_chat_end_with_every_choices_routing(
 def test_a_relayed_stream_the_release_sends_no_routing_on_ends_in_an_error_never_done(
     stack: Stack, path: str, body: dict[str, Any]
 ) -> None:
-    # `stream_routing` relay: decode's own stream, which vLLM 0.32 sends without routing here.
+    # `stream_routing` relay: decode's own stream, which vLLM sends without routing here.
     # The client sees every token, then the proxy's error as the last event, and no [DONE] (an
     # OpenAI client stops reading there); the error names the setting that gives the routing.
     body = {**body, "stream": True}
@@ -224,7 +226,7 @@ def answered_again(
     Every prompt new from its first token: prefill saves each prompt's KV blocks in the shared
     folder, and a restarted prefill server (its own prefix cache empty) that finds a prompt's
     leading blocks there loads them, computes no routing for them and dies when asked for
-    routing from 0 (vLLM 0.32; format.md §3.5)."""
+    routing from 0 (vLLM 0.32; format.md §3.5; 0.33 recomputes them instead)."""
     for i in range(attempts):
         body = {**body, "prompt": f"{tag} back {i} {LONG}"}
         r = httpx.post(stack.url + "/v1/completions", json=body, timeout=300)
