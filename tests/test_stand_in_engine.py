@@ -362,3 +362,58 @@ def test_the_stand_in_answers_where_and_as_the_real_release_does(name: str) -> N
             doc = json.loads(body)
             assert p is not None and p.start == start
             assert p.stop == doc["usage"]["prompt_tokens"] + doc["usage"]["completion_tokens"] - 1
+
+
+def test_n_choices_each_generate_their_own_tokens_and_share_the_prompts_rows() -> None:
+    with StandInEngine("prefill") as prefill:
+        kv = {"do_remote_decode": True}
+        status, reply = _post(prefill.url, {"prompt": "hello there", "n": 3, "max_tokens": 4,
+                                            "kv_transfer_params": kv})
+        assert status == 200
+        doc = json.loads(reply)
+        assert [c["index"] for c in doc["choices"]] == [0, 1, 2]
+        rows = [rx.from_response(reply, i) for i in range(3)]
+        assert all(r is not None and r.num_tokens == 11 for r in rows)
+        for bad in (0, 17, 2.0, "2", True):
+            body = {"prompt": "x", "n": bad, "kv_transfer_params": kv}
+            status, reply = _post(prefill.url, body)
+            assert status == 400 and b"n must be an integer in 1..16" in reply, (bad, reply)
+    a, b = routing_of([1, 2, 3], 4, "qwen3-30b-a3b", 0), routing_of([1, 2, 3], 4, "qwen3-30b-a3b", 1)
+    np.testing.assert_array_equal(a[:3], b[:3])  # the prompt's rows agree
+    assert not np.array_equal(a[3:], b[3:])  # the generated ones do not
+
+
+def test_a_decode_stopped_mid_stream_ends_the_clients_stream_with_an_error_event() -> None:
+    # `routed-experts engine --stream-ms`: events 30 ms apart, so the decode server can be
+    # stopped while it streams, and the proxy's client sees an error event, never a [DONE].
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "routed_experts.cli", "engine", "--role", "decode", "--port",
+           "0", "--stream-ms", "30"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        port = int(line.rsplit(":", 1)[1])  # "stand-in decode engine (...) on http://H:P"
+        with StandInEngine("prefill") as prefill, ProxyServer(
+            [prefill.url], [f"http://127.0.0.1:{port}"]
+        ) as proxy:
+            body = {"model": "m", "token_ids": list(range(3, 40)), "stream": True,
+                    "sampling_params": {"max_tokens": 200}}
+            req = urllib.request.Request(
+                proxy.url + "/inference/v1/generate", json.dumps(body).encode(),
+                {"content-type": "application/json"})
+            events = []
+            with urllib.request.urlopen(req, timeout=30) as r:
+                for raw in r:
+                    if raw.startswith(b"data: "):
+                        events.append(raw[6:].strip())
+                        if len(events) == 5:
+                            proc.kill()  # mid-stream
+        assert len(events) > 5 and b"[DONE]" not in events
+        error = json.loads(events[-1])["error"]
+        assert error["side"] == "decode", error
+    finally:
+        proc.kill()
+        proc.communicate(timeout=10)
