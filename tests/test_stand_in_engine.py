@@ -378,7 +378,7 @@ def test_n_choices_each_generate_their_own_tokens_and_share_the_prompts_rows() -
             body = {"prompt": "x", "n": bad, "kv_transfer_params": kv}
             status, reply = _post(prefill.url, body)
             assert status == 400 and b"n must be an integer in 1..16" in reply, (bad, reply)
-    a, b = routing_of([1, 2, 3], 4, "qwen3-30b-a3b", 0), routing_of([1, 2, 3], 4, "qwen3-30b-a3b", 1)
+    a, b = (routing_of([1, 2, 3], 4, "qwen3-30b-a3b", choice) for choice in (0, 1))
     np.testing.assert_array_equal(a[:3], b[:3])  # the prompt's rows agree
     assert not np.array_equal(a[3:], b[3:])  # the generated ones do not
 
