@@ -54,17 +54,19 @@ $(VENV)/.wheel-deps: $(VENV)/.run-deps
 # Release build: the tests and the demo exercise the optimised code users run.
 build-dev: $(VENV)/.run-deps
 	@echo "make: building the Rust extension, release with LTO (2-3 minutes from clean on 2 cores, seconds after)"
-	maturin develop --release -q 2>&1 | grep -v "^Ignoring .*: markers"
+	maturin develop --release -q 2>&1 | { grep -v "^Ignoring .*: markers" || test $$? = 1; }
 
 run: build-dev
 	routed-experts demo
 
 test: build-dev $(VENV)/.test-deps
+	@echo "make: cargo test of the workspace (builds the debug tests first: 4-6 minutes from clean on 2 cores)"
 	cargo test --quiet --workspace
-	# The core again with the string scan's portable loop, as a CPU without SIMD runs it.
+	@echo "make: the core's tests again with the string scan's portable loop, as a CPU without SIMD runs it"
 	cargo test --quiet -p routed_experts --features portable --lib
+	@echo "make: pytest, about 1,900 tests (5-8 minutes on 2 cores)"
 	$(PY) -m pytest -q
-	# The proxy's tests again, through the ASGI app (create_app) that relays to the server.
+	@echo "make: the proxy's tests again through the ASGI app (create_app) that relays to the server (2 minutes)"
 	RX_PROXY_DATA_PLANE=asgi $(PY) -m pytest -q tests/test_proxy.py tests/test_proxy_resilience.py
 
 # The wheels users install (abi3, manylinux2014, C++ runtime linked in by zig; x86_64 and
@@ -76,7 +78,7 @@ wheel: wheel-aarch64 wheel-x86_64
 wheel-x86_64: $(VENV)/.wheel-deps
 	@echo "make: building the abi3 $(WHEEL_TAG) x86_64 wheel and the sdist into $(DIST)/ (3 minutes from clean)"
 	rm -f $(DIST)/routed_experts-*x86_64.whl $(DIST)/routed_experts-*.tar.gz
-	CARGO_TARGET_DIR=$(abspath target/wheel-x86_64) maturin build --release --zig --compatibility $(WHEEL_TAG) -o $(DIST) -q 2>&1 | grep -v "^Ignoring .*: markers"
+	CARGO_TARGET_DIR=$(abspath target/wheel-x86_64) maturin build --release --zig --compatibility $(WHEEL_TAG) -o $(DIST) -q 2>&1 | { grep -v "^Ignoring .*: markers" || test $$? = 1; }
 	maturin sdist -o $(DIST)
 	auditwheel show $(DIST)/routed_experts-*x86_64.whl
 
@@ -84,7 +86,7 @@ wheel-aarch64: $(VENV)/.wheel-deps
 	@echo "make: building the abi3 $(WHEEL_TAG) aarch64 wheel into $(DIST)/ (3 minutes from clean)"
 	rm -f $(DIST)/routed_experts-*aarch64.whl
 	rustup target add $(AARCH64)
-	CARGO_TARGET_DIR=$(abspath target/wheel-aarch64) maturin build --release --zig --target $(AARCH64) --compatibility $(WHEEL_TAG) -o $(DIST) -q 2>&1 | grep -v "^Ignoring .*: markers"
+	CARGO_TARGET_DIR=$(abspath target/wheel-aarch64) maturin build --release --zig --target $(AARCH64) --compatibility $(WHEEL_TAG) -o $(DIST) -q 2>&1 | { grep -v "^Ignoring .*: markers" || test $$? = 1; }
 	auditwheel show $(DIST)/routed_experts-*aarch64.whl
 
 # The built wheels, installed into clean venvs with no Rust or C++ compiler on PATH, run the
@@ -145,7 +147,7 @@ bench-proxy: build-dev $(VENV)/.test-deps
 # every row so both send the client the same bytes, and the no-merge floor beside them
 # (BENCHMARKS.md). CI fails when the proxy's CPU per request passes 0.6x vllm-router's in the
 # same run, so a regression a benchmark could catch is caught here (measured 0.21-0.53x on a
-# 2-core VM; the margin is for its noise). Sidecar bodies, vLLM 0.32's P/D bodies answered in
+# 2-core VM, 0.53x once beside another job; the margin is for its noise). Sidecar bodies, vLLM 0.32's P/D bodies answered in
 # the engine's own .npy text (the default), and answered as compact sidecars. About 4 minutes.
 bench-proxy-ci: build-dev $(VENV)/.test-deps
 	routed-experts bench-proxy --only load stream --requests 200 --max-cpu-ratio 0.6 \

@@ -1,7 +1,8 @@
 """An orchestrator's hop: a multi-turn rollout's reply bodies in, one routing of the whole
 conversation out, handed to another process (docs/usage.md, format.md §5).
 
-Run it: python examples/orchestrator.py (needs only numpy and routed_experts).
+Run it: .venv/bin/python examples/orchestrator.py, after `make run` (needs only numpy and
+routed_experts).
 """
 
 import json

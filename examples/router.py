@@ -1,7 +1,8 @@
 """A P/D router's hop: prefill's and decode's response bodies in, one body out with the routing
 of the whole sequence, or an error the router answers with (docs/usage.md, format.md §4).
 
-Run it: python examples/router.py (needs only numpy and routed_experts).
+Run it: .venv/bin/python examples/router.py, after `make run` (needs only numpy and
+routed_experts).
 """
 
 import json

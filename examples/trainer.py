@@ -1,7 +1,8 @@
 """A trainer's hop: the rollouts' routing in, one packed batch out, and each parallel rank's share
 of it (docs/usage.md, format.md §6 and §6.1).
 
-Run it: python examples/trainer.py (needs only numpy and routed_experts; no torch).
+Run it: .venv/bin/python examples/trainer.py, after `make run` (needs only numpy and
+routed_experts; no torch).
 """
 
 import numpy as np

@@ -15,14 +15,16 @@ pub const DEFAULT_MAX_BYTES: usize = 1 << 30;
 pub fn check_shape(shape: Shape, dtype: DType, limit: usize) -> crate::error::Result<()> {
     match shape.declared_bytes(dtype) {
         Some(n) if n <= limit => Ok(()),
-        declared => Err(crate::error::Error::payload(format!(
-            "`shape`: {shape} of {dtype} declares {} (non-zero dimensions times the item size), \
-             which exceeds the limit of {limit} bytes (raise it with \
-             routed_experts.set_max_bytes or max_bytes=)",
-            match declared {
-                Some(n) => format!("{n} bytes"),
-                None => "more than 2**64 bytes (overflows)".to_string(),
-            }
+        Some(n) => Err(crate::error::Error::payload(format!(
+            "`shape`: {shape} of {dtype} declares {n} bytes (non-zero dimensions times the item \
+             size), which exceeds the limit of {limit} bytes (raise it with \
+             routed_experts.set_max_bytes or max_bytes=)"
+        ))),
+        // No limit holds it: saying to raise one would send the reader the wrong way.
+        None => Err(crate::error::Error::payload(format!(
+            "`shape`: {shape} of {dtype} declares more than 2**64 bytes (the product of its \
+             non-zero dimensions and the item size overflows): no routing is that large, so \
+             the shape is wrong"
         ))),
     }
 }

@@ -207,3 +207,80 @@ def test_a_repeated_server_flag_adds_servers_it_never_keeps_only_the_last() -> N
     assert args.prefill == ["http://p1", "http://p2", "http://p3"]
     assert args.decode == ["http://d1", "http://d2"]
     assert parse(["proxy", "--prefill", "http://p", "--decode", "http://d"]).prefill == ["http://p"]
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_a_choice_the_body_lacks_or_a_value_cannot_have_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    p = rx.RoutedExperts.from_array(np.arange(24, dtype=np.int64).reshape(2, 3, 4))
+    body = write(tmp_path, "b.json", json.dumps({"choices": [{"index": 0,
+                                                             "routed_experts": p.to_dict()}]}))
+    side = write(tmp_path, "s.json", p.to_json())
+    for argv in (["inspect", body, "--choice", "3"], ["convert", body, "--to", "lists",
+                                                      "--choice", "1"]):
+        rc, out, err = _run(argv, capsys)
+        assert (rc, out) == (2, ""), (argv, out)
+        assert "b.json: --choice" in err and "has choice 0" in err, err
+    rc, out, err = _run(["inspect", side, "--choice", "1"], capsys)
+    assert (rc, out) == (2, "") and "a routing value has no choices" in err, err
+    # Nothing half-said on stdout before an error.
+    rc, out, err = _run(["inspect", write(tmp_path, "bad.json", b'{"data":"!!","shape":[1]}')],
+                        capsys)
+    assert rc == 2 and out == "", out
+
+
+def test_merge_and_compare_name_the_files_they_are_about(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    p = rx.RoutedExperts.from_array(np.arange(24, dtype=np.int64).reshape(2, 3, 4))
+    body = write(tmp_path, "prefill.json",
+                 json.dumps({"choices": [{"index": 0, "routed_experts": p.to_dict()}]}))
+    value = write(tmp_path, "full.json", p.to_json())
+    rc, _, err = _run(["merge", body, value], capsys)
+    assert rc == 2 and "MergeError" in err, err
+    assert "prefill.json is a response body and" in err and "full.json is a routing value" in err
+    assert "from_response" not in err  # the command's words, not the library's
+    other = rx.RoutedExperts.from_array(np.arange(16, dtype=np.int64).reshape(2, 2, 4))
+    rc, _, err = _run(["compare", value, write(tmp_path, "b.json", other.to_json())], capsys)
+    assert rc == 2 and "full.json (a) with" in err and "b.json (b)" in err, err
+
+
+def test_an_overflowing_shape_is_not_told_to_raise_the_limit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    huge = json.dumps({"data": "AAAA", "shape": [2**62, 2**62, 8], "start": 0})
+    rc, _, err = _run(["inspect", write(tmp_path, "h.json", huge)], capsys)
+    assert rc == 2 and "overflow" in err and "--max-bytes" not in err, err
+    big = json.dumps({"data": "AAAA", "shape": [2**20, 2**10, 8], "start": 0})
+    rc, _, err = _run(["inspect", write(tmp_path, "b.json", big)], capsys)
+    assert rc == 2 and "raise it with --max-bytes" in err, err
+
+
+def test_convert_to_stdout_ends_its_line(tmp_path: Path, capfdbinary: pytest.CaptureFixture[bytes]
+                                         ) -> None:
+    p = rx.RoutedExperts.from_array(np.arange(12, dtype=np.int64).reshape(2, 3, 2))
+    for fmt in rx.FORMATS:
+        assert main(["convert", write(tmp_path, "s.json", p.to_json()), "--to", fmt]) == 0
+        out = capfdbinary.readouterr().out
+        assert out.endswith(b"\n") and not out.endswith(b"\n\n"), (fmt, out[-20:])
+
+
+def test_the_help_shows_every_choice_and_every_flag_says_what_it_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from routed_experts.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    proxy_help = sub.choices["proxy"].format_help()
+    assert "{compact,engine}" in proxy_help and "{buffered,relay}" in proxy_help, proxy_help
+    for name, command in sub.choices.items():
+        for action in command._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"{name} {action.option_strings[0]} has no help"

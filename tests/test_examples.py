@@ -48,6 +48,10 @@ def test_every_python_example_is_tested() -> None:
 @pytest.mark.source_tree
 @pytest.mark.parametrize("example", sorted(EXPECTED))
 def test_the_example_runs_as_written(example: str) -> None:
+    # As its header says: with the clone's .venv python (what `make run` installs), from the
+    # clone's root.
+    header = (REPO / "examples" / example).read_text().split('"""')[1]
+    assert f"Run it: .venv/bin/python examples/{example}, after `make run`" in header, header
     done = subprocess.run(
         [sys.executable, str(REPO / "examples" / example)],
         cwd=REPO, capture_output=True, text=True, timeout=60,

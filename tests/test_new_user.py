@@ -74,6 +74,31 @@ def test_public_names_are_the_api() -> None:
         assert getattr(rx, name).__doc__, name
 
 
+def test_the_public_names_are_one_list() -> None:
+    # One list of public names, the core's: the stub's `__all__` (which stubtest holds to the
+    # extension) names every public item of `_core`; the package imports exactly those (but
+    # the proxy's StreamMerger, which `routed_experts.proxy` exports) and lists exactly what it
+    # imports, plus its `replay` subpackage, in `__all__`.
+    import ast
+
+    init = Path(rx.__file__)
+    stub = ast.parse(init.with_name("_core.pyi").read_text())
+    stub_all = next(n for n in stub.body if isinstance(n, ast.Assign)
+                    and getattr(n.targets[0], "id", "") == "__all__")
+    assert isinstance(stub_all.value, ast.List)
+    core_public = {e.value for e in stub_all.value.elts
+                   if isinstance(e, ast.Constant) and not str(e.value).startswith("_")}
+    tree = ast.parse(init.read_text())
+    imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom)
+                and n.module == "routed_experts._core" for a in n.names} - {"__version__"}
+    assert imported == core_public - {"StreamMerger"}
+    from routed_experts import proxy
+
+    assert proxy.StreamMerger is rx._core.StreamMerger
+    assert set(rx.__all__) == imported | {"replay"}
+    assert list(rx.__all__) == sorted(rx.__all__), "kept sorted: a name added shows in review"
+
+
 def test_the_formats_python_names_are_the_cores() -> None:
     # One list, the core's: the stub's literal, the CLI's choices and detection agree with it.
     import ast

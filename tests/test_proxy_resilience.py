@@ -344,6 +344,21 @@ def test_metrics_and_one_log_line_per_request(caplog: pytest.LogCaptureFixture) 
         assert part in line
 
 
+def test_a_failed_streams_log_line_names_its_decode_server(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # As a plain request's line does: which server, and how long it took to fail.
+    caplog.set_level(logging.INFO, logger="routed_experts.proxy")
+    decode = Engine(fail="500")
+    with Server(decode.app()) as d, stack([Engine()], [d.url]) as url:
+        body = {**COMPLETION, "stream": True}
+        r = post(url, body, headers={"X-Request-Id": "failed-stream"})
+        assert r.status_code == 502
+    lines = [r.getMessage() for r in caplog.records if "request_id=failed-stream" in r.getMessage()]
+    assert len(lines) == 1 and f"decode={d.url}" in lines[0], lines
+    assert "decode=-" not in lines[0]
+
+
 def _rows(text: str, name: str, **labels: str) -> float:
     """The value of the metric line `name` whose labels include `labels`."""
     for line in text.splitlines():

@@ -23,7 +23,7 @@ __all__ = [
     "_ProxyServer",
     "_check_proxy_settings",
     "_from_raw",
-    "_proxy_policies",
+    "_proxy_choices",
     "_proxy_settings",
     "_proxy_text_settings",
     "_read_prefill",
@@ -329,7 +329,7 @@ class StreamMerger:
 
 def _proxy_settings() -> list[tuple[str, str, int, int, str]]: ...
 def _proxy_text_settings() -> list[tuple[str, str | None, str]]: ...
-def _proxy_policies() -> list[str]: ...
+def _proxy_choices() -> list[tuple[str, list[str]]]: ...
 def _check_proxy_settings(settings: dict[str, Any]) -> None: ...
 @final
 class _ProxyServer:

@@ -102,19 +102,49 @@ def _is_response_body(text: bytes) -> bool:
     return isinstance(doc, dict) and any(k in doc for k in BODY_KEYS)
 
 
+def _choice(path: str, data: bytes, args: argparse.Namespace) -> int | None:
+    """The `--choice` to read from `data`: 0 when not given; an error naming the file when
+    the body has no such choice, or when `--choice` is given for a routing value (which has
+    none). None for a routing value."""
+    name = "stdin" if path == "-" else path
+    if not _is_response_body(data):
+        if getattr(args, "choice", None) is not None:
+            raise rx.PayloadError(f"{name}: --choice {args.choice}: a routing value has no "
+                                  "choices (--choice is for response bodies)")
+        return None
+    choice = args.choice or 0
+    doc = json.loads(data)
+    if isinstance(doc, list):
+        have = list(range(len(doc)))
+    elif isinstance(doc.get("choices"), list) and doc["choices"]:
+        have = [c.get("index", i) if isinstance(c, dict) else i
+                for i, c in enumerate(doc["choices"])]
+    else:
+        have = [0]
+    if choice not in have:
+        raise rx.PayloadError(f"{name}: --choice {choice}: the response body has "
+                              f"choice{'s' if len(have) > 1 else ''} "
+                              f"{', '.join(map(str, have))}")
+    return int(choice)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     _progress(f"reading {'stdin' if args.file == '-' else args.file}")
     text = _read_input(args.file).strip()
+    lines = []
     with _in_file(args.file):
-        if _is_response_body(text):
-            print("format: response body")
-            p = rx.from_response(text, args.choice, **_hints(args))
+        choice = _choice(args.file, text, args)
+        if choice is not None:
+            lines.append("format: response body")
+            p = rx.from_response(text, choice, **_hints(args))
             if p is None:
-                print(f"choice {args.choice}: no routing")
+                print("\n".join([*lines, f"choice {choice}: no routing"]))
                 return 0
         else:
-            print(f"format: {rx.detect_format(text)}")
+            lines.append(f"format: {rx.detect_format(text)}")
             p = rx.decode(text, **_hints(args))
+    # Printed once the file has been read whole: an error leaves nothing half-said on stdout.
+    print("\n".join(lines))
     print(f"shape: {p.shape} (tokens, layers, top_k)")
     print(f"dtype: {p.dtype}")
     print(f"positions: [{p.start}, {p.stop})")
@@ -156,20 +186,22 @@ def print_load(load: rx.ExpertLoad) -> None:
 def _routing(path: str, args: argparse.Namespace) -> RoutedExperts:
     """The routing in a file: a routing value in any format, or one choice of a body."""
     data = _read_input(path).strip()
+    choice = _choice(path, data, args)
     with _in_file(path):
-        if not _is_response_body(data):
+        if choice is None:
             return rx.decode(data, **_hints(args))
-        found = rx.from_response(data, args.choice, **_hints(args))
+        found = rx.from_response(data, choice, **_hints(args))
     if found is None:
-        raise RoutedExpertsError(
-            f"{path}: the response body has no routing for choice {args.choice}"
-        )
+        raise RoutedExpertsError(f"{path}: the response body has no routing for choice {choice}")
     return found
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     a, b = _routing(args.a, args), _routing(args.b, args)
-    r = rx.agreement(a, b)
+    try:
+        r = rx.agreement(a, b)
+    except RoutedExpertsError as e:  # about the two files together: name both
+        raise type(e)(f"comparing {args.a} (a) with {args.b} (b): {e}") from None
     print(f"positions compared: [{r.start}, {r.stop}), {r.compared_rows} rows "
           f"({r.excluded_rows} excluded: marked missing on a side)")
     print(f"exact match:            {r.exact_match:.4f} of routers pick the same expert set")
@@ -197,7 +229,14 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def cmd_merge(args: argparse.Namespace) -> int:
     prefill, decode = _read_input(args.prefill), _read_input(args.decode)
-    if _is_response_body(decode):
+    kinds = ["a response body" if _is_response_body(t.strip()) else "a routing value"
+             for t in (prefill, decode)]
+    if kinds[0] != kinds[1]:
+        raise rx.MergeError(
+            f"{args.prefill} is {kinds[0]} and {args.decode} is {kinds[1]}: merge two response "
+            "bodies (the merged body is written) or two routing values (the merged value is)"
+        )
+    if kinds[1] == "a response body":
         out = rx.merge_response(prefill, decode, **_hints(args))
     else:
         hints = _hints(args)
@@ -424,6 +463,10 @@ def _as_flags(message: str, args: argparse.Namespace) -> str:
                 f"`{field}`: expected {getattr(args, field)} (as given by {flag})",
             )
     message = message.replace("give num_layers and top_k", "give --num-layers and --top-k")
+    message = message.replace(
+        "read its routing with from_response(body, choice), or merge two bodies with "
+        "merge_response",
+        "give the whole body to the command (--choice picks a choice), or merge two bodies")
     # The command's own way to raise the size limit, where the library names its arguments.
     for said in ("routed_experts.set_max_bytes or max_bytes=", "routed_experts.set_max_bytes"):
         message = message.replace(f"raise it with {said}", "raise it with --max-bytes")
@@ -468,14 +511,15 @@ def _add_proxy_choices(p: argparse.ArgumentParser) -> None:
     """The proxy's text settings but the API key (its own flag, with the environment): one
     flag each, default and help from Rust's declaration, which also checks the values (a
     policy's name, a header's) when the config is made."""
-    from routed_experts._core import _proxy_policies
+    from routed_experts._core import _proxy_choices
     from routed_experts.proxy.config import text_settings_declared
 
     for name, default, help_text in text_settings_declared():
         if name == "upstream_api_key":
             continue
-        # A policy's names, as Rust declares them, shown in the usage and checked here too.
-        choices = _proxy_policies() if name.endswith("_policy") else None
+        # A setting's names (a policy's, a format's), as Rust declares them, shown in the
+        # usage and checked here too.
+        choices = dict(_proxy_choices()).get(name)
         p.add_argument("--" + name.replace("_", "-"), default=default, help=help_text,
                        choices=choices)
 
@@ -537,7 +581,7 @@ COMMANDS: list[Command] = [
         cmd_inspect,
         [
             arg("file", help="a routing value or response body file, or - for stdin"),
-            arg("--choice", type=_count(0), default=0, help="choice index in a response body"),
+            arg("--choice", type=_count(0), help="choice index in a response body (default 0)"),
             arg("--stats", action="store_true", help="print per-layer expert load and imbalance"),
             _add_num_experts,
             _add_hints,
@@ -550,7 +594,7 @@ COMMANDS: list[Command] = [
         [
             arg("a", help="a routing value or response body file (e.g. the rollout's)"),
             arg("b", help="the other (e.g. the trainer's recompute)"),
-            arg("--choice", type=_count(0), default=0, help="choice in response bodies"),
+            arg("--choice", type=_count(0), help="choice in response bodies (default 0)"),
             _add_hints,
         ],
     ),
@@ -563,7 +607,7 @@ COMMANDS: list[Command] = [
             arg("file", help="a routing value or response body file"),
             arg("other", nargs="?", help="a second routing of the same positions"),
             arg("-o", "--output", required=True, help="the PNG (or PDF, SVG) to write"),
-            arg("--choice", type=_count(0), default=0, help="choice in response bodies"),
+            arg("--choice", type=_count(0), help="choice in response bodies (default 0)"),
             _add_num_experts,
             _add_hints,
         ],
@@ -591,7 +635,7 @@ COMMANDS: list[Command] = [
                 choices=rx.FORMATS,
                 help="the format to write",
             ),
-            arg("--choice", type=_count(0), default=0, help="choice in a response body"),
+            arg("--choice", type=_count(0), help="choice in a response body (default 0)"),
             arg("-o", "--output", help="output file (default: stdout)"),
             _add_hints,
         ],
@@ -679,7 +723,9 @@ COMMANDS: list[Command] = [
         "GPU) to try the proxy with",
         cmd_engine,
         [
-            arg("--role", required=True, choices=["prefill", "decode"]),
+            arg("--role", required=True, choices=["prefill", "decode"],
+                help="which half of vLLM's P/D protocol it answers: prefill (the prompt's "
+                     "routing, and the KV parameters decode needs) or decode (the rest)"),
             arg("--host", default="127.0.0.1", help="address to listen on"),
             arg(
                 "--port",

@@ -46,6 +46,11 @@ impl Call {
         slot: Slot,
     ) -> Result<Response<Body>, Fault> {
         let (head_tx, head_rx) = oneshot::channel();
+        // Named in the log line whether decode answers or not (as a plain request's is).
+        if let Some(l) = &lease.lease {
+            ex.decode = l.upstream.url.clone();
+        }
+        let began = Instant::now();
         let task = tokio::spawn(self.stream_task(body, lease, prefill, slot, head_tx));
         let mut abort = AbortOnDrop(Some(task.abort_handle()));
         let head = head_rx.await.map_err(|_| {
@@ -54,8 +59,9 @@ impl Call {
                 500,
                 "the stream ended before its response head",
             )
-        })?;
-        let (decode_url, decode_seconds, mut response, record_tx) = head?;
+        });
+        ex.seconds[Phase::Decode as usize] = began.elapsed().as_secs_f64();
+        let (decode_url, decode_seconds, mut response, record_tx) = head??;
         abort.0 = None; // the task owns the stream from here on (its handle dropped, not aborted)
         ex.decode = decode_url;
         ex.seconds[Phase::Decode as usize] = decode_seconds;

@@ -129,14 +129,25 @@ pub fn _proxy_text_settings() -> Vec<(&'static str, Option<&'static str>, &'stat
     TEXT_SETTINGS.to_vec()
 }
 
-/// The names of the policies a side's server can be picked by (`prefill_policy`,
-/// `decode_policy`), as Rust declares them: the command's choices.
+/// The text settings that take one of a few names, with those names as Rust declares them
+/// (the policies, `routing_format`, `stream_routing`): the command's choices.
 #[pyfunction]
-pub fn _proxy_policies() -> Vec<&'static str> {
-    routed_experts_proxy::Policy::ALL
-        .iter()
-        .map(|p| p.name())
-        .collect()
+pub fn _proxy_choices() -> Vec<(&'static str, Vec<&'static str>)> {
+    use routed_experts_proxy::config::{RoutingFormat, StreamRouting};
+    use routed_experts_proxy::Policy;
+    let policies: Vec<&'static str> = Policy::ALL.iter().map(|p| p.name()).collect();
+    vec![
+        ("prefill_policy", policies.clone()),
+        ("decode_policy", policies),
+        (
+            "routing_format",
+            RoutingFormat::ALL.iter().map(|f| f.name()).collect(),
+        ),
+        (
+            "stream_routing",
+            StreamRouting::ALL.iter().map(|f| f.name()).collect(),
+        ),
+    ]
 }
 
 /// Check proxy settings (a dict of `ProxyConfig`'s fields) without starting a server: a
