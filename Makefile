@@ -4,6 +4,8 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The benchmark harness (benches/rx_bench): run from the clone, never shipped in the wheel.
+BENCH = PYTHONPATH=$(abspath benches) $(PY) -m rx_bench
 PIP := $(PY) -m pip
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
@@ -81,6 +83,7 @@ wheel-x86_64: $(VENV)/.wheel-deps
 	CARGO_TARGET_DIR=$(abspath target/wheel-x86_64) maturin build --release --zig --compatibility $(WHEEL_TAG) -o $(DIST) -q 2>&1 | { grep -v "^Ignoring .*: markers" || test $$? = 1; }
 	maturin sdist -o $(DIST)
 	auditwheel show $(DIST)/routed_experts-*x86_64.whl
+	$(PY) tests/wheel_contents.py $(DIST)/routed_experts-*x86_64.whl
 
 wheel-aarch64: $(VENV)/.wheel-deps
 	@echo "make: building the abi3 $(WHEEL_TAG) aarch64 wheel into $(DIST)/ (3 minutes from clean)"
@@ -88,6 +91,7 @@ wheel-aarch64: $(VENV)/.wheel-deps
 	rustup target add $(AARCH64)
 	CARGO_TARGET_DIR=$(abspath target/wheel-aarch64) maturin build --release --zig --target $(AARCH64) --compatibility $(WHEEL_TAG) -o $(DIST) -q 2>&1 | { grep -v "^Ignoring .*: markers" || test $$? = 1; }
 	auditwheel show $(DIST)/routed_experts-*aarch64.whl
+	$(PY) tests/wheel_contents.py $(DIST)/routed_experts-*aarch64.whl
 
 # The built wheels, installed into clean venvs with no Rust or C++ compiler on PATH, run the
 # test suite from outside the source tree: x86_64 on the oldest and newest CPython here;
@@ -100,6 +104,7 @@ test-wheel: wheel-aarch64
 # The checks of test-wheel on the wheels already in $(DIST). NATIVE_FIRST: a command run before
 # the x86_64 check, beside the emulated one (test-wheel builds the x86_64 wheel there).
 check-wheels: $(VENV)/.run-deps
+	$(PY) tests/wheel_contents.py $(DIST)/routed_experts-*.whl
 	$(PY) tests/emulated_wheel_check.py $(DIST) > $(DIST)/emulated.log 2>&1 & emulated=$$!; \
 	$(NATIVE_FIRST) $(PY) tests/wheel_check.py $(DIST); native=$$?; \
 	wait $$emulated; arm=$$?; cat $(DIST)/emulated.log; \
@@ -113,6 +118,7 @@ lint: build-dev $(VENV)/.test-deps $(VENV)/.lint-deps
 	ruff check python tests benches
 	$(PY) -m mypy.stubtest routed_experts._core --allowlist stubtest-allowlist.txt
 	$(PY) -m mypy python/routed_experts
+	MYPYPATH=benches $(PY) -m mypy -p rx_bench
 
 bench: bench-rust bench-python
 
@@ -125,13 +131,13 @@ bench-python: build-dev $(VENV)/.test-deps
 # The side-by-side table and plot of BENCHMARKS.md (several minutes: 128k-token payloads).
 bench-table: build-dev $(VENV)/.test-deps
 	$(PIP) install -q matplotlib
-	routed-experts bench --model qwen3-30b-a3b qwen3-235b-a22b kimi-k2 \
+	$(BENCH) bench --model qwen3-30b-a3b qwen3-235b-a22b kimi-k2 \
 		--tokens 4096 32768 131072 --repeat 5 --json bench.json | tee bench.txt
 	$(PY) benches/plot.py bench.json BENCHMARKS-throughput.png
 
 # Replay quality (agreement, expert_load) beside numpy and memcpy: the table in BENCHMARKS.md.
 bench-quality: build-dev $(VENV)/.test-deps
-	routed-experts bench --quality --model qwen3-235b-a22b kimi-k2 --tokens 4096 32768 131072 \
+	$(BENCH) bench --quality --model qwen3-235b-a22b kimi-k2 --tokens 4096 32768 131072 \
 		--repeat 7
 
 # The proxy's bounded loopback load and fault benchmark beside a pass-through relay and
@@ -139,8 +145,8 @@ bench-quality: build-dev $(VENV)/.test-deps
 # byte-split events) at the audit's sizes (about ten minutes; the tables in BENCHMARKS.md).
 # Loopback only; every round is bounded.
 bench-proxy: build-dev $(VENV)/.test-deps
-	routed-experts bench-proxy --json bench-proxy.json
-	routed-experts bench-proxy --only lockup slow split --json bench-proxy-reliability.json
+	$(BENCH) bench-proxy --json bench-proxy.json
+	$(BENCH) bench-proxy --only lockup slow split --json bench-proxy-reliability.json
 
 # The fair race beside vllm-router, short, on every body shape (plain and streamed): each front
 # on a core of its own, the client and engines on the other, vllm-router's decode answering
@@ -150,11 +156,11 @@ bench-proxy: build-dev $(VENV)/.test-deps
 # 2-core VM, 0.53x once beside another job; the margin is for its noise). Sidecar bodies, vLLM 0.32's P/D bodies answered in
 # the engine's own .npy text (the default), and answered as compact sidecars. About 4 minutes.
 bench-proxy-ci: build-dev $(VENV)/.test-deps
-	routed-experts bench-proxy --only load stream --requests 200 --max-cpu-ratio 0.6 \
+	$(BENCH) bench-proxy --only load stream --requests 200 --max-cpu-ratio 0.6 \
 		--json target/bench-proxy-ci.json
-	routed-experts bench-proxy --only load stream --requests 200 --bodies vllm \
+	$(BENCH) bench-proxy --only load stream --requests 200 --bodies vllm \
 		--max-cpu-ratio 0.6 --json target/bench-proxy-ci-vllm.json
-	routed-experts bench-proxy --only load stream --requests 200 --bodies vllm \
+	$(BENCH) bench-proxy --only load stream --requests 200 --bodies vllm \
 		--routing-format compact --max-cpu-ratio 0.6 --json target/bench-proxy-ci-vllm-compact.json
 
 fuzz-build:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import routed_experts as rx
-from routed_experts._bench.synthetic import synthetic_rollout
+from routed_experts._synthetic import synthetic_rollout
 
 
 @pytest.fixture(scope="session")

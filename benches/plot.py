@@ -1,4 +1,4 @@
-"""Plot throughput against payload size from `routed-experts bench --json` output.
+"""Plot throughput against payload size from `python -m rx_bench bench --json` output (`make bench-table`).
 
 Usage: python benches/plot.py bench.json BENCHMARKS-throughput.png  (needs matplotlib)
 """

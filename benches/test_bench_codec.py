@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import routed_experts as rx
-from routed_experts._bench import baselines
-from routed_experts._bench.codec import body
+from rx_bench import baselines
+from rx_bench.codec import body
 
 DECODE = "decode qwen3-235b 32k"
 ENCODE = "encode qwen3-235b 32k"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             test._hypothesis_internal_use_settings = quarter  # type: ignore[union-attr]
 
 REPO = Path(__file__).resolve().parent.parent
+# The benchmark harness (benches/rx_bench, not in the wheel) for the tests that run it small; the
+# wheel checks copy it beside their copy of tests/. Appended: nothing there shadows a module.
+if (REPO / "benches" / "rx_bench").is_dir():
+    sys.path.append(str(REPO / "benches"))
 # The live tests need a real engine: `make test-engines` makes its environment and names it
 # (RX_VLLM_PYTHON and RX_VLLM_RELEASE: test_live_vllm*.py; RX_SGLANG_PYTHON and
 # RX_SGLANG_RELEASE: test_live_sglang*.py); elsewhere

@@ -132,6 +132,9 @@ def main() -> None:
     shutil.rmtree(suite, ignore_errors=True)
     suite.mkdir()
     shutil.copytree(TESTS, suite / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    # The benchmark harness its tests run (not in the wheel): beside the suite, as in a clone.
+    shutil.copytree(TESTS.parent / "benches" / "rx_bench", suite / "benches" / "rx_bench",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     (suite / "pytest.ini").write_text(PYTEST_INI)
     wanted = [
         line for line in (TESTS / "requirements.txt").read_text().splitlines()

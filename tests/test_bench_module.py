@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import routed_experts as rx
-from routed_experts._bench.codec import measure_quality, run, run_quality
+from rx_bench.codec import measure_quality, run, run_quality
 
 
 def test_bench_prints_the_side_by_side_table(tmp_path: Path) -> None:
@@ -54,7 +54,7 @@ def test_the_benchmarked_recompute_differs_in_one_expert_of_a_tenth_of_the_route
 
 
 def test_the_cpu_ratio_bound_fails_a_run_over_it(capsys: pytest.CaptureFixture[str]) -> None:
-    from routed_experts._bench.proxy_command import _within_cpu_ratio
+    from rx_bench.proxy_command import _within_cpu_ratio
 
     run = {"load": {"vs_vllm_router": {"cpu_per_request": 0.45}},
            "stream": {"vs_vllm_router": {"cpu_per_request": 0.81}}}
@@ -73,7 +73,7 @@ def test_the_vllm_shaped_bench_bodies_merge_to_the_truth_and_hold_the_start() ->
     # vllm-router sends: its row measures the relay alone).
     import numpy as np
 
-    from routed_experts._bench.proxy import Bodies, Engine
+    from rx_bench.proxy import Bodies, Engine
 
     b = Bodies.make(600, 3, 2, "vllm")
     assert b.decode_start == 600 - 512  # 512 generated (GENERATED): P = 89, decode from 88

@@ -182,20 +182,26 @@ def test_the_version_is_the_crates_and_written_once() -> None:
         assert m.group(1) not in path.read_text(), path
 
 
-def test_the_installed_package_holds_no_benchmark_harness_in_its_public_modules() -> None:
-    import pkgutil
-
-    import routed_experts.proxy
-
-    public = [
-        m.name for pkg in (rx, routed_experts.proxy)
-        for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + ".")
-        if not m.name.rsplit(".", 1)[1].startswith("_")
-    ]
-    harness = ("bench", "baselines", "synthetic", "passthrough", "reliability")
-    assert public and not [m for m in public if m.rsplit(".", 1)[1] in harness], public
-    # The command still finds it, on demand.
+def test_the_installed_package_holds_no_benchmark_harness(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The harness is benches/rx_bench, run from a clone: nothing of it is in the package (run
+    # against the installed wheel too, by the wheel checks).
+    package = Path(rx.__file__).parent
+    files = [p.relative_to(package).as_posix() for p in package.rglob("*.py")]
+    harness = ("bench", "baselines", "passthrough", "reliability", "load_client", "sessions",
+               "proxy_command", "codec")
+    found = [f for f in files if any(part.strip("_").startswith(harness)
+                                      for part in f.removesuffix(".py").split("/"))]
+    assert files and not found, found
+    # The demo keeps its synthetic rollouts (the package's own `_synthetic`), and the moved
+    # commands say where the benchmarks are now.
     assert main(["demo", "--tokens", "64"]) == 0
+    capsys.readouterr()
+    for command in ("bench", "bench-proxy"):
+        assert main([command, "--requests", "3"]) == 2
+        err = capsys.readouterr().err
+        assert "not part of the installed package" in err and "make bench-" in err, err
 
 
 def test_a_repeated_server_flag_adds_servers_it_never_keeps_only_the_last() -> None:
@@ -284,3 +290,29 @@ def test_the_help_shows_every_choice_and_every_flag_says_what_it_does(
         for action in command._actions:
             if action.option_strings and action.dest != "help":
                 assert action.help, f"{name} {action.option_strings[0]} has no help"
+
+
+@pytest.mark.source_tree
+def test_the_wheel_contents_check_refuses_a_shipped_harness(tmp_path: Path) -> None:
+    import sys
+    import zipfile
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import wheel_contents
+
+    want = wheel_contents.tracked()
+    assert "routed_experts/__init__.py" in want and not any("rx_bench" in f for f in want)
+    good = tmp_path / "good.whl"
+    with zipfile.ZipFile(good, "w") as z:
+        for name in [*want, "routed_experts/_core.abi3.so",
+                     "routed_experts-0.1.0.dist-info/RECORD"]:
+            z.writestr(name, "")
+    assert wheel_contents.problems(good, want) == []
+    bad = tmp_path / "bad.whl"
+    with zipfile.ZipFile(bad, "w") as z:
+        for name in [*want, "routed_experts/_core.abi3.so", "routed_experts/_bench/proxy.py",
+                     "rx_bench/codec.py"]:
+            z.writestr(name, "")
+    found = wheel_contents.problems(bad, want)
+    assert any("benchmark harness shipped" in f for f in found), found
+    assert any("outside the package" in f for f in found), found

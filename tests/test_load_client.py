@@ -1,6 +1,6 @@
-"""The bench's load client (`_bench.load_client`): an answer read whole however the bytes are
-split, with a length or in chunks; connections reused, closed and reopened; errors and
-timeouts raised, not read as answers."""
+"""The bench's load client (`benches/rx_bench/load_client.py`): an answer read whole however
+the bytes are split, with a length or in chunks; connections reused, closed and reopened;
+errors and timeouts raised, not read as answers."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routed_experts._bench import load_client
-from routed_experts._bench.load_client import Connection, HttpError, _Response
+from rx_bench import load_client
+from rx_bench.load_client import Connection, HttpError, _Response
 
 
 def _feed(data: bytes, cuts: list[int]) -> Any:
@@ -208,7 +208,7 @@ def test_a_long_chunk_is_read_into_the_connections_buffer_which_grows_once_neede
 
 
 def test_a_chunked_answer_is_checked_by_its_bytes() -> None:
-    from routed_experts._bench.proxy import _as_expected
+    from rx_bench.proxy import _as_expected
 
     buffer = bytearray(b"abcdef")  # a connection's buffer, longer than the answer in it
     assert _as_expected(b"abc", memoryview(buffer)[:3])

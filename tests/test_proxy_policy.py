@@ -119,7 +119,7 @@ def test_metrics_parse_with_prometheus_client_and_carry_the_policy_families() ->
 def test_the_sessions_benchmark_runs_small_and_every_front_answers_right() -> None:
     import argparse
 
-    from routed_experts._bench.sessions import Workload, run_sessions
+    from rx_bench.sessions import Workload, run_sessions
 
     w = Workload(sessions=4, turns=3, first=64, growth=32, servers=2, cache_blocks=64,
                  us_per_token=0.0, decode_ms=0.0)

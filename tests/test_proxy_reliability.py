@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from engines import DATA_PLANE
 
-from routed_experts._bench import reliability
+from rx_bench import reliability
 
 pytestmark = pytest.mark.skipif(DATA_PLANE != "rust", reason="the Rust server's own budget")
 

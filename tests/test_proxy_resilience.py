@@ -540,7 +540,7 @@ def test_bench_proxy_runs_every_part_small(tmp_path: Any) -> None:
     carries wrong routing."""
     import json
 
-    from routed_experts.cli import main
+    from rx_bench.cli import main
 
     out = tmp_path / "bench.json"
     rc = main(
@@ -580,15 +580,15 @@ def test_bench_proxy_runs_every_part_small(tmp_path: Any) -> None:
 def test_bench_proxy_without_vllm_router_says_how_to_add_it(
     monkeypatch: Any, capsys: Any
 ) -> None:
-    from routed_experts._bench import proxy as bench
-    from routed_experts.cli import main
+    from rx_bench import proxy as bench
+    from rx_bench.cli import main
 
     monkeypatch.setattr(bench, "vllm_router", lambda: None)
     argv = ["bench-proxy", "--tokens", "16", "--layers", "1", "--top-k", "2", "--requests", "4",
             "--concurrency", "2", "--only", "load"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "(vllm-router not installed: pip install vllm-router (the bench extra)" in out
+    assert "(vllm-router not installed: pip install vllm-router (tests/requirements.txt" in out
     rows = [ln.split()[0] for ln in out.splitlines() if "req/s" in ln and "wrong 200s" in ln]
     assert rows == ["passthrough", "proxy", "floor"]
 

@@ -81,6 +81,9 @@ def check(python: str, wheel: Path, work: Path, clean_bin: Path) -> None:
     run([*pip, "-r", str(TESTS / "requirements.txt")], env)
     suite = work / "tests"
     shutil.copytree(TESTS, suite, ignore=shutil.ignore_patterns("__pycache__", "wheel_check.py"))
+    # The benchmark harness its tests run (not in the wheel): beside the suite, as in a clone.
+    shutil.copytree(TESTS.parent / "benches" / "rx_bench", work / "benches" / "rx_bench",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     (work / "pytest.ini").write_text(PYTEST_INI)
     # The suite must import the installed package, not a source tree.
     where = subprocess.run(

@@ -18,7 +18,7 @@ import numpy as np
 
 import routed_experts as rx
 from routed_experts import RoutedExperts, RoutedExpertsError
-from routed_experts._bench.synthetic import MODELS, best_of, synthetic_rollout
+from routed_experts._synthetic import MODELS, best_of, synthetic_rollout
 
 # Where `routed-experts proxy` reads the upstream API key when --upstream-api-key is not given.
 UPSTREAM_KEY_ENV = "ROUTED_EXPERTS_UPSTREAM_API_KEY"
@@ -258,26 +258,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from routed_experts._bench.codec import run, run_quality
-
-    if args.quality:
-        run_quality(args.model, args.tokens, args.repeat, sys.stdout)
-        return 0
-    try:
-        import orjson  # noqa: F401
-        import pybase64  # noqa: F401
-    except ImportError:
-        print(
-            "routed-experts bench: the orjson+pybase64 column needs the bench extra "
-            f"({install_hint('bench')}); it shows n/a without it",
-            file=sys.stderr,
-        )
-
-    run(args.model, args.tokens, args.repeat, sys.stdout, json_out=args.json)
-    return 0
-
-
 def install_hint(extras: str) -> str:
     """`pip install NAME ...` for the packages of the comma-separated `extras`, by name: the
     extras themselves (`routed_experts[proxy]`) work only once the package is on an index."""
@@ -344,16 +324,6 @@ def cmd_engine(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     return 0
-
-
-def cmd_bench_proxy(args: argparse.Namespace) -> int:
-    try:
-        import fastapi  # noqa: F401  (the pass-through baseline, run in a child process)
-
-        from routed_experts._bench.proxy_command import run_bench
-    except ImportError as e:
-        return _needs_extras("bench-proxy", "bench", e)
-    return run_bench(args)
 
 
 def _count(minimum: int) -> Any:
@@ -641,34 +611,6 @@ COMMANDS: list[Command] = [
         ],
     ),
     Command(
-        "bench",
-        "side-by-side timings against the Python alternatives",
-        cmd_bench,
-        [
-            arg(
-                "--model",
-                nargs="+",
-                choices=sorted(MODELS),
-                default=["qwen3-235b-a22b"],
-                help="model geometries to measure",
-            ),
-            arg(
-                "--tokens",
-                nargs="+",
-                type=_count(1),
-                default=[32768],
-                help="rollout lengths to measure",
-            ),
-            arg("--repeat", type=_count(1), default=7, help="runs per measurement (best is kept)"),
-            arg("--json", help="also write the measurements to this JSON file"),
-            arg(
-                "--quality",
-                action="store_true",
-                help="measure agreement and expert_load beside numpy instead of the codec",
-            ),
-        ],
-    ),
-    Command(
         "proxy",
         "P/D proxy that merges routed experts",
         cmd_proxy,
@@ -775,82 +717,6 @@ COMMANDS: list[Command] = [
             ),
         ],
     ),
-    Command(
-        "bench-proxy",
-        "bounded loopback load and fault benchmark of the proxy beside a pass-through relay",
-        cmd_bench_proxy,
-        [
-            arg("--requests", type=_count(1), default=500, help="requests per load round"),
-            arg(
-                "--concurrency",
-                type=_count(1),
-                default=32,
-                help="requests in flight in a load round",
-            ),
-            arg(
-                "--memory-concurrency",
-                type=_count(1),
-                default=64,
-                help="in flight in the memory rounds",
-            ),
-            arg("--tokens", type=_count(2), default=8192, help="rows of routing per response"),
-            arg("--layers", type=_count(1), default=48, help="MoE layers"),
-            arg("--top-k", type=_count(1), default=8, help="experts per token"),
-            arg(
-                "--bodies",
-                choices=["sidecar", "vllm"],
-                default="sidecar",
-                help="the bodies' shape in the load, stream, memory and fault parts: compact "
-                     "sidecars (decode sends zeroed prompt rows), or vLLM 0.32's P/D bodies (.npy "
-                     "text; decode's rows from P - 1, the start the proxy must ask)",
-            ),
-            arg(
-                "--routing-format",
-                choices=["engine", "compact"],
-                default="engine",
-                help="the proxy's routing_format in the load, stream, memory and fault parts "
-                     "(engine, the proxy's default: the merged routing in the engines' own "
-                     "format, vLLM's .npy text for --bodies vllm; compact: a compact sidecar)",
-            ),
-            arg(
-                "--only",
-                nargs="+",
-                choices=[
-                    "load", "stream", "memory", "faults", "lockup", "slow", "split", "sessions",
-                ],
-                help="run only these parts (default: load, stream, memory, faults; lockup, slow "
-                     "and split, the long-context reliability rounds, and sessions, the multi-turn "
-                     "policies, run apart at their own sizes)",
-            ),
-            arg("--sessions", type=_count(1), default=64, help="sessions in the sessions part"),
-            arg(
-                "--turns",
-                type=_count(1),
-                default=8,
-                help="turns of each session in the sessions part",
-            ),
-            arg(
-                "--memory-budget",
-                type=_size(0),
-                default="128MiB",
-                help="the proxy's --max-buffered-bytes in the memory rounds (what keeps 64 "
-                     "requests of 8192 x 48 x 8 under 300 MB; 0 keeps ProxyConfig's)",
-            ),
-            arg(
-                "--idle-wait",
-                type=_seconds,
-                default=60.0,
-                help="seconds to wait after the memory rounds for the proxy to give memory back",
-            ),
-            arg("--json", help="also write the results to this JSON file"),
-            arg(
-                "--max-cpu-ratio",
-                type=float,
-                help="exit 1 when the proxy's CPU per request passes this many times vllm-router's "
-                     "in the same run (load and stream parts; CI's regression check)",
-            ),
-        ],
-    ),
 ]
 
 
@@ -869,7 +735,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The benchmarks are not in the installed package: from a clone, make runs them.
+MOVED = {"bench": "make bench-table (or bench-quality)", "bench-proxy": "make bench-proxy"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] and argv[0] in MOVED:
+        print(f"routed-experts {argv[0]}: the benchmarks are not part of the installed package; "
+              f"in a clone of the repository run `{MOVED[argv[0]]}` (PYTHONPATH=benches python "
+              f"-m rx_bench {argv[0]} ...; docs/development.md)", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from routed_experts._bench.synthetic import MODELS
 from routed_experts._core import RoutedExperts, encode
+from routed_experts._synthetic import MODELS
 
 BLOCK = 16  # tokens per prefix-cache block (vLLM's default block size)
 MAX_BODY = 64 << 20  # a request body larger than this is refused (413)

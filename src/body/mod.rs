@@ -3,10 +3,9 @@
 //! rows are checked against (§3.3), and any routing-like key at a place no producer uses.
 
 pub(crate) mod coverage;
-mod runs;
 pub(crate) mod split;
 
-pub use runs::Base64Runs;
+pub use crate::kernels::runs::Base64Runs;
 
 use std::ops::Range;
 

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use base64_simd::STANDARD;
 
 /// The decoded length of `text`, from its length and padding alone (no decoding, no allocation).
-pub fn decoded_len(text: &[u8], field: &str) -> Result<usize> {
+pub(crate) fn decoded_len(text: &[u8], field: &str) -> Result<usize> {
     if text.len() % 4 != 0 {
         return Err(Error::field(
             field,
@@ -34,7 +34,7 @@ pub fn decoded_len(text: &[u8], field: &str) -> Result<usize> {
 /// decoded length differ from `decoded_len` (fewer characters carry data, and a partial or
 /// mis-padded last chunk is refused in strict mode), so "exactly `out.len()` bytes written"
 /// is the whole check. Strict mode also refuses non-zero padding bits.
-pub fn decode_into(text: &[u8], out: &mut [u8], field: &str) -> Result<()> {
+pub(crate) fn decode_into(text: &[u8], out: &mut [u8], field: &str) -> Result<()> {
     // SAFETY: the same memory viewed as `MaybeUninit<u8>` (same layout); `decode_uninit` only
     // ever stores initialised bytes into it, so `out` stays initialised.
     let out = unsafe {
@@ -52,7 +52,7 @@ pub fn decode_into(text: &[u8], out: &mut [u8], field: &str) -> Result<()> {
 /// Large texts are split among the machine's cores at multiples of 4 characters: each part but
 /// the last must decode to exactly 3/4 of its length, which refuses padding and white space
 /// inside it, as the whole-text decode does.
-pub fn decode_uninit(text: &[u8], out: &mut [MaybeUninit<u8>]) -> bool {
+pub(crate) fn decode_uninit(text: &[u8], out: &mut [MaybeUninit<u8>]) -> bool {
     if out.is_empty() || text.is_empty() {
         return out.is_empty() && text.is_empty();
     }
@@ -63,7 +63,7 @@ pub fn decode_uninit(text: &[u8], out: &mut [MaybeUninit<u8>]) -> bool {
 
 /// How far [`decode_string_content`] got.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Streamed {
+pub(crate) enum Streamed {
     /// The content ended (the closing quote is at `end`) and all of it was strict base64: it
     /// decoded to the first `written` bytes of the output, exactly what [`decode_into`] writes.
     Decoded {
@@ -110,7 +110,7 @@ const STREAM_ALONE: usize = 2;
 /// As strict as [`decode_into`]: a full chunk must decode to exactly 3/4 of its length (white
 /// space, which the decoder would skip, and padding both make it shorter), and the last piece
 /// must be base64 characters and padding only, decoding to [`decoded_len`] bytes.
-pub fn decode_string_content(text: &[u8], out: &mut [MaybeUninit<u8>]) -> Streamed {
+pub(crate) fn decode_string_content(text: &[u8], out: &mut [MaybeUninit<u8>]) -> Streamed {
     let mut chunks = text
         .chunks_exact(STREAM_CHUNK)
         .zip(out.chunks_exact_mut(STREAM_OUT));
@@ -215,7 +215,7 @@ pub(crate) fn decode_piece(text: &[u8], out: &mut [MaybeUninit<u8>]) -> Option<u
 }
 
 /// Check that `text` would decode, without decoding it (for splicing base64 text as is).
-pub fn check(text: &[u8], field: &str) -> Result<()> {
+pub(crate) fn check(text: &[u8], field: &str) -> Result<()> {
     decoded_len(text, field)?;
     STANDARD.check(text).map_err(|_| invalid(text, field))
 }
@@ -223,14 +223,14 @@ pub fn check(text: &[u8], field: &str) -> Result<()> {
 /// Whether `text` (whole 4-character groups) is valid base64 on its own, without decoding it.
 /// Padding is allowed only where the text ends its value (`last`): a chunk cut from the middle
 /// must not end in `=`, which would otherwise pass as that chunk's padding.
-pub fn groups_valid(text: &[u8], last: bool) -> bool {
+pub(crate) fn groups_valid(text: &[u8], last: bool) -> bool {
     text.len() % 4 == 0 && (last || text.last() != Some(&b'=')) && STANDARD.check(text).is_ok()
 }
 
 /// [`groups_valid`] for text cut from a value whose whole content a scan found to be base64
 /// characters then at most two `=` (`jsonscan::Str::base64`): only the length, and the last
 /// group where the text ends in padding, are left to check.
-pub fn groups_valid_scanned(text: &[u8], last: bool) -> bool {
+pub(crate) fn groups_valid_scanned(text: &[u8], last: bool) -> bool {
     if text.len() % 4 != 0 {
         return false;
     }
@@ -246,7 +246,7 @@ pub fn groups_valid_scanned(text: &[u8], last: bool) -> bool {
 /// [`groups_valid_scanned`]) into `out`, of the same length, split among the machine's cores as
 /// [`copy_checked`] is: only its length and padding are checked. `false`: not valid there, and
 /// nothing is written.
-pub fn copy_scanned(text: &[u8], out: &mut [MaybeUninit<u8>], last: bool) -> bool {
+pub(crate) fn copy_scanned(text: &[u8], out: &mut [MaybeUninit<u8>], last: bool) -> bool {
     assert_eq!(text.len(), out.len(), "copy_scanned: unequal lengths");
     if !groups_valid_scanned(text, last) {
         return false;
@@ -265,7 +265,7 @@ const CHECK_CHUNK: usize = 16 * 1024;
 /// copied (chunk by chunk, so the text is read once); padding is allowed only at its end, when
 /// it ends its value (`last`, as [`groups_valid`]). Large texts are split among the machine's
 /// cores. `false`: the text is not valid base64 there, and `out` is partly written.
-pub fn copy_checked(text: &[u8], out: &mut [MaybeUninit<u8>], last: bool) -> bool {
+pub(crate) fn copy_checked(text: &[u8], out: &mut [MaybeUninit<u8>], last: bool) -> bool {
     assert_eq!(text.len(), out.len(), "copy_checked: unequal lengths");
     let unit = (CHECK_CHUNK, CHECK_CHUNK);
     crate::kernels::parallel::over_pairs(text, out, unit, |last_part, t, o| {
@@ -285,7 +285,7 @@ pub fn copy_checked(text: &[u8], out: &mut [MaybeUninit<u8>], last: bool) -> boo
 
 /// The error the decoding path reports for `text`, for a part of it found invalid on its own:
 /// `check`'s verdict on the whole text (the first bad character, bad padding), else `invalid`'s.
-pub fn error_in(text: &[u8], field: &str) -> Error {
+pub(crate) fn error_in(text: &[u8], field: &str) -> Error {
     check(text, field)
         .err()
         .unwrap_or_else(|| invalid(text, field))
@@ -293,7 +293,7 @@ pub fn error_in(text: &[u8], field: &str) -> Error {
 
 /// A vector of `len` bytes written by `fill`, which must write all of them unless it fails
 /// (then nothing is returned and nothing uninitialised is ever read).
-pub fn try_filled_vec(
+pub(crate) fn try_filled_vec(
     len: usize,
     fill: impl FnOnce(&mut [MaybeUninit<u8>]) -> Result<()>,
 ) -> Result<Vec<u8>> {
@@ -330,7 +330,7 @@ fn invalid(text: &[u8], field: &str) -> Error {
 /// them. The groups are validated as they are decoded, with padding allowed only at the end of
 /// the text (a group from the middle ending in `=` decodes on its own, to fewer bytes): text
 /// that is not valid there is the decoding path's error, never a short or wrong slice.
-pub fn decode_range(text: &[u8], start: usize, end: usize) -> Result<Vec<u8>> {
+pub(crate) fn decode_range(text: &[u8], start: usize, end: usize) -> Result<Vec<u8>> {
     let mut out = Vec::new();
     decode_range_into(text, start, end, &mut out)?;
     Ok(out)
@@ -338,7 +338,12 @@ pub fn decode_range(text: &[u8], start: usize, end: usize) -> Result<Vec<u8>> {
 
 /// [`decode_range`] appended to `out` (for a caller that decodes block after block into one
 /// buffer); on an error, `out` is as it was.
-pub fn decode_range_into(text: &[u8], start: usize, end: usize, out: &mut Vec<u8>) -> Result<()> {
+pub(crate) fn decode_range_into(
+    text: &[u8],
+    start: usize,
+    end: usize,
+    out: &mut Vec<u8>,
+) -> Result<()> {
     if start >= end {
         return Ok(());
     }
@@ -399,18 +404,18 @@ pub(crate) fn decode_range_blocks(
 }
 
 /// A character of the standard base64 alphabet (padding `=` aside).
-pub fn is_alphabet(c: u8) -> bool {
+pub(crate) fn is_alphabet(c: u8) -> bool {
     crate::kernels::strscan::is_base64(c)
 }
 
 /// Standard padded base64 of `bytes`.
-pub fn encode(bytes: &[u8]) -> Vec<u8> {
+pub(crate) fn encode(bytes: &[u8]) -> Vec<u8> {
     filled_vec(encoded_len(bytes.len()), |out| encode_into(bytes, out))
 }
 
 /// A vector of `len` bytes written by `fill`, which must write all of them; nothing is zeroed
 /// first (for tens of MB, zeroing is a second pass over every page).
-pub fn filled_vec(len: usize, fill: impl FnOnce(&mut [MaybeUninit<u8>])) -> Vec<u8> {
+pub(crate) fn filled_vec(len: usize, fill: impl FnOnce(&mut [MaybeUninit<u8>])) -> Vec<u8> {
     let mut out = Vec::with_capacity(len);
     fill(&mut out.spare_capacity_mut()[..len]);
     // SAFETY: `fill`'s contract is to initialise all `len` bytes.
@@ -419,7 +424,10 @@ pub fn filled_vec(len: usize, fill: impl FnOnce(&mut [MaybeUninit<u8>])) -> Vec<
 }
 
 /// Copy `src` into the start of `dst` (uninitialised memory); return the rest of `dst`.
-pub fn write_uninit<'a>(dst: &'a mut [MaybeUninit<u8>], src: &[u8]) -> &'a mut [MaybeUninit<u8>] {
+pub(crate) fn write_uninit<'a>(
+    dst: &'a mut [MaybeUninit<u8>],
+    src: &[u8],
+) -> &'a mut [MaybeUninit<u8>] {
     let (head, rest) = dst.split_at_mut(src.len());
     // SAFETY: `head` is exactly `src.len()` writable bytes that do not overlap `src`.
     unsafe {
@@ -428,14 +436,14 @@ pub fn write_uninit<'a>(dst: &'a mut [MaybeUninit<u8>], src: &[u8]) -> &'a mut [
     rest
 }
 
-pub fn encoded_len(n: usize) -> usize {
+pub(crate) fn encoded_len(n: usize) -> usize {
     n.div_ceil(3) * 4
 }
 
 /// Encode `bytes` into `out` (which may be uninitialised), whose length must be
 /// `encoded_len(bytes.len())`. Large inputs are split among the machine's cores at multiples
 /// of 3 bytes, where the text splits at multiples of 4 characters with no padding between.
-pub fn encode_into(bytes: &[u8], out: &mut [MaybeUninit<u8>]) {
+pub(crate) fn encode_into(bytes: &[u8], out: &mut [MaybeUninit<u8>]) {
     assert_eq!(
         out.len(),
         encoded_len(bytes.len()),
@@ -451,7 +459,7 @@ pub fn encode_into(bytes: &[u8], out: &mut [MaybeUninit<u8>]) {
 /// [`encode_into`] of `a` then `b` joined, without joining them: `a`'s whole 3-byte groups,
 /// the group that straddles the two, then the rest of `b` (whose groups then line up with the
 /// output's). `out` must be `encoded_len(a.len() + b.len())` long.
-pub fn encode_joined_into(a: &[u8], b: &[u8], out: &mut [MaybeUninit<u8>]) {
+pub(crate) fn encode_joined_into(a: &[u8], b: &[u8], out: &mut [MaybeUninit<u8>]) {
     let whole = a.len() / 3 * 3;
     let left = a.len() - whole;
     let fill = ((3 - left) % 3).min(b.len());

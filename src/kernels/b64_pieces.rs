@@ -7,7 +7,7 @@ use super::b64;
 
 /// Why a string's content is not strict, canonical base64 (the caller adds where).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum B64Error {
+pub(crate) enum B64Error {
     /// A character outside `A-Z a-z 0-9 + /` (after JSON unescaping), or padding in the middle.
     Character,
     /// A length that is not whole 4-character groups.
@@ -18,7 +18,7 @@ pub enum B64Error {
 
 /// What [`B64In::feed`] did with a piece.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fed {
+pub(crate) enum Fed {
     /// All of the piece was content; the string goes on.
     More,
     /// The closing quote is at this offset of the piece (the rest is after the string).
@@ -38,7 +38,7 @@ struct Escape {
 /// unescaping the whole string and decoding it strictly (standard alphabet, `=` only in the
 /// last group, zero padding bits, no white space).
 #[derive(Debug, Default)]
-pub struct B64In {
+pub(crate) struct B64In {
     /// Characters of a group not yet complete.
     group: [u8; 4],
     n: usize,
@@ -46,14 +46,14 @@ pub struct B64In {
     padded: bool,
     escape: Escape,
     /// Bytes decoded so far.
-    pub decoded: u64,
+    pub(crate) decoded: u64,
     /// Characters of content so far (after unescaping).
-    pub chars: u64,
+    pub(crate) chars: u64,
 }
 
 impl B64In {
     /// Decode the content in `piece` onto `out`, up to the closing quote if it is in the piece.
-    pub fn feed(&mut self, piece: &[u8], out: &mut Vec<u8>) -> Result<Fed, B64Error> {
+    pub(crate) fn feed(&mut self, piece: &[u8], out: &mut Vec<u8>) -> Result<Fed, B64Error> {
         let mut i = 0;
         while i < piece.len() {
             if self.escape.active {
@@ -214,14 +214,14 @@ fn memchr2(a: u8, b: u8, s: &[u8]) -> Option<usize> {
 /// Standard padded base64, written as bytes arrive: whole 3-byte groups at once, the 0-2
 /// bytes of an unfinished group carried to the next call.
 #[derive(Debug, Default)]
-pub struct B64Out {
+pub(crate) struct B64Out {
     carry: [u8; 3],
     n: usize,
 }
 
 impl B64Out {
     /// Encode `bytes` after those taken before, onto `out`.
-    pub fn push(&mut self, mut bytes: &[u8], out: &mut Vec<u8>) {
+    pub(crate) fn push(&mut self, mut bytes: &[u8], out: &mut Vec<u8>) {
         if self.n > 0 {
             let take = (3 - self.n).min(bytes.len());
             self.carry[self.n..self.n + take].copy_from_slice(&bytes[..take]);
@@ -242,12 +242,12 @@ impl B64Out {
     }
 
     /// Bytes of an unfinished group it holds (0-2).
-    pub fn held(&self) -> usize {
+    pub(crate) fn held(&self) -> usize {
         self.n
     }
 
     /// The last, padded group.
-    pub fn finish(&mut self, out: &mut Vec<u8>) {
+    pub(crate) fn finish(&mut self, out: &mut Vec<u8>) {
         let c = self.carry;
         encode(&c[..self.n], out);
         self.n = 0;
@@ -255,7 +255,7 @@ impl B64Out {
 }
 
 /// Append the base64 of `bytes` (padded) to `out`.
-pub fn encode(bytes: &[u8], out: &mut Vec<u8>) {
+pub(crate) fn encode(bytes: &[u8], out: &mut Vec<u8>) {
     let len = b64::encoded_len(bytes.len());
     out.reserve(len);
     b64::encode_part(bytes, &mut out.spare_capacity_mut()[..len]);

@@ -10,14 +10,14 @@ use std::borrow::Cow;
 use std::mem::MaybeUninit;
 use std::ops::Range;
 
-use crate::body::Base64Runs;
+use super::runs::Base64Runs;
 use crate::error::{Error, ErrorKind, Result};
 use crate::kernels::b64::Streamed;
 
 /// Deeper nesting is refused rather than risking the stack.
 const MAX_DEPTH: usize = 128;
 
-pub struct Scanner<'a> {
+pub(crate) struct Scanner<'a> {
     buf: &'a [u8],
     pos: usize,
     depth: usize,
@@ -35,9 +35,9 @@ pub struct Scanner<'a> {
 /// Keys a caller reads only at places it walks itself: `matches` picks them out, `what` names
 /// them in the error (e.g. "routing-like").
 #[derive(Clone, Copy)]
-pub struct Watch {
-    pub matches: fn(&[u8]) -> bool,
-    pub what: &'static str,
+pub(crate) struct Watch {
+    pub(crate) matches: fn(&[u8]) -> bool,
+    pub(crate) what: &'static str,
 }
 
 /// One step of a path: an object member (its key's raw content) or an array item.
@@ -49,17 +49,17 @@ enum Seg {
 
 /// A string value: the range of its content (without quotes) and whether it holds escapes.
 #[derive(Debug, Clone)]
-pub struct Str {
-    pub content: Range<usize>,
-    pub escaped: bool,
+pub(crate) struct Str {
+    pub(crate) content: Range<usize>,
+    pub(crate) escaped: bool,
     /// The content is base64 characters then at most two `=` (read by
     /// [`Scanner::base64_text`]): valid base64 once its length and padding are.
-    pub base64: bool,
+    pub(crate) base64: bool,
 }
 
 impl<'a> Scanner<'a> {
     /// `what` names the document in error messages ("response body", "sidecar").
-    pub fn new(buf: &'a [u8], what: &'static str) -> Self {
+    pub(crate) fn new(buf: &'a [u8], what: &'static str) -> Self {
         Scanner {
             buf,
             pos: 0,
@@ -74,7 +74,7 @@ impl<'a> Scanner<'a> {
     /// Take the base64 runs found in `buf` as it arrived: `base64_text` ends a string whose run
     /// is known there without scanning it. Ignored unless `runs` scanned all of `buf` (and
     /// nothing more).
-    pub fn with_runs(mut self, runs: Option<&Base64Runs>) -> Self {
+    pub(crate) fn with_runs(mut self, runs: Option<&Base64Runs>) -> Self {
         self.runs = runs.filter(|r| r.scanned() == self.buf.len()).cloned();
         self
     }
@@ -82,19 +82,19 @@ impl<'a> Scanner<'a> {
     /// Make the keys `watch` matches an error wherever `value` (or `skip_member`) skips them:
     /// for keys whose every legitimate place the caller walks itself, so that one anywhere else
     /// is never ignored.
-    pub fn watch(mut self, watch: Watch) -> Self {
+    pub(crate) fn watch(mut self, watch: Watch) -> Self {
         self.watched = Some(watch);
         self
     }
 
     /// Whether `key` is watched.
-    pub fn is_watched(&self, key: &[u8]) -> bool {
+    pub(crate) fn is_watched(&self, key: &[u8]) -> bool {
         self.watched.is_some_and(|w| (w.matches)(key))
     }
 
     /// Skip the value of the member `key` that the caller does not read: a watched key is an
     /// error naming its path.
-    pub fn skip_member(&mut self, key: &[u8]) -> Result<()> {
+    pub(crate) fn skip_member(&mut self, key: &[u8]) -> Result<()> {
         if self.is_watched(key) {
             return Err(self.unexpected_watched(key));
         }
@@ -102,7 +102,7 @@ impl<'a> Scanner<'a> {
     }
 
     /// The current path, e.g. `$.choices[0].logprobs`.
-    pub fn path(&self) -> String {
+    pub(crate) fn path(&self) -> String {
         self.format_path(&self.path)
     }
 
@@ -129,7 +129,7 @@ impl<'a> Scanner<'a> {
     }
 
     /// `key` (the member being read) appears a second time in one object.
-    pub fn duplicate(&self, key: &[u8]) -> Error {
+    pub(crate) fn duplicate(&self, key: &[u8]) -> Error {
         let at = self.format_path(&self.path[..self.path.len().saturating_sub(1)]);
         Error::payload(format!(
             "{}: duplicate key `{}` in the object at {at} (JSON readers disagree on which \
@@ -139,16 +139,16 @@ impl<'a> Scanner<'a> {
         ))
     }
 
-    pub fn buf(&self) -> &'a [u8] {
+    pub(crate) fn buf(&self) -> &'a [u8] {
         self.buf
     }
 
     /// The byte offset the scanner has reached.
-    pub fn pos(&self) -> usize {
+    pub(crate) fn pos(&self) -> usize {
         self.pos
     }
 
-    pub fn error(&self, expected: &str) -> Error {
+    pub(crate) fn error(&self, expected: &str) -> Error {
         let found = match self.buf.get(self.pos) {
             None => "the end of the input".to_string(),
             Some(c) if c.is_ascii_graphic() => format!("{:?}", *c as char),
@@ -167,14 +167,14 @@ impl<'a> Scanner<'a> {
         )
     }
 
-    pub fn ws(&mut self) {
+    pub(crate) fn ws(&mut self) {
         while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.buf.get(self.pos) {
             self.pos += 1;
         }
     }
 
     /// The next non-space byte, not consumed.
-    pub fn peek(&mut self) -> Option<u8> {
+    pub(crate) fn peek(&mut self) -> Option<u8> {
         self.ws();
         self.buf.get(self.pos).copied()
     }
@@ -189,7 +189,7 @@ impl<'a> Scanner<'a> {
     }
 
     /// Only white space may follow the document.
-    pub fn end(&mut self) -> Result<()> {
+    pub(crate) fn end(&mut self) -> Result<()> {
         match self.peek() {
             None => Ok(()),
             Some(_) => Err(self.error("the end of the document")),
@@ -199,7 +199,7 @@ impl<'a> Scanner<'a> {
     /// A string (the opening quote is next). Its content must be UTF-8 with no raw control
     /// characters (what `json.loads` accepts): the search for the closing quote stops at any
     /// byte that is not printable ASCII too (`strscan`), so the check costs no second pass.
-    pub fn string(&mut self) -> Result<Str> {
+    pub(crate) fn string(&mut self) -> Result<Str> {
         self.eat(b'"', "a string")?;
         self.string_from(self.pos)
     }
@@ -208,7 +208,7 @@ impl<'a> Scanner<'a> {
     /// reads it, by a scan that checks the base64 alphabet as it looks for the end
     /// (`strscan::base64_run`): when the content is base64 characters then at most two `=`,
     /// [`Str::base64`] says so, and that text needs no second pass to be checked.
-    pub fn base64_text(&mut self) -> Result<Str> {
+    pub(crate) fn base64_text(&mut self) -> Result<Str> {
         self.eat(b'"', "a string")?;
         let start = self.pos;
         let run = match self.runs.as_ref().and_then(|r| r.run_from(start)) {
@@ -238,7 +238,10 @@ impl<'a> Scanner<'a> {
     /// reads it, with the count of bytes written when all of its content was strict base64 and
     /// fit. Otherwise (`None`), nothing in `out` may be used, and the string is still read and
     /// checked exactly as `string` does, from where decoding stopped.
-    pub fn base64_string(&mut self, out: &mut [MaybeUninit<u8>]) -> Result<(Str, Option<usize>)> {
+    pub(crate) fn base64_string(
+        &mut self,
+        out: &mut [MaybeUninit<u8>],
+    ) -> Result<(Str, Option<usize>)> {
         self.eat(b'"', "a string")?;
         let start = self.pos;
         match crate::kernels::b64::decode_string_content(&self.buf[start..], out) {
@@ -335,7 +338,7 @@ impl<'a> Scanner<'a> {
     }
 
     /// A string's value: borrowed when it has no escapes.
-    pub fn string_value(&self, s: &Str) -> Result<Cow<'a, [u8]>> {
+    pub(crate) fn string_value(&self, s: &Str) -> Result<Cow<'a, [u8]>> {
         let raw = &self.buf[s.content.clone()];
         if !s.escaped {
             return Ok(Cow::Borrowed(raw));
@@ -347,7 +350,7 @@ impl<'a> Scanner<'a> {
     }
 
     /// Skip any value; return its byte range.
-    pub fn value(&mut self) -> Result<Range<usize>> {
+    pub(crate) fn value(&mut self) -> Result<Range<usize>> {
         let start = match self.peek() {
             Some(_) => self.pos,
             None => return Err(self.error("a value")),
@@ -368,7 +371,7 @@ impl<'a> Scanner<'a> {
     }
 
     /// A watched key (the member being read) at a place the caller does not read it from.
-    pub fn unexpected_watched(&self, key: &[u8]) -> Error {
+    pub(crate) fn unexpected_watched(&self, key: &[u8]) -> Error {
         let what = self.watched.map_or("watched", |w| w.what);
         Error::payload(format!(
             "{}: a {what} key `{}` at {}, a place where it is not read (never ignored: routing \
@@ -438,7 +441,10 @@ impl<'a> Scanner<'a> {
     }
 
     /// Walk an object; `on_key` gets each key (unescaped) and must consume its value.
-    pub fn object(&mut self, mut on_key: impl FnMut(&mut Self, &[u8]) -> Result<()>) -> Result<()> {
+    pub(crate) fn object(
+        &mut self,
+        mut on_key: impl FnMut(&mut Self, &[u8]) -> Result<()>,
+    ) -> Result<()> {
         self.eat(b'{', "an object")?;
         self.enter()?;
         if self.peek() == Some(b'}') {
@@ -467,7 +473,10 @@ impl<'a> Scanner<'a> {
     }
 
     /// Walk an array; `on_item` gets each index and must consume the item.
-    pub fn array(&mut self, mut on_item: impl FnMut(&mut Self, usize) -> Result<()>) -> Result<()> {
+    pub(crate) fn array(
+        &mut self,
+        mut on_item: impl FnMut(&mut Self, usize) -> Result<()>,
+    ) -> Result<()> {
         self.eat(b'[', "an array")?;
         self.enter()?;
         if self.peek() == Some(b']') {

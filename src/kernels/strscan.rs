@@ -7,7 +7,7 @@
 ///
 /// x86_64: AVX2 when the CPU has it, else SSE2; aarch64: NEON; elsewhere, or with the feature
 /// `portable` (which the tests use to run every caller through it), the portable loop.
-pub fn find_special(s: &[u8]) -> Option<usize> {
+pub(crate) fn find_special(s: &[u8]) -> Option<usize> {
     #[cfg(all(target_arch = "x86_64", not(feature = "portable")))]
     {
         if std::is_x86_feature_detected!("avx2") {
@@ -36,7 +36,7 @@ pub fn find_special(s: &[u8]) -> Option<usize> {
 /// string's closing quote (or its padding) when the text is valid, so neither a search for the
 /// end of the string nor a second pass to check the characters is needed. Kernels as for
 /// [`find_special`] (SSSE3 instead of SSE2: the lookup needs a byte shuffle).
-pub fn base64_run(s: &[u8]) -> usize {
+pub(crate) fn base64_run(s: &[u8]) -> usize {
     #[cfg(all(target_arch = "x86_64", not(feature = "portable")))]
     {
         if std::is_x86_feature_detected!("avx2") {
@@ -65,7 +65,7 @@ pub fn base64_run(s: &[u8]) -> usize {
 
 /// Length of the run of standard base64 characters that `s` ends with: [`base64_run`] over
 /// blocks from the end, then the one block holding the last other byte searched back.
-pub fn trailing_base64(s: &[u8]) -> usize {
+pub(crate) fn trailing_base64(s: &[u8]) -> usize {
     const BLOCK: usize = 4096;
     let mut end = s.len();
     while end > 0 {
@@ -81,7 +81,7 @@ pub fn trailing_base64(s: &[u8]) -> usize {
 }
 
 /// A character of the standard base64 alphabet (padding `=` aside).
-pub fn is_base64(c: u8) -> bool {
+pub(crate) fn is_base64(c: u8) -> bool {
     c.is_ascii_alphanumeric() || c == b'+' || c == b'/'
 }
 
@@ -109,11 +109,11 @@ mod nibbles {
     const LOWER_1: u8 = 1 << 4; // 0x6_
     const LOWER_2: u8 = 1 << 5; // 0x7_
 
-    pub const HIGH: [u8; 16] = [
+    pub(crate) const HIGH: [u8; 16] = [
         0, 0, SYMBOLS, DIGITS, UPPER_1, UPPER_2, LOWER_1, LOWER_2, 0, 0, 0, 0, 0, 0, 0, 0,
     ];
 
-    pub const LOW: [u8; 16] = {
+    pub(crate) const LOW: [u8; 16] = {
         let mut t = [0u8; 16];
         let mut n = 0;
         while n < 16 {
@@ -156,7 +156,7 @@ mod x86 {
     /// # Safety
     /// The CPU must support AVX2.
     #[target_feature(enable = "avx2")]
-    pub unsafe fn avx2(s: &[u8]) -> Option<usize> {
+    pub(crate) unsafe fn avx2(s: &[u8]) -> Option<usize> {
         let (quote, backslash, space) = (
             _mm256_set1_epi8(b'"' as i8),
             _mm256_set1_epi8(b'\\' as i8),
@@ -186,7 +186,7 @@ mod x86 {
     /// # Safety
     /// The CPU must support AVX2.
     #[target_feature(enable = "avx2")]
-    pub unsafe fn run_avx2(s: &[u8]) -> usize {
+    pub(crate) unsafe fn run_avx2(s: &[u8]) -> usize {
         // SAFETY: the table is 16 bytes; loadu has no alignment requirement.
         let low = unsafe { _mm_loadu_si128(super::nibbles::LOW.as_ptr().cast()) };
         // SAFETY: the table is 16 bytes; loadu has no alignment requirement.
@@ -218,7 +218,7 @@ mod x86 {
     /// # Safety
     /// The CPU must support SSSE3.
     #[target_feature(enable = "ssse3")]
-    pub unsafe fn run_ssse3(s: &[u8]) -> usize {
+    pub(crate) unsafe fn run_ssse3(s: &[u8]) -> usize {
         // SAFETY: the table is 16 bytes; loadu has no alignment requirement.
         let low = unsafe { _mm_loadu_si128(super::nibbles::LOW.as_ptr().cast()) };
         // SAFETY: the table is 16 bytes; loadu has no alignment requirement.
@@ -246,7 +246,7 @@ mod x86 {
     /// # Safety
     /// The CPU must support SSE2 (every x86_64 CPU does).
     #[target_feature(enable = "sse2")]
-    pub unsafe fn sse2(s: &[u8]) -> Option<usize> {
+    pub(crate) unsafe fn sse2(s: &[u8]) -> Option<usize> {
         let (quote, backslash, space) = (
             _mm_set1_epi8(b'"' as i8),
             _mm_set1_epi8(b'\\' as i8),
@@ -278,7 +278,7 @@ mod neon {
 
     /// 16 bytes at a time: a lane is special when it equals `"` or `\`, is below 0x20 or
     /// above 0x7f; a block with any such lane is searched byte by byte for the first.
-    pub fn find(s: &[u8]) -> Option<usize> {
+    pub(crate) fn find(s: &[u8]) -> Option<usize> {
         let mut i = 0;
         while i + 16 <= s.len() {
             // SAFETY: NEON is part of the aarch64 baseline (every aarch64 CPU has it), and
@@ -310,7 +310,7 @@ mod neon_run {
 
     /// `base64_run`, 16 bytes at a time, with the `nibbles` tables looked up by `tbl`; a block
     /// with a byte outside the alphabet is searched byte by byte for the first.
-    pub fn run(s: &[u8]) -> usize {
+    pub(crate) fn run(s: &[u8]) -> usize {
         let mut i = 0;
         // SAFETY: NEON is part of the aarch64 baseline; each table is 16 bytes.
         let (low, high) = unsafe {

@@ -7,6 +7,7 @@
 
 mod merge;
 mod npy_text;
+mod options;
 mod prefill_rows;
 mod read;
 mod spliced;
@@ -15,7 +16,8 @@ mod streaming;
 mod streaming_tests;
 mod suspects;
 
-pub use merge::{merge_response, merge_response_found, merge_response_pieces, MergeOptions};
+pub use merge::{merge_response, merge_response_found, merge_response_pieces};
+pub use options::MergeOptions;
 pub use prefill_rows::PrefillRows;
 pub use read::{decode_found, from_response, routing_rows};
 pub use spliced::{Part, Recoded, Spliced};

@@ -9,7 +9,7 @@
 
 use std::borrow::Cow;
 
-use super::merge::MergeOptions;
+use super::options::MergeOptions;
 use super::spliced::{groups_valid, Piece, Recoded};
 use super::suspects::checked_npy_header;
 

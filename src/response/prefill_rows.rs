@@ -8,7 +8,7 @@ use std::borrow::Cow;
 
 use serde_json::Value;
 
-use super::merge::side_hints;
+use super::options::side_hints;
 use super::suspects::checked_npy_header;
 use super::{decode_found, MergeOptions};
 use crate::body::{split, BodyRouting, Found};

@@ -3,7 +3,7 @@
 
 use std::borrow::Cow;
 
-use super::merge::{one_choice, MergeOptions};
+use super::options::{one_choice, MergeOptions};
 use super::read::decode_found;
 
 use crate::error::Result;

@@ -460,7 +460,7 @@ pub(crate) fn upstream_headers(
         ("accept-encoding", HeaderValue::from_static("identity")),
     ];
     if let Ok(v) = HeaderValue::from_str(id) {
-        h.push(("x-request-id", v));
+        h.push((super::request::REQUEST_ID, v));
     }
     if let Some(a) = auth {
         h.push(("authorization", a));

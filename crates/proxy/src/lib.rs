@@ -53,6 +53,8 @@ mod upstream;
 pub use config::Config;
 pub use fault::{error_body, Blame, Fault};
 pub use pool::{Changed, Policy, Side, SESSION_LOAD_FACTOR};
-pub use request::{decode_start, Api, ClientBody, MAX_DEPTH, PREFILL_KV_TRANSFER_PARAMS, STEERING};
+pub use request::{
+    decode_start, Api, ClientBody, MAX_DEPTH, PREFILL_KV_TRANSFER_PARAMS, REQUEST_ID, STEERING,
+};
 pub use server::{Server, Stop, Stopper};
 pub use stream::{StreamError, StreamMerger};

@@ -108,13 +108,13 @@ impl Drop for Exchange {
 /// `X-Request-Id: id` on a response (ids are printable ASCII, so it always fits a header).
 pub(crate) fn tag(r: &mut Response<Body>, id: &str) {
     if let Ok(v) = HeaderValue::from_str(id) {
-        r.headers_mut().insert("x-request-id", v);
+        r.headers_mut().insert(super::request::REQUEST_ID, v);
     }
 }
 
 /// The client's `X-Request-Id` when acceptable, else a new random one.
 pub fn request_id<B>(req: &Request<B>) -> String {
-    if let Some(v) = req.headers().get("x-request-id") {
+    if let Some(v) = req.headers().get(super::request::REQUEST_ID) {
         if acceptable_request_id(v.as_bytes()) {
             if let Ok(s) = v.to_str() {
                 return s.to_string();
@@ -137,7 +137,7 @@ mod tests {
     fn with_id(id: &[u8]) -> Request<()> {
         let mut r = Request::new(());
         if let Ok(v) = HeaderValue::from_bytes(id) {
-            r.headers_mut().insert("x-request-id", v);
+            r.headers_mut().insert(crate::request::REQUEST_ID, v);
         }
         r
     }

@@ -15,6 +15,9 @@ pub const MAX_DEPTH: usize = 256;
 /// remote decode, return the parameters the decode server needs to fetch it.
 pub const PREFILL_KV_TRANSFER_PARAMS: &str = r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
 
+/// The header that carries a request's id, to the upstreams and back to the client.
+pub const REQUEST_ID: &str = "x-request-id";
+
 /// The endpoints the proxy serves, each with its own request shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Api {

@@ -175,8 +175,8 @@ mod _core {
     use crate::payload::{_from_raw, RoutedExperts};
     #[pymodule_export]
     use crate::proxy::{
-        _ProxyServer, _check_proxy_settings, _proxy_choices, _proxy_settings, _proxy_text_settings,
-        StreamMerger,
+        _ProxyServer, _check_proxy_settings, _proxy_choices, _proxy_protocol, _proxy_settings,
+        _proxy_text_settings, StreamMerger,
     };
     #[pymodule_export]
     use crate::quality::{agreement, expert_load, Agreement, ExpertLoad};

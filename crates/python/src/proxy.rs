@@ -150,6 +150,15 @@ pub fn _proxy_choices() -> Vec<(&'static str, Vec<&'static str>)> {
     ]
 }
 
+/// The protocol's constants as the Rust data plane holds them: (the endpoints' paths, the
+/// request-id header, the prefill request's `kv_transfer_params` as JSON text).
+#[pyfunction]
+pub fn _proxy_protocol() -> (Vec<&'static str>, &'static str, &'static str) {
+    use routed_experts_proxy::{Api, PREFILL_KV_TRANSFER_PARAMS, REQUEST_ID};
+    let paths = Api::PATHS.iter().map(|(path, _)| *path).collect();
+    (paths, REQUEST_ID, PREFILL_KV_TRANSFER_PARAMS)
+}
+
 /// Check proxy settings (a dict of `ProxyConfig`'s fields) without starting a server: a
 /// `ConfigError` names the first that cannot serve.
 #[pyfunction]

@@ -4,12 +4,12 @@
 //! the core's cache right after it is copied there. Scanning it then for base64 characters costs
 //! a fraction of what the walk's scan of the same megabytes costs later, once the whole body has
 //! left the cache (a routing string of vLLM's `.npy` text is 4 MB at 8k tokens of
-//! Qwen3-30B-A3B). [`read_prefill_scanned`](super::read_prefill_scanned) then takes each string
+//! Qwen3-30B-A3B). [`read_prefill_scanned`](crate::body::read_prefill_scanned) then takes each string
 //! whose run is known without scanning it again.
 
 use std::ops::Range;
 
-use crate::kernels::strscan::{base64_run, trailing_base64};
+use super::strscan::{base64_run, trailing_base64};
 
 /// The runs of base64 characters (`A-Z a-z 0-9 + /`), [`MIN_RUN`](Self::MIN_RUN) bytes or
 /// longer, that start at the body's start or after the last other byte of one of its pieces:
@@ -202,10 +202,10 @@ mod tests {
                 joined.extend_from_slice(&body[joined.len()..joined.len() + n]);
                 runs.extend(&joined);
             }
-            let plain = format!("{:?}", super::super::read_prefill(&body));
+            let plain = format!("{:?}", crate::body::read_prefill(&body));
             let scanned = format!(
                 "{:?}",
-                super::super::read_prefill_scanned(&body, Some(&runs))
+                crate::body::read_prefill_scanned(&body, Some(&runs))
             );
             assert_eq!(plain, scanned, "round {round}");
             taken += usize::from(runs.run_from(head.len()).is_some());

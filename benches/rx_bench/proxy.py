@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Any, Callable, Union, cast
 
 import routed_experts as rx
-from routed_experts._bench import load_client
 from routed_experts.stand_in_engine import VllmAnswers
+from rx_bench import load_client
 
 # What a 200 must carry: exactly these bytes, or what the check accepts; None: anything.
 Expect = Union[bytes, Callable[[Union[bytes, bytearray]], bool], None]
-_VLLM_ROUTER_HINT = "pip install vllm-router (the bench extra) adds it as a column"
+_VLLM_ROUTER_HINT = ("pip install vllm-router (tests/requirements.txt; make test installs it) adds "
+                     "it as a column")
 
 GENERATED = 512  # tokens each request generates (the last one has no row)
 # The bodies' shapes: "sidecar", the compact sidecar, decode sending the whole sequence with
@@ -339,8 +340,11 @@ class Child:
     """A child process that prints `PORT n` once it listens."""
 
     def __init__(self, args: list[str]) -> None:
+        # The harness is not installed: the child finds it where this module is.
+        path = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "routed_experts._bench.proxy", *args],
+            [sys.executable, "-m", "rx_bench.proxy", *args],
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)},
             stdout=subprocess.PIPE,
             stderr=None if os.environ.get("BENCH_DEBUG") else subprocess.DEVNULL,
             text=True,
@@ -412,7 +416,8 @@ class RouterChild(Child):
 
 
 def vllm_router() -> str | None:
-    """The vllm-router command beside this Python (the bench extra installs it), or on PATH."""
+    """The vllm-router command beside this Python (tests/requirements.txt installs it), or on
+    PATH."""
     beside = Path(sys.executable).parent / "vllm-router"
     return str(beside) if beside.exists() else shutil.which("vllm-router")
 

@@ -15,8 +15,8 @@ from typing import Any, Callable, TextIO
 import numpy as np
 
 import routed_experts as rx
-from routed_experts._bench import baselines
-from routed_experts._bench.synthetic import MODELS, best_of, synthetic_rollout
+from routed_experts._synthetic import MODELS, best_of, synthetic_rollout
+from rx_bench import baselines
 
 
 @dataclass
