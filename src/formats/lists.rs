@@ -1,7 +1,8 @@
 //! Nested integer lists `[[[...]]]` (lmdeploy; vLLM 0.21's generated rows and prompt rows;
 //! NeMo-RL before its PR #3292): no start; the rows they cover depend on who wrote them.
 
-use super::{check_hints, Format, Hints, Place, Producer, Rule};
+use super::declared::{check_named, Hints, Producer};
+use super::places::{Place, Rule};
 use crate::error::{Error, Result};
 use crate::kernels::jsonscan::Scanner;
 use crate::payload::dtype::DType;
@@ -9,7 +10,6 @@ use crate::payload::{DTypeChoice, Payload, Shape};
 
 /// The nested lists' producer entry.
 pub(super) const PRODUCER: Producer = Producer {
-    format: Format::Lists,
     name: "lists",
     described: "nested lists",
     detects,
@@ -86,7 +86,7 @@ fn decode(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Payload> {
     crate::limits::check_shape(shape, hints.dtype.unwrap_or(DType::U8), max_bytes)?;
     let choice = hints.dtype.map_or(DTypeChoice::Compact, DTypeChoice::Exact);
     let p = Payload::from_values(&values, shape, hints.start.unwrap_or(0), choice)?;
-    check_hints(Format::Lists, &p.header(), hints)?;
+    check_named(PRODUCER.name, &p.header(), hints)?;
     Ok(p)
 }
 

@@ -1,12 +1,15 @@
 //! Every routing format in the wild (format.md §3.2), detected and decoded to one payload type, and
 //! encoded back byte-compatibly with each producer.
 
+mod declared;
 mod not_routing;
 pub mod npy;
 mod places;
 pub mod sidecar;
 
 pub use compact::decode_compact_fields;
+pub use declared::Hints;
+pub(crate) use declared::Producer;
 pub use places::{Place, Rule};
 pub use vllm_npy::NPY_B64_PREFIX;
 
@@ -14,7 +17,6 @@ use std::borrow::Cow;
 
 use crate::error::{Error, Result};
 use crate::kernels::jsonscan::Scanner;
-use crate::payload::dtype::DType;
 
 use crate::payload::{Header, Payload};
 
@@ -81,48 +83,6 @@ impl Format {
     }
 }
 
-/// What the caller knows that a format may not carry. A hint that contradicts what the payload
-/// does carry is an error, never silently preferred.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Hints {
-    /// The position of row 0, for formats that carry none.
-    pub start: Option<u64>,
-    /// Layers, for SGLang's flat values (checked against formats that carry them).
-    pub num_layers: Option<usize>,
-    /// top_k, for SGLang's flat values (checked against formats that carry them).
-    pub top_k: Option<usize>,
-    /// The element type, for SGLang's flat values (int32 if not given).
-    pub dtype: Option<DType>,
-}
-
-/// What a producer's format is, declared in its own file (`formats/<name>.rs`).
-pub(crate) struct Producer {
-    /// Its variant.
-    pub format: Format,
-    /// Its name (`Format::name`, `Format::parse`).
-    pub name: &'static str,
-    /// Its name in messages ("vLLM's .npy").
-    pub described: &'static str,
-    /// Whether a text is in this format. No two producers claim the same text, except that a
-    /// `last_resort` one is asked only when no other claims it (tested).
-    pub detects: fn(&[u8]) -> bool,
-    /// Its detection reads what others' also fit (SGLang's bare base64 also reads a `.npy`).
-    pub last_resort: bool,
-    /// The text (the content of a JSON string, for the string formats) to a payload.
-    pub decode: fn(&[u8], &Hints, usize) -> Result<Payload>,
-    /// A payload to the text its producer emits.
-    pub encode: fn(&Payload) -> Result<Vec<u8>>,
-    /// It travels as a JSON string (else as a JSON object or array).
-    pub json_string: bool,
-    /// The places its producers write it at (format.md §3.2).
-    pub writes_at: &'static [Place],
-    /// The rows it covers at a place (format.md §3.3).
-    pub rule: fn(Place) -> Rule,
-    /// Which releases send rows from position 0 when asked for a later start, named when a
-    /// body's rows say so (format.md §3.5).
-    pub ignores_start: Option<&'static str>,
-}
-
 /// The producer of `format`.
 pub(crate) fn producer(format: Format) -> &'static Producer {
     // `PRODUCERS` is in the order of the variants (one macro writes both).
@@ -134,20 +94,18 @@ pub(crate) fn producer(format: Format) -> &'static Producer {
 /// looks like: SGLang's flat base64 is chosen only for text that reads as base64.
 pub fn detect(text: &[u8]) -> Result<Format> {
     let claims = |last_resort: bool| {
-        PRODUCERS
-            .iter()
-            .find(move |p| p.last_resort == last_resort && (p.detects)(text))
-    };
-    claims(false)
-        .or_else(|| claims(true))
-        .map(|p| p.format)
-        .ok_or_else(|| {
-            Error::payload(format!(
-                "not routing in any known format ({}): {}",
-                Format::names(),
-                not_routing::describe(text)
-            ))
+        Format::ALL.into_iter().find(move |&f| {
+            let p = producer(f);
+            p.last_resort == last_resort && (p.detects)(text)
         })
+    };
+    claims(false).or_else(|| claims(true)).ok_or_else(|| {
+        Error::payload(format!(
+            "not routing in any known format ({}): {}",
+            Format::names(),
+            not_routing::describe(text)
+        ))
+    })
 }
 
 /// Decode a value of any format given as text, detecting which.
@@ -214,27 +172,7 @@ pub(crate) fn json_string_content(raw: &[u8]) -> Result<Cow<'_, [u8]>> {
 
 /// A hint that contradicts what the payload carries is an error, never silently preferred.
 pub fn check_hints(format: Format, h: &Header, hints: &Hints) -> Result<()> {
-    let name = format.name();
-    let mismatch = |field: &str, given: String, found: String| {
-        Err(Error::field(
-            field,
-            format!("{given} (as given)"),
-            format!("{found} in the {name} payload"),
-        ))
-    };
-    if let Some(l) = hints.num_layers.filter(|&l| l != h.shape.layers) {
-        return mismatch("num_layers", l.to_string(), h.shape.layers.to_string());
-    }
-    if let Some(k) = hints.top_k.filter(|&k| k != h.shape.top_k) {
-        return mismatch("top_k", k.to_string(), h.shape.top_k.to_string());
-    }
-    if let Some(d) = hints.dtype.filter(|&d| d != h.dtype) {
-        return mismatch("dtype", d.to_string(), h.dtype.to_string());
-    }
-    if let Some(s) = hints.start.filter(|&s| s != h.start) {
-        return mismatch("start", s.to_string(), h.start.to_string());
-    }
-    Ok(())
+    declared::check_named(format.name(), h, hints)
 }
 
 /// The value in `format`, as the text its producer emits (a compact sidecar's JSON object;
@@ -257,6 +195,41 @@ pub fn encode_json(p: &Payload, format: Format) -> Result<Vec<u8>> {
             out
         }
     })
+}
+
+// The places' methods ask the registry (format.md §3.2, §3.3); their types are in places.rs.
+impl Place {
+    /// Whether producers write `format` here (each producer's file lists its places). A compact
+    /// sidecar is allowed everywhere: it places itself, and it is what a merge writes back by
+    /// default.
+    pub fn allows(self, format: Format) -> bool {
+        producer(format).writes_at.contains(&self)
+    }
+
+    /// The formats written here, in the order of `Format::ALL`, for messages: "vLLM's .npy,
+    /// nested lists or a compact sidecar".
+    pub fn formats(self) -> String {
+        let mut names: Vec<&str> = Format::ALL
+            .into_iter()
+            .filter(|&f| f != Format::Compact && producer(f).writes_at.contains(&self))
+            .map(|f| producer(f).described)
+            .collect();
+        names.push(producer(Format::Compact).described);
+        let last = names.pop().unwrap_or_default();
+        if names.is_empty() {
+            last.to_string()
+        } else {
+            format!("{} or {last}", names.join(", "))
+        }
+    }
+}
+
+impl Rule {
+    /// The rule of a value in `format` found at `place`: who wrote it decides (NeMo-RL writes
+    /// its filler row in either of its formats, at its own place); each producer's file says.
+    pub fn of(format: Format, place: Place) -> Rule {
+        (producer(format).rule)(place)
+    }
 }
 
 #[cfg(test)]
@@ -323,16 +296,14 @@ mod tests {
     #[test]
     fn every_format_has_its_producer_and_detection_asks_the_last_resort_last() {
         for (i, f) in Format::ALL.into_iter().enumerate() {
-            assert_eq!(PRODUCERS[i].format, f);
-            assert_eq!(producer(f).format, f);
+            assert_eq!(PRODUCERS[i].name, f.name());
             assert_eq!(Format::parse(f.name()).unwrap(), f);
             // No two producers claim a text, but for the last resort (SGLang's base64, which
             // also reads a `.npy`'s).
             let text = encode(&sample(), f).unwrap();
-            let claims: Vec<Format> = PRODUCERS
-                .iter()
-                .filter(|p| !p.last_resort && (p.detects)(&text))
-                .map(|p| p.format)
+            let claims: Vec<Format> = Format::ALL
+                .into_iter()
+                .filter(|&g| !producer(g).last_resort && (producer(g).detects)(&text))
                 .collect();
             let expected = if producer(f).last_resort {
                 vec![]
@@ -342,10 +313,9 @@ mod tests {
             assert_eq!(claims, expected, "{f:?}");
             assert_eq!(detect(&text).unwrap(), f);
         }
-        let last: Vec<Format> = PRODUCERS
-            .iter()
-            .filter(|p| p.last_resort)
-            .map(|p| p.format)
+        let last: Vec<Format> = Format::ALL
+            .into_iter()
+            .filter(|&g| producer(g).last_resort)
             .collect();
         assert_eq!(last, [Format::Sglang]);
         // A compact sidecar is read wherever routing sits.

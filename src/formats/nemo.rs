@@ -1,8 +1,9 @@
 //! NeMo-RL's `nrlre1:<dtype>:<T>x<L>x<K>:<base64>` string: no start; rows `[0, P + G)`, the
 //! last a filler row, not routing.
 
+use super::declared::{check_named, Hints, Producer};
+use super::places::{Place, Rule};
 use super::sidecar;
-use super::{check_hints, Format, Hints, Place, Producer, Rule};
 use crate::error::{Error, Result};
 use crate::kernels::b64;
 use crate::payload::dtype::DType;
@@ -10,7 +11,6 @@ use crate::payload::{Payload, Shape};
 
 /// NeMo-RL's producer entry.
 pub(super) const PRODUCER: Producer = Producer {
-    format: Format::Nemo,
     name: "nemo",
     described: "NeMo-RL's nrlre1 string",
     detects,
@@ -65,7 +65,7 @@ fn decode(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Payload> {
         max_bytes,
         "nemo data",
     )?;
-    check_hints(Format::Nemo, &p.header(), hints)?;
+    check_named(PRODUCER.name, &p.header(), hints)?;
     Ok(p)
 }
 

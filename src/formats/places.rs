@@ -2,8 +2,6 @@
 //! (§3.3): the two things a producer's file declares beside its codec, so a body's walker and
 //! the coverage checks ask the producers instead of listing formats themselves.
 
-use super::{producer, Format, PRODUCERS};
-
 /// The kind of place a routing value was found at, which fixes the formats its producers write
 /// there (format.md §3.2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,32 +19,6 @@ pub enum Place {
     /// `nvext` or `nvext.engine_data`: Dynamo's compact sidecar, or the backend's own value
     /// passed through (SGLang's flat values, vLLM's `.npy`).
     Nvext,
-}
-
-impl Place {
-    /// Whether producers write `format` here (each producer's file lists its places). A compact
-    /// sidecar is allowed everywhere: it places itself, and it is what a merge writes back by
-    /// default.
-    pub fn allows(self, format: Format) -> bool {
-        producer(format).writes_at.contains(&self)
-    }
-
-    /// The formats written here, in the order of `Format::ALL`, for messages: "vLLM's .npy,
-    /// nested lists or a compact sidecar".
-    pub fn formats(self) -> String {
-        let mut names: Vec<&str> = PRODUCERS
-            .iter()
-            .filter(|p| p.format != Format::Compact && p.writes_at.contains(&self))
-            .map(|p| p.described)
-            .collect();
-        names.push(producer(Format::Compact).described);
-        let last = names.pop().unwrap_or_default();
-        if names.is_empty() {
-            last.to_string()
-        } else {
-            format!("{} or {last}", names.join(", "))
-        }
-    }
 }
 
 /// What a format's producers promise about the rows they send, for a sequence of `P` prompt
@@ -71,12 +43,4 @@ pub enum Rule {
     /// guessed, and the body around it may have been rewritten by a router that kept another
     /// body's counts, so they are not held against it.
     SelfPlaced,
-}
-
-impl Rule {
-    /// The rule of a value in `format` found at `place`: who wrote it decides (NeMo-RL writes
-    /// its filler row in either of its formats, at its own place); each producer's file says.
-    pub fn of(format: Format, place: Place) -> Rule {
-        (producer(format).rule)(place)
-    }
 }

@@ -2,8 +2,9 @@
 //! and no start (the caller gives `num_layers` and `top_k`); rows `[S, P + G - 1)`. Tried last
 //! by detection: only text that reads as base64 is taken for it.
 
+use super::declared::{Hints, Producer};
+use super::places::{Place, Rule};
 use super::sidecar;
-use super::{Format, Hints, Place, Producer, Rule};
 use crate::error::{Error, Result};
 use crate::kernels::b64;
 use crate::payload::dtype::DType;
@@ -11,7 +12,6 @@ use crate::payload::{Payload, Shape};
 
 /// SGLang's producer entry.
 pub(super) const PRODUCER: Producer = Producer {
-    format: Format::Sglang,
     name: "sglang",
     described: "SGLang's flat base64 values",
     detects,

@@ -2,8 +2,9 @@
 //! (or passed through Dynamo's `nvext`). No start: rows `[S, P + G - 1)` for the start `S` asked.
 //! The `.npy` header itself is `npy.rs`.
 
+use super::declared::{check_named, Hints, Producer};
 use super::npy;
-use super::{check_hints, Format, Hints, Place, Producer, Rule};
+use super::places::{Place, Rule};
 use crate::error::{Error, Result};
 use crate::kernels::b64;
 use crate::kernels::buffer::AlignedBytes;
@@ -11,7 +12,6 @@ use crate::payload::Payload;
 
 /// vLLM's producer entry.
 pub(super) const PRODUCER: Producer = Producer {
-    format: Format::VllmNpy,
     name: "vllm_npy",
     described: "vLLM's .npy",
     detects,
@@ -58,7 +58,7 @@ fn whole_file(text: &[u8], len: usize, hints: &Hints, max_bytes: usize) -> Resul
     file.as_mut_bytes().copy_within(h.data_offset.., 0);
     file.truncate(want);
     let p = Payload::new(hints.start.unwrap_or(0), h.shape, h.dtype, file)?;
-    check_hints(Format::VllmNpy, &p.header(), hints)?;
+    check_named(PRODUCER.name, &p.header(), hints)?;
     Ok(p)
 }
 
@@ -112,7 +112,7 @@ fn in_place(text: &[u8], len: usize, hints: &Hints, max_bytes: usize) -> Option<
         return None;
     }
     let p = Payload::new(hints.start.unwrap_or(0), h.shape, h.dtype, data).ok()?;
-    check_hints(Format::VllmNpy, &p.header(), hints).ok()?;
+    check_named(PRODUCER.name, &p.header(), hints).ok()?;
     Some(p)
 }
 

@@ -80,14 +80,30 @@ pub(crate) fn trailing_base64(s: &[u8]) -> usize {
     s.len()
 }
 
-/// A character of the standard base64 alphabet (padding `=` aside).
-pub(crate) fn is_base64(c: u8) -> bool {
-    c.is_ascii_alphanumeric() || c == b'+' || c == b'/'
+/// The byte-at-a-time loops: what a CPU without the SIMD kernels runs, and what those kernels
+/// finish a string's last bytes with (a leaf: the kernels below import it, it imports nothing).
+mod portable {
+    /// A character of the standard base64 alphabet (padding `=` aside).
+    pub(crate) fn is_base64(c: u8) -> bool {
+        c.is_ascii_alphanumeric() || c == b'+' || c == b'/'
+    }
+
+    pub(crate) fn run_scalar(s: &[u8]) -> usize {
+        s.iter().position(|&c| !is_base64(c)).unwrap_or(s.len())
+    }
+
+    pub(crate) fn is_special(c: u8) -> bool {
+        c == b'"' || c == b'\\' || !(0x20..0x80).contains(&c)
+    }
+
+    pub(crate) fn scalar(s: &[u8]) -> Option<usize> {
+        s.iter().position(|&c| is_special(c))
+    }
 }
 
-fn run_scalar(s: &[u8]) -> usize {
-    s.iter().position(|&c| !is_base64(c)).unwrap_or(s.len())
-}
+pub(crate) use portable::is_base64;
+#[allow(unused_imports)]
+use portable::{run_scalar, scalar};
 
 /// The SIMD kernels' classification of a byte by its two nibbles: a byte is a base64
 /// character when `LOW[low nibble] & HIGH[high nibble]` is not zero. Each bit of `HIGH` stands
@@ -137,14 +153,6 @@ mod nibbles {
     };
 }
 
-fn is_special(c: u8) -> bool {
-    c == b'"' || c == b'\\' || !(0x20..0x80).contains(&c)
-}
-
-fn scalar(s: &[u8]) -> Option<usize> {
-    s.iter().position(|&c| is_special(c))
-}
-
 #[cfg(target_arch = "x86_64")]
 #[cfg_attr(feature = "portable", allow(dead_code))] // only the tests call it then
 mod x86 {
@@ -177,7 +185,7 @@ mod x86 {
             }
             i += 32;
         }
-        super::scalar(&s[i..]).map(|j| i + j)
+        super::portable::scalar(&s[i..]).map(|j| i + j)
     }
 
     /// `base64_run`, 32 bytes at a time: each byte's two nibbles looked up in the `nibbles`
@@ -210,7 +218,7 @@ mod x86 {
             }
             i += 32;
         }
-        i + super::run_scalar(&s[i..])
+        i + super::portable::run_scalar(&s[i..])
     }
 
     /// `run_avx2`, 16 bytes at a time.
@@ -238,7 +246,7 @@ mod x86 {
             }
             i += 16;
         }
-        i + super::run_scalar(&s[i..])
+        i + super::portable::run_scalar(&s[i..])
     }
 
     /// The same, 16 bytes at a time.
@@ -267,7 +275,7 @@ mod x86 {
             }
             i += 16;
         }
-        super::scalar(&s[i..]).map(|j| i + j)
+        super::portable::scalar(&s[i..]).map(|j| i + j)
     }
 }
 
@@ -295,11 +303,11 @@ mod neon {
                 vmaxvq_u8(hit) != 0
             };
             if any {
-                return super::scalar(&s[i..i + 16]).map(|j| i + j);
+                return super::portable::scalar(&s[i..i + 16]).map(|j| i + j);
             }
             i += 16;
         }
-        super::scalar(&s[i..]).map(|j| i + j)
+        super::portable::scalar(&s[i..]).map(|j| i + j)
     }
 }
 
@@ -329,11 +337,11 @@ mod neon_run {
                 vminvq_u8(vandq_u8(lo, hi)) == 0
             };
             if any {
-                return i + super::run_scalar(&s[i..i + 16]);
+                return i + super::portable::run_scalar(&s[i..i + 16]);
             }
             i += 16;
         }
-        i + super::run_scalar(&s[i..])
+        i + super::portable::run_scalar(&s[i..])
     }
 }
 
