@@ -272,10 +272,7 @@ impl RoutingFormat {
 
     /// The choice `name` names; `Err` lists the names.
     pub fn parse(name: &str) -> Result<Self, String> {
-        Self::ALL
-            .into_iter()
-            .find(|f| f.name() == name)
-            .ok_or_else(|| format!("expected compact or engine, got {name:?}"))
+        super::config_error::parse_named(&Self::ALL, Self::name, name)
     }
 }
 
@@ -308,10 +305,7 @@ impl StreamRouting {
 
     /// The choice `name` names; `Err` lists the names.
     pub fn parse(name: &str) -> Result<Self, String> {
-        Self::ALL
-            .into_iter()
-            .find(|f| f.name() == name)
-            .ok_or_else(|| format!("expected buffered or relay, got {name:?}"))
+        super::config_error::parse_named(&Self::ALL, Self::name, name)
     }
 }
 

@@ -1,5 +1,6 @@
-//! The error of a setting or a server list, apart from the settings' table so the server pool,
-//! which the table names, can return it without the two importing each other.
+//! The error of a setting or a server list, and the parse of a setting that names one of a few
+//! choices, apart from the settings' table so the server pool, which the table names, can use
+//! them without the two importing each other.
 
 /// A setting or a server list that cannot serve: `setting` names it (a setting's name as
 /// [`SETTINGS`](crate::config::SETTINGS) and [`TEXT_SETTINGS`](crate::config::TEXT_SETTINGS)
@@ -30,6 +31,26 @@ impl std::fmt::Display for ConfigError {
 }
 
 impl std::error::Error for ConfigError {}
+
+/// The choice among `all` whose `name_of` is `given`; `Err` lists the names ("expected a or
+/// b", or "expected one of a, b, c"). What every setting that takes one of a few names parses
+/// with (the policies, `routing_format`, `stream_routing`).
+pub(crate) fn parse_named<T: Copy>(
+    all: &[T],
+    name_of: fn(T) -> &'static str,
+    given: &str,
+) -> Result<T, String> {
+    all.iter()
+        .copied()
+        .find(|c| name_of(*c) == given)
+        .ok_or_else(|| {
+            let names: Vec<&str> = all.iter().map(|c| name_of(*c)).collect();
+            match names.as_slice() {
+                [a, b] => format!("expected {a} or {b}, got {given:?}"),
+                _ => format!("expected one of {}, got {given:?}", names.join(", ")),
+            }
+        })
+}
 
 #[cfg(test)]
 mod tests {

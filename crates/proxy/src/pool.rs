@@ -81,13 +81,7 @@ impl Policy {
 
     /// The policy `name` names; `Err` lists the names.
     pub fn parse(name: &str) -> Result<Self, String> {
-        Self::ALL
-            .into_iter()
-            .find(|p| p.name() == name)
-            .ok_or_else(|| {
-                let names: Vec<&str> = Self::ALL.iter().map(|p| p.name()).collect();
-                format!("expected one of {}, got {name:?}", names.join(", "))
-            })
+        super::config_error::parse_named(&Self::ALL, Self::name, name)
     }
 }
 
