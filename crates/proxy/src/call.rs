@@ -100,36 +100,36 @@ impl Call {
             .await?;
         let began = Instant::now();
         // The merged body goes out as slices of the two bodies (only the rewritten parts are
-        // new bytes): nothing is assembled, and the bodies' budget is held until it is sent.
-        let parts = blocking_if(decode_body.len() >= BLOCKING_BYTES, || {
-            // Text encoded again from text on another grid (vLLM's rows in a compact
-            // sidecar) is written as it is sent, a piece at a time while it is in cache.
-            let opts = MergeOptions {
-                require_routing: true,
-                defer_recode: !as_events,
-                ..self.merge_options(body.start, decode_start)
-            };
-            let mut spliced =
-                merge_response_found(&prefill_body, &read.routing, &decode_body, opts)?;
-            let seen = merge_suspects(
-                &read.routing.values,
-                spliced.decode_values(),
-                &opts,
-                SAMPLE_ROWS,
-            );
-            Ok((
-                shared_parts(&mut spliced, &[&prefill_body, &decode_body])?,
-                seen,
-            ))
-        })
-        .map_err(merge_fault)?;
-        let (mut parts, (prefill_seen, decode_seen)) = parts;
-        if as_events {
-            parts = blocking_if(decode_body.len() >= BLOCKING_BYTES, || {
-                events_from_body(&joined(parts)?, body.api(), body.include_usage)
-            })
-            .map(|events| vec![Part::Ready(Bytes::from(events))])?;
-        }
+        // new bytes): nothing is assembled, and the bodies' budget is held until it is sent. A
+        // stream written from it (`as_events`) is assembled once, then written as events.
+        let (parts, (prefill_seen, decode_seen)) =
+            blocking_if(decode_body.len() >= BLOCKING_BYTES, || {
+                // Text encoded again from text on another grid (vLLM's rows in a compact
+                // sidecar) is written as it is sent, a piece at a time while it is in cache.
+                let opts = MergeOptions {
+                    require_routing: true,
+                    defer_recode: !as_events,
+                    ..self.merge_options(body.start, decode_start)
+                };
+                let mut spliced =
+                    merge_response_found(&prefill_body, &read.routing, &decode_body, opts)
+                        .map_err(merge_fault)?;
+                let seen = merge_suspects(
+                    &read.routing.values,
+                    spliced.decode_values(),
+                    &opts,
+                    SAMPLE_ROWS,
+                );
+                let parts = if as_events {
+                    let merged = spliced.to_vec().map_err(merge_fault)?;
+                    let events = events_from_body(&merged, body.api(), body.include_usage)?;
+                    vec![Part::Ready(Bytes::from(events))]
+                } else {
+                    shared_parts(&mut spliced, &[&prefill_body, &decode_body])
+                        .map_err(merge_fault)?
+                };
+                Ok::<_, Fault>((parts, seen))
+            })?;
         proxy
             .metrics
             .routing_rows(Side::Prefill, &ex.prefill, prefill_seen);
@@ -331,24 +331,6 @@ impl Call {
 pub(crate) struct Reply {
     pub(crate) body: Bytes,
     pub(crate) runs: Option<Base64Runs>,
-}
-
-/// A merged body's parts as one buffer (to be written again as a stream's events).
-fn joined(parts: Vec<Part>) -> Result<Vec<u8>, Fault> {
-    let mut out = Vec::with_capacity(parts.iter().map(Part::len).sum());
-    for mut part in parts {
-        loop {
-            let (bytes, rest) = part
-                .next_piece()
-                .map_err(|e| Fault::new(Blame::Proxy, 500, format!("merged routing: {e}")))?;
-            out.extend_from_slice(&bytes);
-            match rest {
-                Some(r) => part = r,
-                None => break,
-            }
-        }
-    }
-    Ok(out)
 }
 
 /// Gives a lease back when a request ends before its upstream call starts.
