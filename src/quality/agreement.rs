@@ -199,7 +199,7 @@ fn count<A: Element, B: Element>(
     k: usize,
     layers: usize,
     start: u64,
-) -> Result<Counts> {
+) -> Result<RunCounts> {
     // Masks wide enough for every id the dtypes can hold, or for the models in use (384
     // experts); ids past that take the general path, which compares values pairwise.
     let counted = if A::DTYPE.max() < 256 && B::DTYPE.max() < 256 {
@@ -226,7 +226,7 @@ fn count<A: Element, B: Element>(
 }
 
 /// The counts of a run of rows (see [`Agreement`]); runs add up.
-struct Counts {
+struct RunCounts {
     exact: Vec<u64>,
     overlap: Vec<u64>,
     compared: u64,
@@ -235,8 +235,8 @@ struct Counts {
     differing: u64,
 }
 
-impl Counts {
-    fn add(&mut self, other: Counts) {
+impl RunCounts {
+    fn add(&mut self, other: RunCounts) {
         for (a, b) in self.exact.iter_mut().zip(other.exact) {
             *a += b;
         }
@@ -257,7 +257,7 @@ fn count_parts<A: Element, B: Element, C: GroupCompare>(
     vb: &[B],
     k: usize,
     layers: usize,
-) -> std::result::Result<Counts, Refused> {
+) -> std::result::Result<RunCounts, Refused> {
     let row = layers * k;
     let bytes = std::mem::size_of_val(va) + std::mem::size_of_val(vb);
     let parts = crate::kernels::parallel::over_rows(va.len() / row, bytes, |r| {
@@ -267,7 +267,7 @@ fn count_parts<A: Element, B: Element, C: GroupCompare>(
             wide => wide,
         })
     });
-    let mut total: Option<Counts> = None;
+    let mut total: Option<RunCounts> = None;
     for part in parts {
         let part = part?;
         match total.as_mut() {
@@ -394,7 +394,7 @@ fn count_with<A: Element, B: Element, C: GroupCompare>(
     vb: &[B],
     k: usize,
     layers: usize,
-) -> std::result::Result<Counts, Refused> {
+) -> std::result::Result<RunCounts, Refused> {
     let row = layers * k;
     let mut exact = vec![0u64; layers];
     let mut overlap = vec![0u64; layers];
@@ -441,7 +441,7 @@ fn count_with<A: Element, B: Element, C: GroupCompare>(
         differing += differ;
         differing_tokens += u64::from(differ > 0);
     }
-    Ok(Counts {
+    Ok(RunCounts {
         exact,
         overlap,
         compared,

@@ -1,7 +1,8 @@
-//! The plain call: prefill, then decode, their replies read within the budget, and the
-//! routing merged by absolute position.
+//! [`Call`]: the upstream side of one completion request. Prefill, then decode, their replies
+//! read within the budget; a plain answer's routing merged by absolute position (`run`), a
+//! stream's decode opened and handed to a [`Relay`] (`stream`).
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -9,24 +10,25 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Response};
+use tokio::sync::{mpsc, oneshot};
 
-use super::budget::Share;
-use super::buffered_stream::events_from_body;
-use super::config::{RoutingFormat, StreamRouting};
-use super::fault::Fault;
-use super::metrics::Phase;
-use super::parts::{shared_parts, Held, Part, PartsBody};
-use super::pool::{Lease, Outcome, Side};
-use super::request::{decode_start, Api, ClientBody};
-use super::stream::SAMPLE_ROWS;
 use routed_experts::body::{read_prefill_scanned, Base64Runs, PrefillBody};
 use routed_experts::response::{merge_response_found, merge_suspects, suspect_rows, MergeOptions};
 use routed_experts::Hints;
 
-use super::fault::{encoded_fault, merge_fault, status_fault, Blame};
+use super::budget::Share;
+use super::buffered_stream::events_from_body;
+use super::config::{RoutingFormat, StreamRouting};
+use super::fault::{encoded_fault, merge_fault, status_fault, Blame, Fault};
+use super::metrics::Phase;
+use super::parts::{shared_parts, Held, Part, PartsBody};
+use super::pool::{Lease, Outcome, Side};
+use super::proxy::{blocking_if, Proxy, Slot, BLOCKING_BYTES};
 use super::record::Exchange;
+use super::relay::{AbortOnDrop, ChannelBody, Head, Relay, STREAM_QUEUE};
+use super::request::{decode_start, Api, ClientBody};
 use super::responses::Body;
-use super::shared::{Proxy, Slot, BLOCKING_BYTES};
+use super::stream_merger::{StreamMerger, SAMPLE_ROWS};
 
 /// The upstream side of one completion request.
 pub(crate) struct Call {
@@ -72,7 +74,7 @@ impl Call {
                 .stream(ex, body, lease, (prefill, prefill_share), slot)
                 .await;
         }
-        let Reply {
+        let ReplyBody {
             body: prefill_body,
             runs,
         } = prefill;
@@ -85,7 +87,7 @@ impl Call {
         let lease = lease.take();
         ex.decode = lease.upstream.url.clone();
         let (
-            Reply {
+            ReplyBody {
                 body: decode_body, ..
             },
             decode_share,
@@ -211,7 +213,7 @@ impl Call {
         ex: &mut Exchange,
         data: Vec<u8>,
         session: Option<u64>,
-    ) -> Result<(Reply, Share), Fault> {
+    ) -> Result<(ReplyBody, Share), Fault> {
         let proxy = &self.proxy;
         let lease = proxy.lease(Side::Prefill, session).await?;
         let first = Arc::clone(&lease.upstream);
@@ -269,7 +271,7 @@ impl Call {
         lease: Lease,
         data: Bytes,
         mut share: Share,
-    ) -> Result<(Reply, Share), Fault> {
+    ) -> Result<(ReplyBody, Share), Fault> {
         let proxy = &self.proxy;
         let upstream = Arc::clone(&lease.upstream);
         let url = &upstream.url;
@@ -298,7 +300,7 @@ impl Call {
                         let prefill = side == Side::Prefill;
                         r.read_body(limit, &mut share, (ceiling, prefill), deadline, prefill)
                             .await
-                            .map(|(body, runs)| (status, json, Reply { body, runs }, share))
+                            .map(|(body, runs)| (status, json, ReplyBody { body, runs }, share))
                             .map_err(|e| {
                                 guard.outcome = Outcome::Failed;
                                 proxy.call_fault(side, url, e)
@@ -324,11 +326,178 @@ impl Call {
         }
         Ok((body, share))
     }
+
+    /// A stream request from the prefill reply on. The rest runs as a task of its own that
+    /// owns the prefill body and what was read from it (so the routing event merges without
+    /// walking that body again): it calls decode and hands back the response head once decode
+    /// answers with a stream, then relays the events, merged where they carry routing, with
+    /// any failure reported in-band as a last error event. Until the head is back, this
+    /// request still owns its record, and dropping it (the client left) stops the task.
+    pub(crate) async fn stream(
+        self,
+        ex: &mut Exchange,
+        body: ClientBody,
+        lease: LeaseGuard,
+        prefill: (ReplyBody, Share),
+        slot: Slot,
+    ) -> Result<Response<Body>, Fault> {
+        let (head_tx, head_rx) = oneshot::channel();
+        // Named in the log line whether decode answers or not (as a plain request's is).
+        if let Some(l) = &lease.lease {
+            ex.decode = l.upstream.url.clone();
+        }
+        let began = Instant::now();
+        let task = tokio::spawn(self.stream_task(body, lease, prefill, slot, head_tx));
+        let mut abort = AbortOnDrop(Some(task.abort_handle()));
+        let head = head_rx.await.map_err(|_| {
+            Fault::new(
+                Blame::Proxy,
+                500,
+                "the stream ended before its response head",
+            )
+        });
+        ex.seconds[Phase::Decode as usize] = began.elapsed().as_secs_f64();
+        let (decode_url, decode_seconds, mut response, record_tx) = head??;
+        abort.0 = None; // the task owns the stream from here on (its handle dropped, not aborted)
+        ex.decode = decode_url;
+        ex.seconds[Phase::Decode as usize] = decode_seconds;
+        ex.status(200, None);
+        ex.tag(&mut response);
+        // The record goes to the task, which logs it when the stream ends.
+        let proxy = Arc::clone(&ex.proxy);
+        let mut record = Exchange::new(proxy, ex.request_id.clone(), ex.endpoint);
+        std::mem::swap(&mut record, ex);
+        ex.handed_off = true;
+        let _ = record_tx.send(record);
+        Ok(response)
+    }
+
+    pub(crate) async fn stream_task(
+        self,
+        body: ClientBody,
+        mut lease: LeaseGuard,
+        (prefill, mut prefill_share): (ReplyBody, Share),
+        slot: Slot,
+        head_tx: oneshot::Sender<Result<Head, Fault>>,
+    ) {
+        let proxy = Arc::clone(&self.proxy);
+        let (read, decode_start) =
+            match self.read_prefill(&prefill.body, prefill.runs.as_ref(), body.start) {
+                Ok(read) => read,
+                Err(fault) => {
+                    let _ = head_tx.send(Err(fault));
+                    return;
+                }
+            };
+        let decode_json = body.decode_request(read.kv_transfer_params, decode_start);
+        let opts = self.merge_options(body.start, decode_start);
+        drop(body);
+        let lease = lease.take();
+        let url = lease.upstream.url.clone();
+        let began = Instant::now();
+        let decode = match self
+            .open_stream(lease, decode_json, prefill_share.held())
+            .await
+        {
+            Ok(d) => d,
+            Err(fault) => {
+                let _ = head_tx.send(Err(fault));
+                return;
+            }
+        };
+        let (lease, upstream) = decode;
+        let (tx, rx) = mpsc::channel(STREAM_QUEUE);
+        let mut response = Response::new(BodyExt::boxed(ChannelBody(rx)));
+        response
+            .headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+        let (record_tx, record_rx) = oneshot::channel();
+        let head = (
+            url.clone(),
+            began.elapsed().as_secs_f64(),
+            response,
+            record_tx,
+        );
+        if head_tx.send(Ok(head)).is_err() {
+            proxy.release(Side::Decode, lease, Outcome::Unknown);
+            return;
+        }
+        let Ok(record) = record_rx.await else {
+            proxy.release(Side::Decode, lease, Outcome::Unknown);
+            return;
+        };
+        let max_line = proxy.config.max_upstream_bytes;
+        // Prefill's routing as an event long enough to merge as it passes reads it, found once.
+        let rows = OnceLock::new();
+        let relay = Relay {
+            // Decode's event grows into the room prefill's reply set aside first.
+            share: prefill_share.take_reserve().beside(prefill_share.held()),
+            proxy,
+            url,
+            record,
+            lease: Some(lease),
+            merger: StreamMerger::new(&prefill.body, &read.routing, opts, max_line)
+                .streaming(&rows)
+                .defer_rows(),
+            tx,
+            deadline: self.deadline,
+            began,
+            held: Arc::new((slot, prefill_share)),
+            ended_line: true,
+        };
+        relay.run(upstream.into_body()).await;
+    }
+
+    /// The decode call of a stream, up to a response head that is a stream.
+    pub(crate) async fn open_stream(
+        &self,
+        lease: Lease,
+        data: Vec<u8>,
+        beside: usize,
+    ) -> Result<(Lease, Response<Incoming>), Fault> {
+        let upstream = std::sync::Arc::clone(&lease.upstream);
+        let url = &upstream.url;
+        let (mut guard, head) = self.post(Side::Decode, lease, data.into()).await;
+        let r = head?;
+        let status = r.status().as_u16();
+        if status >= 400 {
+            guard.outcome = Outcome::of_status(status);
+            let mut share = self.proxy.budget.share().beside(beside);
+            let proxy = &self.proxy;
+            let body = proxy
+                .upstreams
+                .read_body(
+                    r,
+                    proxy.config.max_upstream_bytes,
+                    &mut share,
+                    self.ceiling(Side::Decode),
+                    proxy.wait_deadline(self.deadline),
+                )
+                .await
+                .unwrap_or_default();
+            return Err(status_fault(Side::Decode, url, status, &body));
+        }
+        if let Some(enc) = encoding(&r) {
+            guard.outcome = Outcome::Ok;
+            return Err(encoded_fault(Side::Decode, url, enc));
+        }
+        if !is_mime(r.headers().get(CONTENT_TYPE), "text/event-stream") {
+            guard.outcome = Outcome::Ok;
+            log::warn!(target: "routed_experts::proxy", "decode server {url} did not answer with a stream");
+            return Err(Fault::new(
+                Blame::Decode,
+                502,
+                "the decode server did not answer with a stream",
+            ));
+        }
+        let lease = guard.lease.take().expect("leased above");
+        Ok((lease, r))
+    }
 }
 
 /// An upstream's whole reply body, and for prefill's its long base64 runs, found as it arrived
 /// (the walk for its routing takes them instead of scanning those megabytes again).
-pub(crate) struct Reply {
+pub(crate) struct ReplyBody {
     pub(crate) body: Bytes,
     pub(crate) runs: Option<Base64Runs>,
 }
@@ -414,15 +583,6 @@ pub(crate) fn prefill_prompt<'b>(
     let (_, end) = suspect_rows(first, &hints, max_bytes, 0, 0)
         .map_err(|e| e.context(format!("choice {}", first.index)))?;
     Ok((read, Some(end)))
-}
-
-/// Run `f` telling the runtime this thread blocks, when the work is large.
-pub(crate) fn blocking_if<T>(large: bool, f: impl FnOnce() -> T) -> T {
-    if large {
-        tokio::task::block_in_place(f)
-    } else {
-        f()
-    }
 }
 
 pub(crate) fn is_mime(value: Option<&HeaderValue>, mime: &str) -> bool {

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub use super::config_error::ConfigError;
-use super::pool::Policy;
+use super::policy::Policy;
 
 /// What a setting counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

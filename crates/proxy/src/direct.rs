@@ -322,18 +322,18 @@ impl Direct {
         head.extend_from_slice(format!("content-length: {}\r\n\r\n", body.len()).as_bytes());
         if let Some(stream) = self.take_idle(&key) {
             match self.exchange(stream, &key, &head, body).await {
-                Err(Exchange::Stale) => {} // closed while idle: once more on a new one
-                Err(Exchange::Failed(e)) => return Err(e),
+                Err(Attempt::Stale) => {} // closed while idle: once more on a new one
+                Err(Attempt::Failed(e)) => return Err(e),
                 Ok(reply) => return Ok(reply),
             }
         }
         let stream = self.connect(&key).await?;
         match self.exchange(stream, &key, &head, body).await {
             Ok(reply) => Ok(reply),
-            Err(Exchange::Stale) => Err(CallError::Broken(
+            Err(Attempt::Stale) => Err(CallError::Broken(
                 "the connection closed before a reply".into(),
             )),
-            Err(Exchange::Failed(e)) => Err(e),
+            Err(Attempt::Failed(e)) => Err(e),
         }
     }
 
@@ -358,14 +358,14 @@ impl Direct {
         key: &str,
         head: &[u8],
         body: &[u8],
-    ) -> Result<Reply<'_>, Exchange> {
+    ) -> Result<Reply<'_>, Attempt> {
         let write = async {
             stream.write_all(head).await?;
             stream.write_all(body).await
         };
         match tokio::time::timeout(self.read_timeout, write).await {
-            Err(_) => return Err(Exchange::Failed(CallError::Timeout)),
-            Ok(Err(_)) => return Err(Exchange::Stale),
+            Err(_) => return Err(Attempt::Failed(CallError::Timeout)),
+            Ok(Err(_)) => return Err(Attempt::Stale),
             Ok(Ok(())) => {}
         }
         let mut buf = BytesMut::with_capacity(8 * 1024);
@@ -388,9 +388,9 @@ impl Direct {
             }
         };
         match tokio::time::timeout(self.read_timeout, read_head).await {
-            Err(_) => Err(Exchange::Failed(CallError::Timeout)),
-            Ok(Err(e)) => Err(Exchange::Failed(e)),
-            Ok(Ok(None)) => Err(Exchange::Stale),
+            Err(_) => Err(Attempt::Failed(CallError::Timeout)),
+            Ok(Err(e)) => Err(Attempt::Failed(e)),
+            Ok(Ok(None)) => Err(Attempt::Stale),
             Ok(Ok(Some(head))) => Ok(Reply {
                 head,
                 direct: self,
@@ -427,8 +427,11 @@ impl Direct {
     }
 }
 
-enum Exchange {
+/// Why one try on a connection gave no reply head.
+enum Attempt {
+    /// A kept connection the server had closed: tried again on a new one.
     Stale,
+    /// The call failed.
     Failed(CallError),
 }
 

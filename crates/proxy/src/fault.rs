@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use routed_experts::{Error, ErrorKind, Half};
 
 use super::pool::Side;
-use super::stream::StreamError;
+use super::stream_merger::StreamError;
 
 /// Whose fault an error is, as logs, metrics and error bodies name it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

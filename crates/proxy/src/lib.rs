@@ -36,25 +36,27 @@ mod membership;
 mod memory;
 mod metrics;
 mod parts;
+mod policy;
 mod pool;
 mod process;
+mod proxy;
 mod record;
 mod relay;
 mod request;
 mod responses;
 mod routes;
 mod server;
-mod shared;
-mod stream;
+mod stream_merger;
 #[cfg(test)]
 mod test_server;
 mod upstream;
 
 pub use config::Config;
 pub use fault::{error_body, Blame, Fault};
-pub use pool::{Changed, Policy, Side, SESSION_LOAD_FACTOR};
+pub use policy::{Policy, SESSION_LOAD_FACTOR};
+pub use pool::{Changed, Side};
 pub use request::{
     decode_start, Api, ClientBody, MAX_DEPTH, PREFILL_KV_TRANSFER_PARAMS, REQUEST_ID, STEERING,
 };
 pub use server::{Server, Stop, Stopper};
-pub use stream::{StreamError, StreamMerger};
+pub use stream_merger::{StreamError, StreamMerger};

@@ -5,9 +5,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::shared::Proxy;
+use super::proxy::Proxy;
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-use super::stream::OWN_PAGES_ABOVE;
+use super::stream_merger::OWN_PAGES_ABOVE;
 
 /// Bodies freed since memory was last given back, past which it is given back at once.
 pub(crate) const GIVE_BACK_AFTER: usize = 64 << 20;

@@ -3,7 +3,8 @@
 //! place, written by one writer. Names and labels are the Python data plane's, so dashboards
 //! carry over.
 
-use super::pool::{Choice, Side};
+use super::policy::Choice;
+use super::pool::Side;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};

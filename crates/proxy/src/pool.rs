@@ -1,5 +1,6 @@
-//! The servers of one side (prefill or decode): which one serves a request (the side's
-//! [`Policy`]), passive health checks, and the list changed while running.
+//! [`Pool`]: the servers of one side (prefill or decode), which of them are in rotation
+//! (passive health checks), the lease a request holds on one, and the list changed while
+//! running. Which server in rotation serves a request is the side's [`Policy`] (`policy.rs`).
 //!
 //! A server that fails `eject_after` times in a row (no connection, a timeout, a broken reply, a
 //! 5xx) leaves the rotation for `eject_seconds`; then it gets one trial request at a time until
@@ -8,12 +9,12 @@
 //! side out. A server removed while requests are under way keeps serving them: each request
 //! holds its server ([`Lease`]), not a position in the list.
 
-use super::config_error::ConfigError;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::config_error::ConfigError;
+use super::policy::{Choice, Policy, ServerLoad, SessionMemory};
 use super::upstream::Target;
 
 /// Which half of the protocol a server serves.
@@ -40,75 +41,6 @@ impl Side {
             "prefill" => Some(Side::Prefill),
             "decode" => Some(Side::Decode),
             _ => None,
-        }
-    }
-}
-
-/// How a side picks the server for a request among those in rotation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Policy {
-    /// Each in turn.
-    RoundRobin,
-    /// The one with the fewest requests under way (ties in turn).
-    LeastLoad,
-    /// A request with a session key goes to the server its key ranks first (rendezvous
-    /// hashing), unless that server holds more than [`SESSION_LOAD_FACTOR`] times the average
-    /// load, in which case the next in its ranking that does not; a request without a key goes
-    /// to the least loaded.
-    Session,
-}
-
-/// The bound on a server's share under [`Policy::Session`]: a session's request goes to a
-/// server only while its requests under way are below this factor times the side's average
-/// (counting the request), so one hot session cannot swamp a server (consistent hashing with
-/// bounded loads). 1.5, not the 1.25 often quoted: hashing itself leaves the busiest server
-/// near 1.4x the average at RL concurrencies (64 sessions on 4 servers), and a session moved
-/// in mid-rollout loses its cached prefix; measured in BENCHMARKS.md (sessions).
-pub const SESSION_LOAD_FACTOR: f64 = 1.5;
-
-impl Policy {
-    /// Every policy, by name.
-    pub const ALL: [Policy; 3] = [Policy::RoundRobin, Policy::LeastLoad, Policy::Session];
-
-    /// Its name, as the command's flag takes it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Policy::RoundRobin => "round_robin",
-            Policy::LeastLoad => "least_load",
-            Policy::Session => "session",
-        }
-    }
-
-    /// The policy `name` names; `Err` lists the names.
-    pub fn parse(name: &str) -> Result<Self, String> {
-        super::config_error::parse_named(&Self::ALL, Self::name, name)
-    }
-}
-
-/// Why a server was picked, for the metrics.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Choice {
-    /// Its turn (round robin).
-    Turn,
-    /// The least loaded (least load, or a session policy's request without a key).
-    LeastLoad,
-    /// The server the request's session ranks first.
-    Session,
-    /// Not the session's first server: it was out of rotation, avoided or over the load bound.
-    SessionMoved,
-    /// A trial request to a server whose ejection is over.
-    Trial,
-}
-
-impl Choice {
-    /// Its metric label.
-    pub fn name(self) -> &'static str {
-        match self {
-            Choice::Turn => "turn",
-            Choice::LeastLoad => "least_load",
-            Choice::Session => "session",
-            Choice::SessionMoved => "session_moved",
-            Choice::Trial => "trial",
         }
     }
 }
@@ -245,32 +177,6 @@ struct PoolState {
     last: SessionMemory,
 }
 
-/// Where each recent session's last request went, so a session that had to move (its first
-/// server over the load bound) stays where its newest prefix now is. Bounded: two generations
-/// of at most [`REMEMBERED_SESSIONS`] each; when the newer is full it becomes the older and
-/// the older is forgotten (a forgotten session goes back to its first-ranked server).
-#[derive(Default)]
-struct SessionMemory {
-    newer: HashMap<u64, Arc<Upstream>>,
-    older: HashMap<u64, Arc<Upstream>>,
-}
-
-/// Sessions remembered per generation of [`SessionMemory`].
-const REMEMBERED_SESSIONS: usize = 1 << 16;
-
-impl SessionMemory {
-    fn get(&self, key: u64) -> Option<&Arc<Upstream>> {
-        self.newer.get(&key).or_else(|| self.older.get(&key))
-    }
-
-    fn put(&mut self, key: u64, upstream: &Arc<Upstream>) {
-        if self.newer.len() >= REMEMBERED_SESSIONS && !self.newer.contains_key(&key) {
-            self.older = std::mem::take(&mut self.newer);
-        }
-        self.newer.insert(key, Arc::clone(upstream));
-    }
-}
-
 /// A health change the caller reports (log line, metric): `(url, healthy)`.
 pub type Change = Option<(String, bool)>;
 
@@ -347,52 +253,20 @@ impl Pool {
             .into_iter()
             .filter(|&i| !avoided(&s.members[i]) && self.healthy(&s.members[i].health))
             .collect();
-        let load = |i: usize| s.members[i].upstream.in_flight();
-        let (index, choice) = match (self.policy, session) {
-            (Policy::RoundRobin, _) => (*candidates.first()?, Choice::Turn),
-            (Policy::Session, Some(key)) => {
-                // Where the session was last (if still listed and in rotation), then the
-                // servers in the order its key ranks them.
-                let last = s.last.get(key).and_then(|u| {
-                    candidates
-                        .iter()
-                        .copied()
-                        .find(|&i| Arc::ptr_eq(&s.members[i].upstream, u))
-                });
-                let rank_of = |i: usize| rank(key, &s.members[i].upstream.url);
-                let mut ranked = candidates.clone();
-                ranked.sort_by_cached_key(|&i| std::cmp::Reverse(rank_of(i)));
-                let home = last.or(ranked.first().copied());
-                let total: usize = candidates.iter().map(|&i| load(i)).sum();
-                let cap = session_cap(total, candidates.len());
-                // Some server is below the cap: were all at or above it, the total would be
-                // at least their count times the cap, more than the total.
-                let index = home
-                    .into_iter()
-                    .chain(ranked.iter().copied())
-                    .find(|&i| load(i) < cap)
-                    .or(home)?;
-                // Its home unless the session had one out of rotation, or over the bound.
-                let first = match s.last.get(key) {
-                    Some(u) => s.members.iter().position(|m| Arc::ptr_eq(&m.upstream, u)),
-                    None => (0..n).max_by_key(|&i| rank_of(i)),
-                };
-                let choice = if first == Some(index) {
-                    Choice::Session
-                } else {
-                    Choice::SessionMoved
-                };
-                let upstream = Arc::clone(&s.members[index].upstream);
-                s.last.put(key, &upstream);
-                (index, choice)
-            }
-            _ => (
-                candidates.iter().copied().min_by_key(|&i| load(i))?,
-                Choice::LeastLoad,
-            ),
-        };
-        if choice != Choice::Session && choice != Choice::SessionMoved {
-            s.next = (index + 1) % n;
+        let state = &mut *s;
+        let servers: Vec<ServerLoad> = state
+            .members
+            .iter()
+            .map(|m| ServerLoad {
+                url: &m.upstream.url,
+                load: m.upstream.in_flight(),
+            })
+            .collect();
+        let (index, choice) =
+            self.policy
+                .choose(&servers, &candidates, session, &mut state.last)?;
+        if !choice.by_session() {
+            state.next = (index + 1) % n;
         }
         Some(Lease::new(&s.members[index].upstream, choice))
     }
@@ -603,42 +477,10 @@ impl PoolState {
     }
 }
 
-/// The most requests under way a server may hold and still take a session's request: the load
-/// factor times the average over `servers` (counting the request), and at least 2, so that
-/// below any real load a session stays on its server.
-fn session_cap(in_flight: usize, servers: usize) -> usize {
-    let fair = SESSION_LOAD_FACTOR * (in_flight as f64 + 1.0) / servers.max(1) as f64;
-    (fair.ceil() as usize).max(2)
-}
-
-/// How highly the session `key` ranks the server at `url` (a fixed hash of both: the same on
-/// every proxy and every run, so proxies beside each other agree).
-fn rank(key: u64, url: &str) -> u64 {
-    let mut h = fnv(FNV_OFFSET ^ key.wrapping_mul(FNV_PRIME), url.as_bytes());
-    // A final mix, so URLs that differ in their last byte do not rank in step.
-    h ^= h >> 33;
-    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    h ^ (h >> 33)
-}
-
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-const FNV_PRIME: u64 = 0x0100_0000_01b3;
-
-/// A session's key: a fixed hash of its id's JSON text.
-pub fn session_key(id: &[u8]) -> u64 {
-    fnv(FNV_OFFSET, id)
-}
-
-/// FNV-1a over `bytes`, from `h`.
-fn fnv(h: u64, bytes: &[u8]) -> u64 {
-    bytes
-        .iter()
-        .fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(FNV_PRIME))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::{session_cap, session_key};
 
     fn urls(n: usize) -> Vec<String> {
         (1..=n).map(|i| format!("http://10.0.0.{i}:8000")).collect()

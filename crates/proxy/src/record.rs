@@ -12,8 +12,8 @@ use super::metrics::Phase;
 use super::request::acceptable_request_id;
 
 use super::fault::Blame;
+use super::proxy::Proxy;
 use super::responses::{fault_response, Body};
-use super::shared::Proxy;
 
 /// One request on its way: what its log line and metrics report. Recorded when dropped, so a
 /// request whose client left (its future dropped) is counted too, as 499.

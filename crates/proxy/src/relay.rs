@@ -1,210 +1,36 @@
-//! A stream request: decode's events relayed to the client as they come, the one that
-//! carries routing merged with prefill's, a failure reported in-band as a last error event.
+//! [`Relay`]: a decode stream relayed to its client as its events come, the one that carries
+//! routing merged with prefill's ([`StreamMerger`]), a failure reported in-band as a last error
+//! event. The call that opens the stream and starts the relay is `Call::stream` (`call.rs`).
 
 use std::convert::Infallible;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use http_body_util::BodyExt;
 use hyper::body::{Frame, Incoming};
-use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::Response;
 use tokio::sync::{mpsc, oneshot};
 
 use super::budget::Share;
-use super::fault::Fault;
+use super::fault::{stream_fault, Fault};
 use super::metrics::Phase;
 use super::parts::{Held, Outgoing};
 use super::pool::{Lease, Outcome, Side};
-use super::request::ClientBody;
-use super::stream::StreamMerger;
-use super::upstream::CallError;
-
-use super::call::{blocking_if, encoding, is_mime, Call, LeaseGuard, Reply};
-use super::fault::{encoded_fault, status_fault, stream_fault, Blame};
+use super::proxy::{blocking_if, Proxy, BLOCKING_BYTES};
 use super::record::Exchange;
 use super::responses::Body;
-use super::shared::{Proxy, Slot, BLOCKING_BYTES};
+use super::stream_merger::StreamMerger;
+use super::upstream::CallError;
 
 /// Pieces of a stream queued for a client that is slower than the decode server.
 pub(crate) const STREAM_QUEUE: usize = 16;
-
-impl Call {
-    /// A stream request from the prefill reply on. The rest runs as a task of its own that
-    /// owns the prefill body and what was read from it (so the routing event merges without
-    /// walking that body again): it calls decode and hands back the response head once decode
-    /// answers with a stream, then relays the events, merged where they carry routing, with
-    /// any failure reported in-band as a last error event. Until the head is back, this
-    /// request still owns its record, and dropping it (the client left) stops the task.
-    pub(crate) async fn stream(
-        self,
-        ex: &mut Exchange,
-        body: ClientBody,
-        lease: LeaseGuard,
-        prefill: (Reply, Share),
-        slot: Slot,
-    ) -> Result<Response<Body>, Fault> {
-        let (head_tx, head_rx) = oneshot::channel();
-        // Named in the log line whether decode answers or not (as a plain request's is).
-        if let Some(l) = &lease.lease {
-            ex.decode = l.upstream.url.clone();
-        }
-        let began = Instant::now();
-        let task = tokio::spawn(self.stream_task(body, lease, prefill, slot, head_tx));
-        let mut abort = AbortOnDrop(Some(task.abort_handle()));
-        let head = head_rx.await.map_err(|_| {
-            Fault::new(
-                Blame::Proxy,
-                500,
-                "the stream ended before its response head",
-            )
-        });
-        ex.seconds[Phase::Decode as usize] = began.elapsed().as_secs_f64();
-        let (decode_url, decode_seconds, mut response, record_tx) = head??;
-        abort.0 = None; // the task owns the stream from here on (its handle dropped, not aborted)
-        ex.decode = decode_url;
-        ex.seconds[Phase::Decode as usize] = decode_seconds;
-        ex.status(200, None);
-        ex.tag(&mut response);
-        // The record goes to the task, which logs it when the stream ends.
-        let proxy = Arc::clone(&ex.proxy);
-        let mut record = Exchange::new(proxy, ex.request_id.clone(), ex.endpoint);
-        std::mem::swap(&mut record, ex);
-        ex.handed_off = true;
-        let _ = record_tx.send(record);
-        Ok(response)
-    }
-
-    pub(crate) async fn stream_task(
-        self,
-        body: ClientBody,
-        mut lease: LeaseGuard,
-        (prefill, mut prefill_share): (Reply, Share),
-        slot: Slot,
-        head_tx: oneshot::Sender<Result<Head, Fault>>,
-    ) {
-        let proxy = Arc::clone(&self.proxy);
-        let (read, decode_start) =
-            match self.read_prefill(&prefill.body, prefill.runs.as_ref(), body.start) {
-                Ok(read) => read,
-                Err(fault) => {
-                    let _ = head_tx.send(Err(fault));
-                    return;
-                }
-            };
-        let decode_json = body.decode_request(read.kv_transfer_params, decode_start);
-        let opts = self.merge_options(body.start, decode_start);
-        drop(body);
-        let lease = lease.take();
-        let url = lease.upstream.url.clone();
-        let began = Instant::now();
-        let decode = match self
-            .open_stream(lease, decode_json, prefill_share.held())
-            .await
-        {
-            Ok(d) => d,
-            Err(fault) => {
-                let _ = head_tx.send(Err(fault));
-                return;
-            }
-        };
-        let (lease, upstream) = decode;
-        let (tx, rx) = mpsc::channel(STREAM_QUEUE);
-        let mut response = Response::new(BodyExt::boxed(ChannelBody(rx)));
-        response
-            .headers_mut()
-            .insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-        let (record_tx, record_rx) = oneshot::channel();
-        let head = (
-            url.clone(),
-            began.elapsed().as_secs_f64(),
-            response,
-            record_tx,
-        );
-        if head_tx.send(Ok(head)).is_err() {
-            proxy.release(Side::Decode, lease, Outcome::Unknown);
-            return;
-        }
-        let Ok(record) = record_rx.await else {
-            proxy.release(Side::Decode, lease, Outcome::Unknown);
-            return;
-        };
-        let max_line = proxy.config.max_upstream_bytes;
-        // Prefill's routing as an event long enough to merge as it passes reads it, found once.
-        let rows = OnceLock::new();
-        let relay = Relay {
-            // Decode's event grows into the room prefill's reply set aside first.
-            share: prefill_share.take_reserve().beside(prefill_share.held()),
-            proxy,
-            url,
-            record,
-            lease: Some(lease),
-            merger: StreamMerger::new(&prefill.body, &read.routing, opts, max_line)
-                .streaming(&rows)
-                .defer_rows(),
-            tx,
-            deadline: self.deadline,
-            began,
-            held: Arc::new((slot, prefill_share)),
-            ended_line: true,
-        };
-        relay.run(upstream.into_body()).await;
-    }
-
-    /// The decode call of a stream, up to a response head that is a stream.
-    pub(crate) async fn open_stream(
-        &self,
-        lease: Lease,
-        data: Vec<u8>,
-        beside: usize,
-    ) -> Result<(Lease, Response<Incoming>), Fault> {
-        let upstream = std::sync::Arc::clone(&lease.upstream);
-        let url = &upstream.url;
-        let (mut guard, head) = self.post(Side::Decode, lease, data.into()).await;
-        let r = head?;
-        let status = r.status().as_u16();
-        if status >= 400 {
-            guard.outcome = Outcome::of_status(status);
-            let mut share = self.proxy.budget.share().beside(beside);
-            let proxy = &self.proxy;
-            let body = proxy
-                .upstreams
-                .read_body(
-                    r,
-                    proxy.config.max_upstream_bytes,
-                    &mut share,
-                    self.ceiling(Side::Decode),
-                    proxy.wait_deadline(self.deadline),
-                )
-                .await
-                .unwrap_or_default();
-            return Err(status_fault(Side::Decode, url, status, &body));
-        }
-        if let Some(enc) = encoding(&r) {
-            guard.outcome = Outcome::Ok;
-            return Err(encoded_fault(Side::Decode, url, enc));
-        }
-        if !is_mime(r.headers().get(CONTENT_TYPE), "text/event-stream") {
-            guard.outcome = Outcome::Ok;
-            log::warn!(target: "routed_experts::proxy", "decode server {url} did not answer with a stream");
-            return Err(Fault::new(
-                Blame::Decode,
-                502,
-                "the decode server did not answer with a stream",
-            ));
-        }
-        let lease = guard.lease.take().expect("leased above");
-        Ok((lease, r))
-    }
-}
 
 /// What a stream task hands back once decode answered: the decode server, the seconds to its
 /// head, the response for the client, and where to send the request's record.
 pub(crate) type Head = (String, f64, Response<Body>, oneshot::Sender<Exchange>);
 
 /// Aborts a task when dropped (the request it serves was dropped: its client left).
-pub(crate) struct AbortOnDrop(Option<tokio::task::AbortHandle>);
+pub(crate) struct AbortOnDrop(pub(crate) Option<tokio::task::AbortHandle>);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
@@ -216,17 +42,17 @@ impl Drop for AbortOnDrop {
 
 /// A decode stream being relayed to its client.
 pub(crate) struct Relay<'a> {
-    proxy: Arc<Proxy>,
-    url: String,
-    record: Exchange,
-    lease: Option<Lease>,
-    merger: StreamMerger<'a>,
-    tx: mpsc::Sender<Outgoing>,
-    deadline: tokio::time::Instant,
-    began: Instant,
-    share: Share, // the bytes of the line being received; pieces sent on carry their own
-    held: Held, // the completion slot and the prefill body's budget, until the last piece is written
-    ended_line: bool, // whether what was sent so far ends with a newline
+    pub(crate) proxy: Arc<Proxy>,
+    pub(crate) url: String,
+    pub(crate) record: Exchange,
+    pub(crate) lease: Option<Lease>,
+    pub(crate) merger: StreamMerger<'a>,
+    pub(crate) tx: mpsc::Sender<Outgoing>,
+    pub(crate) deadline: tokio::time::Instant,
+    pub(crate) began: Instant,
+    pub(crate) share: Share, // the bytes of the line being received; pieces sent on carry their own
+    pub(crate) held: Held, // the completion slot and the prefill body's budget, until the last piece is written
+    pub(crate) ended_line: bool, // whether what was sent so far ends with a newline
 }
 
 pub(crate) enum Step {
@@ -399,7 +225,7 @@ impl Relay<'_> {
 }
 
 /// A response body fed by a channel: the stream relay's pieces, in order.
-pub(crate) struct ChannelBody(mpsc::Receiver<Outgoing>);
+pub(crate) struct ChannelBody(pub(crate) mpsc::Receiver<Outgoing>);
 
 impl hyper::body::Body for ChannelBody {
     type Data = Outgoing;

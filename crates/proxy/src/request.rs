@@ -143,7 +143,7 @@ impl ClientBody {
             });
         let session = match fields.get("session_id").map(|v| v.get()) {
             None | Some("null") => None,
-            Some(text) => Some(super::pool::session_key(text.as_bytes())),
+            Some(text) => Some(super::policy::session_key(text.as_bytes())),
         };
         Ok(ClientBody {
             api,

@@ -15,9 +15,11 @@ use super::request::Api;
 
 use super::call::upstream_headers;
 use super::fault::Blame;
+use super::inbound::{completion, upstream_auth};
+use super::membership::{change_upstreams, upstream_list};
+use super::proxy::{Proxy, Slot};
 use super::record::{request_id, tag};
 use super::responses::{fault_response, json_response, response, Body};
-use super::shared::{Proxy, Slot};
 
 /// Which routes a listener serves.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -30,62 +32,61 @@ pub(crate) enum Routes {
     Admin,
 }
 
-impl Proxy {
-    /// `GET /v1/models`, relayed from a decode server (clients call it first).
-    pub async fn models(self: &Arc<Self>, req: Request<Incoming>) -> Response<Body> {
-        let id = request_id(&req);
-        // The same rules as a completion: the upstream key in place of the client's, a slot
-        // under --max-in-flight, the request timeout.
-        let headers = upstream_headers(&id, self.upstream_auth(&req));
-        let Some(_slot) = Slot::take(self) else {
-            let mut response = fault_response(&self.in_flight_fault());
-            tag(&mut response, &id);
-            return response;
-        };
-        let answer = async {
-            let lease = self.lease(Side::Decode, None).await?;
-            let u = std::sync::Arc::clone(&lease.upstream);
-            let result = self
-                .upstreams
-                .call(
-                    Method::GET,
-                    u.target.uri("/v1/models"),
-                    &headers,
-                    Bytes::new(),
-                    None,
-                )
-                .await;
-            let result = match result {
-                Ok(r) => {
-                    let status = r.status();
-                    let mut share = self.budget.share();
-                    let limit = self.config.max_upstream_bytes;
-                    let deadline = tokio::time::Instant::now() + self.config.read_timeout;
-                    let ceiling = self.budget.limit();
-                    self.upstreams
-                        .read_body(r, limit, &mut share, ceiling, deadline)
-                        .await
-                        .map(|b| (status, Outgoing::new(b, Some(share), None)))
-                }
-                Err(e) => Err(e),
-            };
-            let outcome = match &result {
-                Ok((s, _)) => Outcome::of_status(s.as_u16()),
-                Err(_) => Outcome::Failed,
-            };
-            let url = u.url.clone();
-            self.release(Side::Decode, lease, outcome);
-            result.map_err(|e| self.call_fault(Side::Decode, &url, e))
-        };
-        let answer = tokio::time::timeout(self.config.request_timeout, answer);
-        let mut response = match answer.await {
-            Ok(Ok((status, body))) => json_response(status.as_u16(), body),
-            Ok(Err(fault)) => fault_response(&fault),
-            Err(_) => fault_response(&self.request_timeout_fault()),
-        };
+/// `GET /v1/models`, relayed from a decode server (clients call it first).
+async fn models(proxy: &Arc<Proxy>, req: Request<Incoming>) -> Response<Body> {
+    let id = request_id(&req);
+    // The same rules as a completion: the upstream key in place of the client's, a slot
+    // under --max-in-flight, the request timeout.
+    let headers = upstream_headers(&id, upstream_auth(proxy, &req));
+    let Some(_slot) = Slot::take(proxy) else {
+        let mut response = fault_response(&proxy.in_flight_fault());
         tag(&mut response, &id);
-        response
-    }
+        return response;
+    };
+    let answer = async {
+        let lease = proxy.lease(Side::Decode, None).await?;
+        let u = std::sync::Arc::clone(&lease.upstream);
+        let result = proxy
+            .upstreams
+            .call(
+                Method::GET,
+                u.target.uri("/v1/models"),
+                &headers,
+                Bytes::new(),
+                None,
+            )
+            .await;
+        let result = match result {
+            Ok(r) => {
+                let status = r.status();
+                let mut share = proxy.budget.share();
+                let limit = proxy.config.max_upstream_bytes;
+                let deadline = tokio::time::Instant::now() + proxy.config.read_timeout;
+                let ceiling = proxy.budget.limit();
+                proxy
+                    .upstreams
+                    .read_body(r, limit, &mut share, ceiling, deadline)
+                    .await
+                    .map(|b| (status, Outgoing::new(b, Some(share), None)))
+            }
+            Err(e) => Err(e),
+        };
+        let outcome = match &result {
+            Ok((s, _)) => Outcome::of_status(s.as_u16()),
+            Err(_) => Outcome::Failed,
+        };
+        let url = u.url.clone();
+        proxy.release(Side::Decode, lease, outcome);
+        result.map_err(|e| proxy.call_fault(Side::Decode, &url, e))
+    };
+    let answer = tokio::time::timeout(proxy.config.request_timeout, answer);
+    let mut response = match answer.await {
+        Ok(Ok((status, body))) => json_response(status.as_u16(), body),
+        Ok(Err(fault)) => fault_response(&fault),
+        Err(_) => fault_response(&proxy.request_timeout_fault()),
+    };
+    tag(&mut response, &id);
+    response
 }
 
 pub(crate) async fn route(
@@ -102,7 +103,7 @@ pub(crate) async fn route(
             proxy.metrics.request(endpoint, 405, Blame::Client.name());
             return not_allowed(format!("{endpoint} takes POST"), "POST");
         }
-        return proxy.completion(req, endpoint, api).await;
+        return completion(&proxy, req, endpoint, api).await;
     }
     if path == "/upstreams" && routes != Routes::Service {
         return upstreams(&proxy, req, routes).await;
@@ -129,7 +130,7 @@ pub(crate) async fn route(
         return not_allowed(format!("{path} takes GET"), "GET, HEAD");
     }
     match path {
-        "/v1/models" => proxy.models(req).await,
+        "/v1/models" => models(&proxy, req).await,
         "/healthcheck" => json_response(200, Bytes::from_static(br#"{"status":"ok"}"#)),
         "/health" => health(&proxy),
         _ => response(
@@ -146,10 +147,10 @@ async fn upstreams(proxy: &Proxy, req: Request<Incoming>, routes: Routes) -> Res
     let method = req.method().clone();
     let change = method == Method::POST || method == Method::DELETE;
     if method == Method::GET || method == Method::HEAD {
-        return proxy.upstream_list();
+        return upstream_list(proxy);
     }
     if change && routes == Routes::Admin {
-        return proxy.change_upstreams(req, method == Method::POST).await;
+        return change_upstreams(proxy, req, method == Method::POST).await;
     }
     proxy.metrics.request("other", 405, Blame::Client.name());
     if change {

@@ -21,9 +21,10 @@ use super::config::Config;
 use super::conn_io::{shutdown_write, ConnIo};
 use super::fault::Blame;
 use super::fault::Fault;
+use super::membership::reload_upstreams_file;
 use super::memory::{give_back_memory, map_large_buffers};
+use super::proxy::Proxy;
 use super::routes::{route, Routes};
-use super::shared::Proxy;
 
 /// How a running server is asked to stop: `Graceful` drains (within the shutdown timeout),
 /// `Now` stops at once.
@@ -370,7 +371,7 @@ async fn forward_signals(stopper: Stopper, proxy: Arc<Proxy>) {
 
 /// SIGHUP: the upstreams file re-read, what changed logged.
 fn reload(proxy: &Proxy) {
-    match proxy.reload_upstreams_file() {
+    match reload_upstreams_file(proxy) {
         Ok(None) => log::warn!(target: "routed_experts::proxy",
             "SIGHUP: no upstreams file to re-read (--upstreams-file)"),
         Ok(Some(changes)) => {

@@ -1,5 +1,8 @@
-//! What the requests of one proxy share: settings, server pools, the body budget, metrics,
-//! completion slots, and a server leased from a pool (a request's way in is `inbound.rs`).
+//! [`Proxy`]: what the requests of one proxy share (settings, server pools, the body budget,
+//! metrics, completion slots) and what they ask of it (a server leased from a pool, the fault
+//! a failed call is answered with). The handlers that take it are functions of their own
+//! files: a completion's way in is `inbound.rs`, the other routes `routes.rs`, list changes
+//! `membership.rs`; the calls to the upstreams are `call.rs`.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -189,9 +192,7 @@ impl Proxy {
         )
         .retry_after(pool.retry_after()))
     }
-}
 
-impl Proxy {
     /// The fault a failed call is answered with: a server that could not be reached or read
     /// (its address in the log, never to the client). A timeout is a 504; a connection never
     /// made may be retried elsewhere.
@@ -262,6 +263,15 @@ impl Proxy {
                 .retry_after(1)
             }
         }
+    }
+}
+
+/// Run `f` telling the runtime this thread blocks, when the work is large.
+pub(crate) fn blocking_if<T>(large: bool, f: impl FnOnce() -> T) -> T {
+    if large {
+        tokio::task::block_in_place(f)
+    } else {
+        f()
     }
 }
 
