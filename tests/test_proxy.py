@@ -641,7 +641,10 @@ def test_the_asgi_app_answers_its_own_failures_in_the_error_shape() -> None:
 def test_the_merge_cap_is_the_proxys_own_setting(stack: dict[str, Any]) -> None:
     # Over the proxy's cap: a 502 that names the limit, plain and streamed.
     r = httpx.post(stack["url"] + "/v1/completions", json=COMPLETION, timeout=30)
-    assert r.status_code == 502 and "limit of 64 bytes" in r.json()["error"]["message"], r.text
+    message = r.json()["error"]["message"]
+    assert r.status_code == 502 and "limit of 64 bytes" in message, r.text
+    # The proxy's own setting is named, not the Python API's (the core's kind says which).
+    assert "--max-merge-bytes" in message and "set_max_bytes" not in message, message
     # The Python API's own cap is another setting: lowering it does not reach a running proxy,
     # and a proxy with room merges while it is low.
     limit = rx.get_max_bytes()

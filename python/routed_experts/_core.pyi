@@ -1,6 +1,6 @@
 """Type stubs for the Rust extension module (checked by mypy.stubtest)."""
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol, SupportsIndex, TypeAlias, final, overload
 
 import numpy as np
@@ -20,6 +20,7 @@ __all__ = [
     "RoutedExpertsError",
     "StreamMerger",
     "Trajectory",
+    "_ERROR_KINDS",
     "_ProxyServer",
     "_check_proxy_settings",
     "_from_raw",
@@ -65,7 +66,19 @@ _BoolArray: TypeAlias = np.ndarray[Any, np.dtype[np.bool_]]
 # A routing for the quality functions: a payload, or an integer array (numpy, CPU torch tensor).
 _Routing: TypeAlias = RoutedExperts | npt.ArrayLike
 
-class RoutedExpertsError(ValueError): ...
+# Which rule an error broke: the core's `ErrorKind` by name (docs/format.md §8).
+_ErrorKind: TypeAlias = Literal[
+    "field", "json", "counts", "row", "id", "rows_lost", "too_large", "unplaced", "offloaded",
+    "unpadded", "malformed", "gap", "shape", "missing_routing", "overlap", "inconsistent",
+]
+_ERROR_KINDS: tuple[_ErrorKind, ...]
+
+class RoutedExpertsError(ValueError):
+    # The rule broken, when the core raised it (None for checks made in Python), and the
+    # values its kind carries ({"stop": 3, "start": 5} for a gap).
+    kind: _ErrorKind | None
+    details: Mapping[str, Any]
+
 class PayloadError(RoutedExpertsError): ...
 class MergeError(RoutedExpertsError): ...
 class ConfigError(RoutedExpertsError): ...

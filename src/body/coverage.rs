@@ -29,12 +29,15 @@ pub fn without_filler(rule: Rule, p: Payload, counts: &Counts) -> Result<Payload
             return Ok(p); // P + G - 1 rows: no filler was written
         }
         if !is_filler {
-            return Err(Error::payload(format!(
+            return Err(Error::new(
+                ErrorKind::Unplaced,
+                format!(
                 "NeMo-RL writes {whole} rows for {prompt} prompt and {generated} generated tokens, \
                  the last (position {last}) its filler 0..{} in every layer; this value's last row \
                  holds other ids: not read",
                 p.top_k()
-            )));
+            ),
+            ));
         }
     } else if !is_filler {
         return Ok(p);
@@ -162,13 +165,16 @@ pub fn check(
                 && prompt > 0
                 && (generated.saturating_sub(1)..=generated).contains(&(rows as u64)) =>
         {
-            Err(Error::payload(format!(
-                "ambiguous routing: the nested lists hold {rows} rows and {said}: read as \
+            Err(Error::new(
+                ErrorKind::Unplaced,
+                format!(
+                    "ambiguous routing: the nested lists hold {rows} rows and {said}: read as \
                  lmdeploy's they are positions [0, {rows}) of {tokens}; read as vLLM 0.21's they \
                  are the {generated} generated tokens' rows, whose prompt rows (the top-level \
                  prompt_routed_experts) are missing, as when a router re-serialises the body \
                  through typed structs; the two cannot be told apart, so neither is guessed"
-            )))
+                ),
+            ))
         }
         _ => Ok(()),
     }

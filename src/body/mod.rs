@@ -9,7 +9,7 @@ pub use crate::kernels::runs::Base64Runs;
 
 use std::ops::Range;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::formats::sidecar::{self, SidecarFields};
 pub use crate::formats::Place;
 use crate::kernels::jsonscan::{Scanner, Watch};
@@ -244,21 +244,27 @@ fn walk<'a>(
             .iter()
             .find(|f| f.place == Place::Choice && f.text.starts_with(b"["))
         {
-            return Err(Error::payload(format!(
-                "response body: {} holds nested lists and prompt_routed_experts is null: vLLM \
+            return Err(Error::new(
+                ErrorKind::Unplaced,
+                format!(
+                    "response body: {} holds nested lists and prompt_routed_experts is null: vLLM \
                  0.21's generated rows without the prompt's, which cannot be placed",
-                f.path
-            )));
+                    f.path
+                ),
+            ));
         }
     }
     if let Some(p) = &w.prompt {
         if let Some(f) = w.values.iter().find(|f| !f.text.starts_with(b"[")) {
-            return Err(Error::payload(format!(
+            return Err(Error::new(
+                ErrorKind::Unplaced,
+                format!(
                 "response body: top-level prompt_routed_experts (vLLM 0.21's split rows) beside \
                  routing that is not nested lists at {} (no vLLM release writes both shapes; the \
                  two cannot be joined by position)",
                 f.path
-            ))
+            ),
+            )
             .context(&p.path));
         }
     }
@@ -276,10 +282,13 @@ fn settle_duplicates(found: &[Found]) -> Result<()> {
             let echo = echo_pair(&g.path, &f.path);
             if !echo || g.text != f.text {
                 let same = if echo { " that differ" } else { "" };
-                return Err(Error::payload(format!(
-                    "response body: two routing values{same} for choice {}, at {} and at {}",
-                    f.index, g.path, f.path
-                )));
+                return Err(Error::new(
+                    ErrorKind::Unplaced,
+                    format!(
+                        "response body: two routing values{same} for choice {}, at {} and at {}",
+                        f.index, g.path, f.path
+                    ),
+                ));
             }
         }
     }
@@ -753,29 +762,35 @@ fn artifact_receipt(s: &mut Scanner) -> Result<()> {
                 .is_some_and(|t| t.to_ascii_lowercase().contains("route"))
         }),
         None => {
-            return Err(Error::payload(format!(
+            return Err(Error::new(
+                ErrorKind::Unplaced,
+                format!(
                 "{path}: NVIDIA Dynamo's generation artifact receipt without a list of contents \
                  (got {}): whether routing moved out of the body cannot be told, so the body is \
                  not read as having none",
                 field("contents")
-            )))
+            ),
+            ))
         }
     };
     if !routes {
         return Ok(());
     }
-    Err(Error::payload(format!(
-        "{path}: the routing is not in this body: NVIDIA Dynamo moved it to its object store \
+    Err(Error::new(
+        ErrorKind::Offloaded,
+        format!(
+            "{path}: the routing is not in this body: NVIDIA Dynamo moved it to its object store \
          (generation artifact receipt: format {}, contents {}, state {}, object_id {}, \
          actual_bytes {}, sha256 {}); fetch the artifact from Dynamo, or ask it for routing \
          inline (this library does not read Dynamo's artifact objects)",
-        field("format"),
-        field("contents"),
-        field("state"),
-        field("object_id"),
-        field("actual_bytes"),
-        field("sha256"),
-    )))
+            field("format"),
+            field("contents"),
+            field("state"),
+            field("object_id"),
+            field("actual_bytes"),
+            field("sha256"),
+        ),
+    ))
 }
 
 /// Whether the value next is `[]` (white space allowed inside).

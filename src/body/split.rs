@@ -6,7 +6,7 @@
 use std::ops::Range;
 
 use crate::body::{BodyRouting, Counts, Found};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::formats::{self, Format, Hints};
 use crate::payload::dtype::with_element;
 use crate::payload::merge;
@@ -98,18 +98,24 @@ pub fn sequence(
             match counts.generated {
                 Some((g, _)) if g <= 1 => prompt,
                 Some((g, at)) => {
-                    return Err(Error::payload(format!(
-                        "{WHO}: choice {choice} generated {g} tokens ({at}) but its \
+                    return Err(Error::new(
+                        ErrorKind::RowsLost,
+                        format!(
+                            "{WHO}: choice {choice} generated {g} tokens ({at}) but its \
                          routed_experts is null, so the routing of its generated tokens is lost \
                          (vLLM 0.21 returns null after a preemption or a stop-string finish)"
-                    )))
+                        ),
+                    ))
                 }
                 None => {
-                    return Err(Error::payload(format!(
+                    return Err(Error::new(
+                        ErrorKind::Unplaced,
+                        format!(
                         "{WHO}: choice {choice}'s routed_experts is null and the body does not \
                          say how many tokens it generated, so whether rows are missing cannot \
                          be told"
-                    )))
+                    ),
+                    ))
                 }
             }
         }

@@ -15,7 +15,7 @@ pub use vllm_npy::NPY_B64_PREFIX;
 
 use std::borrow::Cow;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::kernels::jsonscan::Scanner;
 
 use crate::payload::{Header, Payload};
@@ -100,11 +100,14 @@ pub fn detect(text: &[u8]) -> Result<Format> {
         })
     };
     claims(false).or_else(|| claims(true)).ok_or_else(|| {
-        Error::payload(format!(
-            "not routing in any known format ({}): {}",
-            Format::names(),
-            not_routing::describe(text)
-        ))
+        Error::new(
+            ErrorKind::Unplaced,
+            format!(
+                "not routing in any known format ({}): {}",
+                Format::names(),
+                not_routing::describe(text)
+            ),
+        )
     })
 }
 

@@ -5,7 +5,7 @@
 use super::declared::{Hints, Producer};
 use super::places::{Place, Rule};
 use super::sidecar;
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::kernels::b64;
 use crate::payload::dtype::DType;
 use crate::payload::{Payload, Shape};
@@ -67,7 +67,7 @@ fn refuse_lmdeploy_reference(text: &[u8]) -> Result<()> {
     };
     // Pickle protocols 2-5 open with PROTO (0x80, version) and close with STOP ('.').
     if head[0] == 0x80 && (2..=5).contains(&head[1]) && last[0] == b'.' {
-        return Err(Error::payload(format!(
+        return Err(Error::new(ErrorKind::Unplaced, format!(
             "a pickled Python object, not routing data: {WHAT}"
         )));
     }

@@ -5,7 +5,7 @@ use std::mem::MaybeUninit;
 
 use serde_json::Value;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::kernels::b64;
 use crate::kernels::buffer::AlignedBytes;
 use crate::kernels::jsonscan::{Scanner, Str};
@@ -342,14 +342,17 @@ pub fn validate(mut fields: SidecarFields<'_>, max_bytes: usize) -> Result<Sidec
             .then(|| base85_of(&data, shape))
             .flatten()
         {
-            Some(itemsize) => Error::payload(format!(
-                "`data`: {} characters of base85 (the length of {} values of {itemsize} bytes \
+            Some(itemsize) => Error::new(
+                ErrorKind::Unplaced,
+                format!(
+                    "`data`: {} characters of base85 (the length of {} values of {itemsize} bytes \
                  in base85, and only base85's letters), not base64: the {{data, shape}} form \
                  prime-rl wrote before its PR #2487 and Dynamo before its PR #10529; not read, \
                  since no dtype is stated (its readers assumed int32)",
-                data.len(),
-                shape.elems().unwrap_or(0)
-            )),
+                    data.len(),
+                    shape.elems().unwrap_or(0)
+                ),
+            ),
             None => e,
         }
     })?;
@@ -452,6 +455,10 @@ pub(crate) fn tail(h: &Header) -> String {
 /// Write the canonical encoding (key order data, shape, start, dtype; no spaces) into `out`,
 /// which must be `encoded_len(p)` bytes long.
 /// `out` may be uninitialised: every byte is written.
+///
+/// # Panics
+///
+/// When `out` is shorter than `encoded_len(p)`.
 pub fn encode_into(p: &Payload, out: &mut [MaybeUninit<u8>]) {
     let rest = b64::write_uninit(out, DATA_KEY);
     let (body, end) = rest.split_at_mut(b64::encoded_len(p.bytes().len()));

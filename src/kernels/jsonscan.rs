@@ -131,12 +131,19 @@ impl<'a> Scanner<'a> {
     /// `key` (the member being read) appears a second time in one object.
     pub(crate) fn duplicate(&self, key: &[u8]) -> Error {
         let at = self.format_path(&self.path[..self.path.len().saturating_sub(1)]);
-        Error::payload(format!(
-            "{}: duplicate key `{}` in the object at {at} (JSON readers disagree on which \
+        let kind = ErrorKind::Json {
+            at: self.pos,
+            expected: "each key once in an object".to_string(),
+        };
+        Error::new(
+            kind,
+            format!(
+                "{}: duplicate key `{}` in the object at {at} (JSON readers disagree on which \
              to keep, so neither is taken)",
-            self.what,
-            String::from_utf8_lossy(key)
-        ))
+                self.what,
+                String::from_utf8_lossy(key)
+            ),
+        )
     }
 
     pub(crate) fn buf(&self) -> &'a [u8] {
@@ -373,13 +380,16 @@ impl<'a> Scanner<'a> {
     /// A watched key (the member being read) at a place the caller does not read it from.
     pub(crate) fn unexpected_watched(&self, key: &[u8]) -> Error {
         let what = self.watched.map_or("watched", |w| w.what);
-        Error::payload(format!(
+        Error::new(
+            ErrorKind::Unplaced,
+            format!(
             "{}: a {what} key `{}` at {}, a place where it is not read (never ignored: routing \
              that is not found must not pass as none)",
             self.what,
             String::from_utf8_lossy(key),
             self.path()
-        ))
+        ),
+        )
     }
 
     fn literal(&mut self, word: &[u8]) -> Result<()> {
@@ -432,10 +442,14 @@ impl<'a> Scanner<'a> {
     fn enter(&mut self) -> Result<()> {
         self.depth += 1;
         if self.depth > MAX_DEPTH {
-            return Err(Error::payload(format!(
-                "{}: JSON nested deeper than {MAX_DEPTH} levels",
-                self.what
-            )));
+            let kind = ErrorKind::Json {
+                at: self.pos,
+                expected: format!("nesting of at most {MAX_DEPTH} levels"),
+            };
+            return Err(Error::new(
+                kind,
+                format!("{}: JSON nested deeper than {MAX_DEPTH} levels", self.what),
+            ));
         }
         Ok(())
     }

@@ -8,7 +8,7 @@
 //! (as sorting each row and comparing does). Rows marked missing (all `-1`, see [`crate::quality::validate::is_missing`])
 //! on either side are excluded and counted.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::payload::dtype::{with_element, Element};
 use crate::payload::Payload;
 use crate::quality::validate::is_missing;
@@ -216,10 +216,16 @@ fn count<A: Element, B: Element>(
         Err(Refused::Negative(side, at, v)) => {
             let row = layers * k;
             let (pos, layer) = (start + (at / row) as u64, at % row / k);
-            Err(Error::payload(format!(
-                "expected non-negative ids (or a row of -1 for a missing route) in {side}, \
+            Err(Error::new(
+                ErrorKind::Id {
+                    position: pos,
+                    layer,
+                },
+                format!(
+                    "expected non-negative ids (or a row of -1 for a missing route) in {side}, \
                  got {v} at position {pos}, layer {layer}"
-            )))
+                ),
+            ))
         }
         Err(Refused::Wide) => unreachable!("the pairwise path takes any id"),
     }

@@ -1,7 +1,7 @@
 //! Expert load: how often each layer's router picked each expert, over one payload or a batch,
 //! with the per-layer balance figures derived from it.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::payload::dtype::{with_element, Element};
 use crate::payload::Payload;
 use crate::quality::validate::is_missing;
@@ -102,9 +102,16 @@ impl ExpertLoad {
                 Ok(c) => counted.push(c),
                 Err((t, l, id)) => {
                     let pos = p.start() + t as u64;
-                    return Err(Error::payload(format!(
-                        "expected expert ids in 0..{experts}, got {id} at position {pos}, layer {l}"
-                    )));
+                    return Err(Error::new(
+                        ErrorKind::Id {
+                            position: pos,
+                            layer: l,
+                        },
+                        format!(
+                            "expected expert ids in 0..{experts}, got {id} at position {pos}, \
+                             layer {l}"
+                        ),
+                    ));
                 }
             }
         }

@@ -1,7 +1,7 @@
 //! Opt-in checks a trainer runs before a step (format.md §7): ids out of range, duplicate experts in
 //! one token's top_k, all-zero token rows (the signature of lost prompt rows in P/D serving).
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::payload::dtype::{with_element, Element};
 use crate::payload::Payload;
 
@@ -76,31 +76,37 @@ impl Report {
                 Some(n) => format!("ids in 0..{n}"),
                 None => "non-negative ids".to_string(),
             };
-            return Err(Error::payload(format!(
+            return Err(Error::new(ErrorKind::Id { position: pos, layer }, format!(
                 "expected {range}, got {v} at position {pos}, layer {layer} ({} out of range in all)",
                 self.out_of_range
             )));
         }
         if let Some((pos, layer, v)) = self.first_duplicate {
-            return Err(Error::payload(format!(
+            return Err(Error::new(ErrorKind::Id { position: pos, layer }, format!(
                 "expected distinct experts in each top_k, got expert {v} twice at position {pos}, layer {layer} \
                  ({} duplicated groups in all)",
                 self.duplicates
             )));
         }
         if let Some(pos) = self.first_zero_row {
-            return Err(Error::payload(format!(
+            return Err(Error::new(
+                ErrorKind::RowsLost,
+                format!(
                 "expected routing in every row, got an all-zero row at position {pos} ({} in all: \
                  prompt rows lost in prefill/decode serving?)",
                 self.zero_rows
-            )));
+            ),
+            ));
         }
         if let (true, Some(pos)) = (checks.missing_rows, self.first_missing_row) {
-            return Err(Error::payload(format!(
-                "expected routing in every row, got a row marked missing (all -1) at position \
+            return Err(Error::new(
+                ErrorKind::RowsLost,
+                format!(
+                    "expected routing in every row, got a row marked missing (all -1) at position \
                  {pos} ({} in all)",
-                self.missing_rows
-            )));
+                    self.missing_rows
+                ),
+            ));
         }
         Ok(())
     }

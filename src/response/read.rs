@@ -3,7 +3,7 @@
 
 use std::borrow::Cow;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::formats::sidecar::{self, SidecarFields};
 use crate::formats::{self, Format, Hints};
 use crate::payload::Payload;
@@ -49,13 +49,16 @@ fn decode_fields(
             };
             let format = formats::detect(&text).map_err(|e| e.context(&f.path))?;
             if !f.place.allows(format) {
-                return Err(Error::payload(format!(
-                    "{}: a value read as {} where producers write {}: not read as routing of \
+                return Err(Error::new(
+                    ErrorKind::Unplaced,
+                    format!(
+                        "{}: a value read as {} where producers write {}: not read as routing of \
                      this place (a format moved, or text that is not routing)",
-                    f.path,
-                    format.name(),
-                    f.place.formats()
-                )));
+                        f.path,
+                        format.name(),
+                        f.place.formats()
+                    ),
+                ));
             }
             (
                 format,

@@ -4,7 +4,7 @@
 use std::borrow::Cow;
 use std::mem::MaybeUninit;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kernels::b64;
 
 use crate::body::Found;
@@ -248,6 +248,10 @@ impl<'a> Spliced<'a> {
     /// Write the body into `out` (which may be uninitialised), `len()` bytes long. Base64 text
     /// still to be checked is checked on the way: an error leaves `out` partly written.
     pub fn write_into(&self, out: &mut [MaybeUninit<u8>]) -> Result<()> {
+        if out.len() != self.len() {
+            let expected = format!("{} bytes (the body's len())", self.len());
+            return Err(Error::field("out", expected, out.len()));
+        }
         let mut rest = out;
         for piece in &self.pieces {
             rest = piece.write(rest)?;
@@ -398,6 +402,15 @@ mod tests {
         let mut want = b"[".to_vec();
         want.extend(b64::encode(&file[5..197]));
         assert_eq!(spliced.to_vec().unwrap(), want);
+        // A buffer of another length is refused, never written past its end.
+        for n in [256, 258] {
+            let mut out = vec![MaybeUninit::uninit(); n];
+            let e = spliced.write_into(&mut out).unwrap_err();
+            assert!(
+                e.to_string().starts_with("`out`: expected 257 bytes"),
+                "{e}"
+            );
+        }
         let mut spliced = spliced;
         assert_eq!(spliced.take_checked_parts().unwrap().concat(), want);
     }

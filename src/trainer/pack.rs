@@ -2,7 +2,7 @@
 //! where its tokens are, cumulative sequence lengths, a mask of the rows that carry routing,
 //! optional padding of each sample and of the batch.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::payload::dtype::{DType, Element};
 use crate::payload::merge::check_same_rows;
 use crate::payload::{Payload, Shape};
@@ -141,8 +141,43 @@ pub fn pack_into<D: Element>(
         return Ok(());
     };
     let row = first.num_layers() * first.top_k();
+    // A Rust caller may pass buffers or samples other than the layout's: refused, never a
+    // slice out of bounds.
+    let want = layout.rows.checked_mul(row);
+    if want != Some(dst.len()) {
+        let rows = layout.rows;
+        let expected = format!("the layout's {rows} rows of {row} values");
+        return Err(Error::field(
+            "dst",
+            expected,
+            format!("{} values", dst.len()),
+        ));
+    }
+    if let Some(m) = mask.as_deref().filter(|m| m.len() != layout.rows) {
+        let expected = format!("one entry per row of the layout ({})", layout.rows);
+        return Err(Error::field(
+            "mask",
+            expected,
+            format!("{} entries", m.len()),
+        ));
+    }
+    if samples.len() != layout.places.len() {
+        let expected = format!(
+            "the {} samples the layout was made for",
+            layout.places.len()
+        );
+        return Err(Error::field("samples", expected, samples.len()));
+    }
     for (i, (s, &at)) in samples.iter().zip(&layout.places).enumerate() {
         let n = s.num_tokens();
+        let end = at.checked_add(n).and_then(|e| e.checked_mul(row));
+        if s.num_layers() * s.top_k() != row || end.is_none_or(|e| e > dst.len()) {
+            return Err(Error::field(
+                "samples",
+                "the samples the layout was made for",
+                format!("sample {i} of {} that does not fit it", s.shape()),
+            ));
+        }
         let out = &mut dst[at * row..(at + n) * row];
         s.write_as::<D>(out)
             .map_err(|e| e.context(format!("sample {i}")))?;
@@ -158,12 +193,14 @@ pub fn pack_into<D: Element>(
                         .iter()
                         .position(|&v| Into::<i64>::into(v) == -1)
                         .unwrap_or(0);
-                    return Err(Error::payload(format!(
-                        "sample {i}: position {} has -1 in layer {} beside real ids (a missing \
-                         row is -1 throughout)",
-                        s.start() + t as u64,
-                        at / first.top_k().max(1)
-                    )));
+                    let (position, layer) = (s.start() + t as u64, at / first.top_k().max(1));
+                    return Err(Error::new(
+                        ErrorKind::Id { position, layer },
+                        format!(
+                            "sample {i}: position {position} has -1 in layer {layer} beside real \
+                             ids (a missing row is -1 throughout)"
+                        ),
+                    ));
                 } else {
                     true
                 }
@@ -239,6 +276,22 @@ mod tests {
         let bad = payload(&[1, -1], 1, 0);
         let l = layout(&[&bad], &PackOptions::default(), DType::I32, 1 << 20).unwrap();
         let e = pack_into(&[&bad], &l, &mut [0i32; 2], None).unwrap_err();
+        // Buffers and samples other than the layout's are refused, never sliced past their end.
+        let other = payload(&[1, 2, 3, 4, 5, 6], 3, 0);
+        for (samples, dst, mask, field) in [
+            (vec![&bad], 3, None, "dst"),
+            (vec![&bad], 2, Some(3), "mask"),
+            (vec![&bad, &bad], 2, None, "samples"),
+            (vec![&other], 2, None, "samples"),
+        ] {
+            let mut mask = mask.map(|n| vec![false; n]);
+            let got = pack_into(&samples, &l, &mut vec![0i32; dst], mask.as_deref_mut());
+            let e = got.unwrap_err();
+            assert!(
+                matches!(e.kind(), ErrorKind::Field { field: f, .. } if f == field),
+                "{e}"
+            );
+        }
         assert!(e.to_string().contains("-1 in layer 0 beside real ids"));
         let counts = PackOptions {
             num_tokens: Some(vec![1, 2]),

@@ -5,7 +5,7 @@
 
 use std::ops::Range;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 
 /// How context parallelism cuts each sample.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -157,10 +157,17 @@ pub fn plan(cu_seqlens: &[usize], num_rows: usize, num_layers: usize, rank: &Ran
                 CpSplit::Zigzag => format!("2 x cp_size = {chunks}"),
                 CpSplit::Contiguous => format!("cp_size = {chunks}"),
             };
-            return Err(Error::payload(format!(
-                "sample {i} has {n} rows, not a multiple of {rule} (pad each sample to a \
-                 multiple of {chunks} rows before packing)"
-            )));
+            let kind = ErrorKind::Unpadded {
+                rows: n as u64,
+                multiple: chunks as u64,
+            };
+            return Err(Error::new(
+                kind,
+                format!(
+                    "sample {i} has {n} rows, not a multiple of {rule} (pad each sample to a \
+                     multiple of {chunks} rows before packing)"
+                ),
+            ));
         }
         let c = n / chunks;
         if c > 0 {
@@ -176,10 +183,18 @@ pub fn plan(cu_seqlens: &[usize], num_rows: usize, num_layers: usize, rank: &Ran
     let total = cu[cu.len() - 1];
     let tp = rank.tp_size;
     if total % tp != 0 {
-        return Err(Error::payload(format!(
-            "the rank's {total} rows (after cp_size={cp}) are not a multiple of tp_size={tp} \
-             (pad the batch so that every context-parallel rank's rows split evenly)"
-        )));
+        let kind = ErrorKind::Unpadded {
+            rows: total as u64,
+            multiple: tp as u64,
+        };
+        return Err(Error::new(
+            kind,
+            format!(
+                "the rank's {total} rows (after cp_size={cp}) are not a multiple of \
+                 tp_size={tp} (pad the batch so that every context-parallel rank's rows split \
+                 evenly)"
+            ),
+        ));
     }
     let part = total / tp;
     let (from, to) = (rank.tp_rank * part, (rank.tp_rank + 1) * part);
@@ -206,6 +221,11 @@ pub fn plan(cu_seqlens: &[usize], num_rows: usize, num_layers: usize, rank: &Ran
 
 /// Copy the share into `dst` (the plan's rows x its layers x `top_k`) from `src` (the batch:
 /// rows x `num_layers` x `top_k`, row-major).
+///
+/// # Panics
+///
+/// When `src` or `dst` is shorter than the plan says (as `copy_from_slice` does): size them
+/// from the plan and the batch it was made for.
 pub fn gather<T: Copy>(src: &[T], num_layers: usize, top_k: usize, plan: &Plan, dst: &mut [T]) {
     let row = num_layers * top_k;
     if plan.layers == (0..num_layers) {

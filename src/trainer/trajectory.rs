@@ -250,9 +250,16 @@ fn first_difference(
         );
         if a != b {
             let (pos, layer) = held.locate(held_from * row + i);
-            return Err(Error::merge(format!(
-                "overlap check failed: position {pos}, layer {layer} holds {a} but the new payload has {b}"
-            )));
+            return Err(Error::new(
+                ErrorKind::Overlap {
+                    position: pos,
+                    layer,
+                },
+                format!(
+                    "overlap check failed: position {pos}, layer {layer} holds {a} but the new \
+                     payload has {b}"
+                ),
+            ));
         }
     }
     Ok(())

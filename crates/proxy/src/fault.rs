@@ -150,12 +150,26 @@ pub fn push_json_string(out: &mut String, text: &str) {
 }
 
 /// A merge that failed: the half without routing when one is missing (the core says which),
-/// else the pair's routing.
+/// else the pair's routing; a limit passed names the proxy's own setting.
 pub fn merge_fault(e: Error) -> Fault {
     let text = e.to_string();
     match e.kind() {
         ErrorKind::MissingRouting(Half::Prefill) => Fault::new(Blame::Prefill, 502, text),
         ErrorKind::MissingRouting(Half::Decode) => Fault::new(Blame::Decode, 502, text),
+        // The proxy's own cap: the operator's knob is named, not the Python API's.
+        ErrorKind::TooLarge { .. } => Fault::new(
+            Blame::Merge,
+            502,
+            format!("the routing is larger than this proxy merges: {text} (--max-merge-bytes)"),
+        ),
+        ErrorKind::Unplaced => Fault::new(
+            Blame::Merge,
+            502,
+            format!(
+                "routing from an upstream that cannot be placed (has the engine's format \
+                 changed?): {text}"
+            ),
+        ),
         kind if kind.is_malformed_input() => Fault::new(
             Blame::Merge,
             502,
@@ -263,6 +277,36 @@ mod tests {
         assert!(Fault::new(Blame::Decode, 502, "x")
             .event()
             .ends_with(b"}}\n\n"));
+    }
+
+    /// A failed merge is told by its kind: the half without routing is blamed, a limit passed
+    /// names the proxy's setting (not the Python API's), unplaceable routing says so.
+    #[test]
+    fn a_failed_merge_is_answered_by_its_kind() {
+        let cases = [
+            (
+                ErrorKind::MissingRouting(Half::Prefill),
+                Blame::Prefill,
+                "x",
+            ),
+            (ErrorKind::MissingRouting(Half::Decode), Blame::Decode, "x"),
+            (
+                ErrorKind::TooLarge {
+                    bytes: 10,
+                    limit: 5,
+                },
+                Blame::Merge,
+                "(--max-merge-bytes)",
+            ),
+            (ErrorKind::Unplaced, Blame::Merge, "cannot be placed"),
+            (ErrorKind::Malformed, Blame::Merge, "malformed routing"),
+            (ErrorKind::Inconsistent, Blame::Merge, "do not merge"),
+        ];
+        for (kind, blame, says) in cases {
+            let f = merge_fault(Error::new(kind.clone(), "x"));
+            assert_eq!((f.side, f.status), (blame, 502), "{kind:?}");
+            assert!(f.message.contains(says), "{kind:?}: {}", f.message);
+        }
     }
 
     /// An upstream's JSON error is quoted once: the client decodes its message, not JSON

@@ -215,6 +215,14 @@ mod _core {
         // of its own (tests/test_new_user.py holds the stub's `_Format` to it).
         let names = routed_experts::Format::ALL.map(routed_experts::Format::name);
         m.add("FORMATS", pyo3::types::PyTuple::new(m.py(), names)?)?;
+        // The core's error kinds, as the `kind` of the exceptions it raises; an exception
+        // raised elsewhere (argument checks in Python) has kind None and no details.
+        let kinds = routed_experts::ErrorKind::NAMES;
+        m.add("_ERROR_KINDS", pyo3::types::PyTuple::new(m.py(), kinds)?)?;
+        let base = m.getattr("RoutedExpertsError")?;
+        base.setattr("kind", m.py().None())?;
+        let empty = m.py().import("types")?.getattr("MappingProxyType")?;
+        base.setattr("details", empty.call1((pyo3::types::PyDict::new(m.py()),))?)?;
         Ok(())
     }
 }
