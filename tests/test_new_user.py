@@ -100,17 +100,22 @@ def test_the_public_names_are_one_list() -> None:
     assert list(rx.__all__) == sorted(rx.__all__), "kept sorted: a name added shows in review"
 
 
-def test_the_formats_python_names_are_the_cores() -> None:
-    # One list, the core's: the stub's literal, the CLI's choices and detection agree with it.
+def stub_literal(alias_name: str) -> tuple[object, ...]:
+    """The values of a `Literal[...]` alias in the stub."""
     import ast
     import typing
 
     stub = Path(rx.__file__).with_name("_core.pyi").read_text()
     alias = next(n for n in ast.parse(stub).body
-                 if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "_Format")
+                 if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == alias_name)
     assert alias.value is not None
     literal = eval(ast.unparse(alias.value), {"Literal": typing.Literal})  # noqa: S307
-    assert typing.get_args(literal) == rx.FORMATS
+    return typing.get_args(literal)
+
+
+def test_the_formats_python_names_are_the_cores() -> None:
+    # One list, the core's: the stub's literal, the CLI's choices and detection agree with it.
+    assert stub_literal("_Format") == rx.FORMATS
     from routed_experts.cli import build_parser
 
     convert = build_parser()._subparsers._group_actions[0].choices["convert"]  # type: ignore[union-attr]
@@ -119,6 +124,11 @@ def test_the_formats_python_names_are_the_cores() -> None:
     payload = rx.RoutedExperts.from_array(np.zeros((2, 1, 1), dtype=np.int64), num_experts=4)
     for name in rx.FORMATS:
         assert rx.detect_format(rx.encode(payload, name)) == name
+
+
+def test_the_error_kinds_python_names_are_the_cores() -> None:
+    # The exceptions' `kind`: the stub's literal is the core's list (tests/test_error_kinds.py).
+    assert stub_literal("_ErrorKind") == rx._core._ERROR_KINDS
 
 
 def test_trajectory_pickles_for_ray_and_multiprocessing() -> None:

@@ -157,12 +157,9 @@ pub fn plan(cu_seqlens: &[usize], num_rows: usize, num_layers: usize, rank: &Ran
                 CpSplit::Zigzag => format!("2 x cp_size = {chunks}"),
                 CpSplit::Contiguous => format!("cp_size = {chunks}"),
             };
-            let kind = ErrorKind::Unpadded {
-                rows: n as u64,
-                multiple: chunks as u64,
-            };
-            return Err(Error::new(
-                kind,
+            return Err(unpadded(
+                n,
+                chunks,
                 format!(
                     "sample {i} has {n} rows, not a multiple of {rule} (pad each sample to a \
                      multiple of {chunks} rows before packing)"
@@ -183,12 +180,9 @@ pub fn plan(cu_seqlens: &[usize], num_rows: usize, num_layers: usize, rank: &Ran
     let total = cu[cu.len() - 1];
     let tp = rank.tp_size;
     if total % tp != 0 {
-        let kind = ErrorKind::Unpadded {
-            rows: total as u64,
-            multiple: tp as u64,
-        };
-        return Err(Error::new(
-            kind,
+        return Err(unpadded(
+            total,
+            tp,
             format!(
                 "the rank's {total} rows (after cp_size={cp}) are not a multiple of \
                  tp_size={tp} (pad the batch so that every context-parallel rank's rows split \
@@ -217,6 +211,15 @@ pub fn plan(cu_seqlens: &[usize], num_rows: usize, num_layers: usize, rank: &Ran
         cu_seqlens: cu,
         layers,
     })
+}
+
+/// [`ErrorKind::Unpadded`]: `rows` that are not a multiple of `multiple`.
+fn unpadded(rows: usize, multiple: usize, message: String) -> Error {
+    let kind = ErrorKind::Unpadded {
+        rows: rows as u64,
+        multiple: multiple as u64,
+    };
+    Error::new(kind, message)
 }
 
 /// Copy the share into `dst` (the plan's rows x its layers x `top_k`) from `src` (the batch:
