@@ -583,6 +583,17 @@ mod tests {
             (next.upstream.url.as_str(), next.choice),
             (moved.upstream.url.as_str(), Choice::Session)
         );
+        // Its server removed and listed again before the next turn: the same server (by URL)
+        // to the session, which returns to it.
+        let url = moved.upstream.url.clone();
+        drop((home, moved, next));
+        assert_eq!(p.remove(&url), Ok(true));
+        assert_eq!(p.add(&url), Ok(true));
+        let back = p.pick(None, Some(key(1))).unwrap();
+        assert_eq!(
+            (back.upstream.url.as_str(), back.choice),
+            (url.as_str(), Choice::Session)
+        );
     }
 
     #[test]
