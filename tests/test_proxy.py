@@ -306,11 +306,13 @@ def test_routing_that_does_not_merge_is_502_merge(stack: dict[str, Any]) -> None
     assert r.status_code == 502
     err = r.json()["error"]
     assert err["side"] == "merge" and "are missing" in err["message"]
+    assert err["kind"] == "gap", err  # the core's rule, for a client to branch on
     with httpx.stream(
         "POST", stack["url"] + "/v1/completions", json=dict(COMPLETION, stream=True), timeout=30
     ) as s:
         lines = [line for line in s.iter_lines() if line.startswith("data: ")]
-    assert json.loads(lines[-1][6:])["error"]["side"] == "merge"
+    last = json.loads(lines[-1][6:])["error"]
+    assert (last["side"], last["kind"]) == ("merge", "gap"), last
 
 
 def test_client_mistakes_are_400_and_health_answers(stack: dict[str, Any]) -> None:
@@ -386,9 +388,11 @@ def test_a_stream_reply_to_a_plain_request_is_502(stack: dict[str, Any]) -> None
 def test_decode_without_routing_is_502_decode_never_a_200(stack: dict[str, Any]) -> None:
     r = httpx.post(stack["url"] + "/v1/completions", json=COMPLETION, timeout=30)
     assert r.status_code == 502 and r.json()["error"]["side"] == "decode"
+    assert r.json()["error"]["kind"] == "missing_routing"
     _, events = stream_events(stack["url"] + "/v1/completions", dict(COMPLETION, stream=True))
     last = json.loads(events[-1])
     assert last["error"]["side"] == "decode" and "missing routing" in last["error"]["message"]
+    assert last["error"]["kind"] == "missing_routing"
     assert "[DONE]" not in events  # a client stops at [DONE]: the error would go unseen
 
 
@@ -632,6 +636,7 @@ def test_the_asgi_app_answers_its_own_failures_in_the_error_shape() -> None:
         assert sent[0]["status"] == 502
         err = json.loads(sent[1]["body"])["error"]
         assert err["side"] == "proxy" and "could not be reached" in err["message"]
+        assert err["kind"] is None  # the shape of the data plane's own errors
         await app.aclose()
 
     asyncio.run(main())
@@ -643,6 +648,7 @@ def test_the_merge_cap_is_the_proxys_own_setting(stack: dict[str, Any]) -> None:
     r = httpx.post(stack["url"] + "/v1/completions", json=COMPLETION, timeout=30)
     message = r.json()["error"]["message"]
     assert r.status_code == 502 and "limit of 64 bytes" in message, r.text
+    assert r.json()["error"]["kind"] == "too_large"
     # The proxy's own setting is named, not the Python API's (the core's kind says which).
     assert "--max-merge-bytes" in message and "set_max_bytes" not in message, message
     # The Python API's own cap is another setting: lowering it does not reach a running proxy,

@@ -71,6 +71,10 @@ pub struct Fault {
     /// Close the client's connection with the response (its unread rest must not be read as
     /// another request).
     pub close: bool,
+    /// The routing rule a failed merge broke: the core's error kind by name (`"gap"`,
+    /// `"missing_routing"`, ...; format.md §8), so a client branches without reading the
+    /// message. `None` for every other fault.
+    pub kind: Option<&'static str>,
 }
 
 impl Fault {
@@ -85,6 +89,7 @@ impl Fault {
             param: None,
             allow: None,
             close: false,
+            kind: None,
         }
     }
 
@@ -108,9 +113,16 @@ impl Fault {
         self
     }
 
-    /// The JSON body: OpenAI's shape (`message`, `type`, `param`, `code`) plus `side`.
+    /// The JSON body: OpenAI's shape (`message`, `type`, `param`, `code`) plus `side` and
+    /// `kind`.
     pub fn body(&self) -> Vec<u8> {
-        error_body(self.status, self.side.name(), &self.message, self.param)
+        error_body(
+            self.status,
+            self.side.name(),
+            &self.message,
+            self.param,
+            self.kind,
+        )
     }
 
     /// The body as a server-sent event.
@@ -122,8 +134,15 @@ impl Fault {
     }
 }
 
-/// `{"error": {"message", "type", "param", "side", "code"}}`.
-pub fn error_body(status: u16, side: &str, message: &str, param: Option<&str>) -> Vec<u8> {
+/// `{"error": {"message", "type", "param", "side", "code", "kind"}}` (`param` and `kind` are
+/// null when there is none).
+pub fn error_body(
+    status: u16,
+    side: &str,
+    message: &str,
+    param: Option<&str>,
+    rule: Option<&str>,
+) -> Vec<u8> {
     let kind = if status < 500 {
         "invalid_request_error"
     } else {
@@ -139,7 +158,12 @@ pub fn error_body(status: u16, side: &str, message: &str, param: Option<&str>) -
     }
     out.push_str(r#","side":"#);
     push_json_string(&mut out, side);
-    let _ = write!(out, r#","code":{status}}}}}"#);
+    let _ = write!(out, r#","code":{status},"kind":"#);
+    match rule {
+        Some(r) => push_json_string(&mut out, r),
+        None => out.push_str("null"),
+    }
+    out.push_str("}}");
     out.into_bytes()
 }
 
@@ -150,10 +174,11 @@ pub fn push_json_string(out: &mut String, text: &str) {
 }
 
 /// A merge that failed: the half without routing when one is missing (the core says which),
-/// else the pair's routing; a limit passed names the proxy's own setting.
+/// else the pair's routing; a limit passed names the proxy's own setting. The body carries the
+/// core's kind.
 pub fn merge_fault(e: Error) -> Fault {
     let text = e.to_string();
-    match e.kind() {
+    let fault = match e.kind() {
         ErrorKind::MissingRouting(Half::Prefill) => Fault::new(Blame::Prefill, 502, text),
         ErrorKind::MissingRouting(Half::Decode) => Fault::new(Blame::Decode, 502, text),
         // The proxy's own cap: the operator's knob is named, not the Python API's.
@@ -180,6 +205,10 @@ pub fn merge_fault(e: Error) -> Fault {
             502,
             format!("prefill and decode routing do not merge: {text}"),
         ),
+    };
+    Fault {
+        kind: Some(e.kind().name()),
+        ..fault
     }
 }
 
@@ -270,6 +299,10 @@ mod tests {
         assert_eq!(e["param"], "stream");
         assert_eq!(e["side"], "client");
         assert_eq!(e["code"], 400);
+        assert!(
+            e["kind"].is_null(),
+            "only a failed merge names a routing rule"
+        );
         let v: serde_json::Value =
             serde_json::from_slice(&Fault::new(Blame::Decode, 502, "x").body()).unwrap();
         assert_eq!(v["error"]["type"], "upstream_error");
@@ -306,6 +339,8 @@ mod tests {
             let f = merge_fault(Error::new(kind.clone(), "x"));
             assert_eq!((f.side, f.status), (blame, 502), "{kind:?}");
             assert!(f.message.contains(says), "{kind:?}: {}", f.message);
+            let body: serde_json::Value = serde_json::from_slice(&f.body()).unwrap();
+            assert_eq!(body["error"]["kind"], kind.name(), "{kind:?}");
         }
     }
 

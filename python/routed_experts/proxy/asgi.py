@@ -158,7 +158,7 @@ class PDProxy:
             # Never a plain-text 500: the relay's own failure, in the proxy's error shape.
             message = f"the proxy's server could not be reached: {type(e).__name__}"
             error = {"message": message, "type": "upstream_error", "param": None,
-                     "side": "proxy", "code": 502}
+                     "side": "proxy", "code": 502, "kind": None}
             content = json.dumps({"error": error}).encode()
             headers_out = [(b"content-type", b"application/json"),
                            (b"content-length", str(len(content)).encode())]
