@@ -91,15 +91,21 @@ def _hints(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _is_response_body(text: bytes) -> bool:
-    """A response body (routing inside choices/meta_info/nvext), not a bare routing value."""
+def _response_body(text: bytes) -> dict[str, Any] | list[Any] | None:
+    """The parsed document when `text` is a response body (routing inside
+    choices/meta_info/nvext), None when it is a bare routing value (or not JSON)."""
     try:
         doc = json.loads(text)
     except ValueError:
-        return False
+        return None
     if isinstance(doc, list):
-        return bool(doc) and isinstance(doc[0], dict) and "data" not in doc[0]
-    return isinstance(doc, dict) and any(k in doc for k in BODY_KEYS)
+        return doc if doc and isinstance(doc[0], dict) and "data" not in doc[0] else None
+    return doc if isinstance(doc, dict) and any(k in doc for k in BODY_KEYS) else None
+
+
+def _is_response_body(text: bytes) -> bool:
+    """A response body, not a bare routing value."""
+    return _response_body(text) is not None
 
 
 def _choice(path: str, data: bytes, args: argparse.Namespace) -> int | None:
@@ -107,13 +113,13 @@ def _choice(path: str, data: bytes, args: argparse.Namespace) -> int | None:
     the body has no such choice, or when `--choice` is given for a routing value (which has
     none). None for a routing value."""
     name = "stdin" if path == "-" else path
-    if not _is_response_body(data):
+    doc = _response_body(data)  # parsed once: bodies run to tens of MB
+    if doc is None:
         if getattr(args, "choice", None) is not None:
             raise rx.PayloadError(f"{name}: --choice {args.choice}: a routing value has no "
                                   "choices (--choice is for response bodies)")
         return None
     choice = args.choice or 0
-    doc = json.loads(data)
     if isinstance(doc, list):
         have = list(range(len(doc)))
     elif isinstance(doc.get("choices"), list) and doc["choices"]:
