@@ -3,6 +3,7 @@
 //! rows are checked against (§3.3), and any routing-like key at a place no producer uses.
 
 pub(crate) mod coverage;
+pub(crate) mod shared_prompt;
 pub(crate) mod split;
 
 pub use crate::kernels::runs::Base64Runs;
@@ -254,7 +255,19 @@ fn walk<'a>(
             ));
         }
     }
-    if let Some(p) = &w.prompt {
+    if let Some(p) = w.prompt.as_ref().filter(|p| p.fields.is_some()) {
+        // A shared-prompt answer (format.md §4.1): every choice's value a compact sidecar too.
+        if let Some(f) = w.values.iter().find(|f| f.fields.is_none()) {
+            return Err(Error::new(
+                ErrorKind::Unplaced,
+                format!(
+                    "response body: a compact prompt_routed_experts (a shared-prompt answer)                      beside routing that is not a compact sidecar at {} (the shared answer                      writes every value as one; the two cannot be joined by position)",
+                    f.path
+                ),
+            )
+            .context(&p.path));
+        }
+    } else if let Some(p) = &w.prompt {
         if let Some(f) = w.values.iter().find(|f| !f.text.starts_with(b"[")) {
             return Err(Error::new(
                 ErrorKind::Unplaced,

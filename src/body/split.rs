@@ -179,6 +179,13 @@ pub fn merge_plan(
     decode_start: Option<u64>,
     max_bytes: usize,
 ) -> Result<Rewrite> {
+    for (side, body) in [("prefill", prefill), ("decode", decode)] {
+        if body.prompt.as_ref().is_some_and(|p| p.fields.is_some()) {
+            return Err(Error::merge(format!(
+                "the {side} body is a shared-prompt answer (a compact prompt_routed_experts,                  format.md §4.1): a merged answer, not a half to merge"
+            )));
+        }
+    }
     check_no_start(hints, decode_start)?;
     let (Some(pp), Some(dp)) = (&prefill.prompt, &decode.prompt) else {
         let (split, other) = match prefill.prompt {

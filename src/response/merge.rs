@@ -97,6 +97,10 @@ fn merge_pieces<'a>(
             return Err(crate::formats::sidecar::extra_key_error(&f.path, key));
         }
     }
+    // vLLM 0.21's split bodies already carry the prompt's rows once: they merge as they are.
+    if opts.shared_prompt && prefill.prompt.is_none() && decode.prompt.is_none() {
+        return super::shared_prompt::answer(&prefill.values, decode_body, decode, &opts);
+    }
     if prefill.prompt.is_some() || decode.prompt.is_some() {
         let plan = split::merge_plan(
             &prefill,
@@ -289,7 +293,7 @@ fn splice_text<'a>(
 /// that read `text` found it to be base64 characters, `scanned`, only for its length and
 /// padding); text that had escapes (so is owned, not borrowed from the body) is checked here
 /// and copied as it is.
-fn checked_copy<'a>(
+pub(super) fn checked_copy<'a>(
     text: &Cow<'a, [u8]>,
     from: usize,
     to: usize,

@@ -10,6 +10,7 @@ mod npy_text;
 mod options;
 mod prefill_rows;
 mod read;
+mod shared_prompt;
 mod spliced;
 mod streaming;
 #[cfg(test)]
@@ -48,6 +49,7 @@ mod tests {
         keep_format: false,
         require_routing: false,
         defer_recode: false,
+        shared_prompt: false,
     };
 
     fn body(routing: &str) -> String {

@@ -89,6 +89,28 @@ pub(super) fn merge_npy_text<'a>(
     Some(pieces)
 }
 
+/// The rows of `f`, vLLM's `.npy` text, as the pieces of a compact sidecar (a shared-prompt
+/// answer's prompt, format.md §4.1), with their header: the text re-encoded on the sidecar's
+/// grid a block at a time, or left to be written as it is sent (`defer_recode`). `None` for
+/// anything the decoding path is left to read or refuse, as in [`merge_npy_text`].
+pub(super) fn rows_as_compact<'a>(
+    f: &Found<'a>,
+    opts: &MergeOptions,
+) -> Option<(Header, Vec<Piece<'a>>)> {
+    let side = read_side(f, opts.hints.start, opts)?;
+    let rows =
+        side.data_offset..side.data_offset + side.header.shape.tokens * side.header.row_bytes();
+    let mut join = TextJoin {
+        defer_recode: opts.defer_recode,
+        ..TextJoin::default()
+    };
+    join.text_range(&side, rows, "prefill").ok()?;
+    Some((
+        side.header,
+        sidecar::wrap_base64(&side.header, join.finish()),
+    ))
+}
+
 /// `f` as `.npy` text whose header, length and counts pass every check the decoding path makes
 /// before it decodes the rows; `None` otherwise.
 fn read_side<'a>(f: &Found<'a>, start: Option<u64>, opts: &MergeOptions) -> Option<NpyText<'a>> {

@@ -30,6 +30,12 @@ pub struct MergeOptions {
     /// ([`EventMerge`](super::EventMerge)) it leaves prefill's rows, on the output's grid or
     /// not, to be written as they are sent ([`EventMerge::take_deferred`](super::EventMerge::take_deferred)).
     pub defer_recode: bool,
+    /// Answer a group in the shared-prompt shape (format.md §4.1): the prompt's rows once, as a
+    /// compact sidecar at the top-level `prompt_routed_experts`, and each choice's value holding
+    /// only the rows after them, so a group of `n` choices carries the prompt once, not `n`
+    /// times. Every value is then a compact sidecar, whatever `keep_format` says. Off by
+    /// default: each choice's value holds its whole sequence.
+    pub shared_prompt: bool,
 }
 
 impl MergeOptions {
@@ -43,6 +49,7 @@ impl MergeOptions {
             keep_format: false,
             require_routing: false,
             defer_recode: false,
+            shared_prompt: false,
         }
     }
 }

@@ -9,6 +9,7 @@ use crate::formats::{self, Format, Hints};
 use crate::payload::Payload;
 
 use crate::body::coverage;
+use crate::body::shared_prompt;
 use crate::body::split;
 use crate::body::{read_body_decoding, Found};
 use crate::formats::Rule;
@@ -85,7 +86,8 @@ pub fn routing_rows(f: &Found, hints: &Hints, max_bytes: usize) -> Result<usize>
 }
 
 /// The routing of the choice whose index is `choice`, or `None` when it carries none. For
-/// vLLM 0.21's split shape, the whole sequence: the prompt rows, then the choice's own.
+/// vLLM 0.21's split shape and the shared-prompt answer (format.md §3.4, §4.1), the whole
+/// sequence: the prompt rows, then the choice's own.
 pub fn from_response(
     body: &[u8],
     choice: u64,
@@ -94,6 +96,9 @@ pub fn from_response(
 ) -> Result<Option<Payload>> {
     let mut found = read_body_decoding(body, choice, max_bytes)?;
     let in_choice = |e: Error| e.context(format!("choice {choice}"));
+    if let Some(prompt) = found.prompt.as_ref().filter(|p| p.fields.is_some()) {
+        return shared_prompt::sequence(&found, prompt, choice, max_bytes).map_err(in_choice);
+    }
     if let Some(prompt) = &found.prompt {
         return split::sequence(&found, prompt, choice, hints, max_bytes).map_err(in_choice);
     }

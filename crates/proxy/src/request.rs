@@ -161,21 +161,30 @@ impl ClientBody {
         self.api
     }
 
-    /// The request for the prefill server: one token, no streaming, KV cache kept for decode.
-    /// `min_tokens` and `min_completion_tokens` are for decode only (vLLM refuses them above
-    /// `max_tokens`); every other field goes through unchanged. A generate request's token
-    /// limits are in its `sampling_params`.
+    /// The request for the prefill server: one token of one choice, no streaming, KV cache
+    /// kept for decode. `n` is 1 where the client gave one: the prompt's KV and routing are the
+    /// same for every choice, so prefill computes and sends them once, and decode generates the
+    /// client's `n` choices from that one cache (format.md §4; a prefill body with one choice's
+    /// routing serves every decode choice). `min_tokens` and `min_completion_tokens` are for
+    /// decode only (vLLM refuses them above `max_tokens`); every other field goes through
+    /// unchanged. A generate request's token limits and `n` are in its `sampling_params`.
     pub fn prefill_request(&self) -> Vec<u8> {
         let one = raw("1");
         let mut f = self.fields.clone();
         match (&self.api, &self.sampling) {
             (Api::Generate, sampling) => {
                 let mut s = sampling.clone().unwrap_or_default();
-                s.insert("max_tokens".into(), one);
+                s.insert("max_tokens".into(), one.clone());
                 s.shift_remove("min_tokens");
+                if s.contains_key("n") {
+                    s.insert("n".into(), one);
+                }
                 f.insert("sampling_params".into(), object_value(&s));
             }
             (api, _) => {
+                if f.contains_key("n") {
+                    f.insert("n".into(), one.clone());
+                }
                 f.insert("max_tokens".into(), one.clone());
                 if *api == Api::Chat || f.contains_key("max_completion_tokens") {
                     f.insert("max_completion_tokens".into(), one);
@@ -354,6 +363,12 @@ mod tests {
         assert_eq!(v["kv_transfer_params"]["do_remote_decode"], true);
         let chat = ClientBody::parse(client, Api::Chat).unwrap();
         assert_eq!(json(&chat.prefill_request())["max_completion_tokens"], 1);
+        // A group's prompt is computed once: prefill asked for one choice, decode for all.
+        let group = br#"{"prompt":"x","n":16,"max_tokens":8}"#;
+        let group = ClientBody::parse(group, Api::Completions).unwrap();
+        assert_eq!(json(&group.prefill_request())["n"], 1);
+        assert_eq!(json(&group.decode_request(None, None))["n"], 16);
+        assert!(json(&body.prefill_request()).get("n").is_none());
 
         assert!(body.include_usage && body.api() == Api::Completions);
         let plain = json(&body.plain_decode_request(None, Some(2)));
@@ -506,6 +521,14 @@ mod tests {
         assert_eq!(p["sampling_params"]["temperature"], 0.5);
         assert_eq!(p["sampling_params"]["routed_experts_prompt_start"], 1);
         assert!(p["sampling_params"].get("min_tokens").is_none());
+        assert!(p["sampling_params"].get("n").is_none());
+        let group = br#"{"token_ids":[1,2],"sampling_params":{"n":4,"max_tokens":3}}"#;
+        let group = ClientBody::parse(group, Api::Generate).unwrap();
+        assert_eq!(json(&group.prefill_request())["sampling_params"]["n"], 1);
+        assert_eq!(
+            json(&group.decode_request(None, None))["sampling_params"]["n"],
+            4
+        );
         assert!(p.get("max_tokens").is_none() && p.get("stream_options").is_none());
         assert_eq!(
             (p["stream"].clone(), p["token_ids"].clone()),

@@ -1,0 +1,80 @@
+//! Reading the shared-prompt answer (format.md §4.1): the prompt's rows once, as a compact
+//! sidecar at the top-level `prompt_routed_experts`, and each choice's own rows after them as a
+//! compact sidecar of its own. A choice reads as its whole sequence: the prompt's rows, then
+//! its own, which must start where the prompt's stop.
+
+use crate::body::{BodyRouting, Found};
+use crate::error::{Error, ErrorKind, Result};
+use crate::formats::sidecar;
+use crate::payload::{merge, Payload};
+
+/// The whole sequence of choice `choice` (`None` when the body has no such choice).
+pub fn sequence(
+    body: &BodyRouting,
+    prompt: &Found,
+    choice: u64,
+    max_bytes: usize,
+) -> Result<Option<Payload>> {
+    if !body.choices.iter().any(|(i, _)| *i == choice) {
+        return Ok(None);
+    }
+    let rows = prompt_payload(prompt, max_bytes)?;
+    let Some(value) = body.value(choice) else {
+        return Err(Error::new(
+            ErrorKind::RowsLost,
+            format!(
+                "a shared-prompt answer without routing of choice {choice}'s own: its rows after \
+                 the prompt's are lost (the shared answer writes every choice's, empty or not)"
+            ),
+        ));
+    };
+    let own = compact(value, max_bytes)?;
+    joined(&rows, &own).map(Some)
+}
+
+/// The prompt's rows of a shared-prompt answer, decoded.
+pub fn prompt_payload(prompt: &Found, max_bytes: usize) -> Result<Payload> {
+    compact(prompt, max_bytes)
+}
+
+/// A choice's own rows joined to the prompt's: they must start exactly where the prompt's stop
+/// (each value states its start; nothing is guessed), with the same layers and top_k.
+pub fn joined(prompt: &Payload, own: &Payload) -> Result<Payload> {
+    merge::check_same_rows(
+        prompt.shape(),
+        own.shape(),
+        "the prompt's rows",
+        "the choice's",
+    )?;
+    if own.start() != prompt.stop() {
+        let message = format!(
+            "a shared-prompt answer's choice rows start at {} but the prompt's rows cover \
+             [{}, {}): a choice's own rows follow the prompt's exactly",
+            own.start(),
+            prompt.start(),
+            prompt.stop()
+        );
+        return Err(if own.start() > prompt.stop() {
+            Error::new(
+                ErrorKind::Gap {
+                    stop: prompt.stop(),
+                    start: own.start(),
+                },
+                message,
+            )
+        } else {
+            Error::payload(message)
+        });
+    }
+    merge::concat(
+        prompt.start(),
+        &[(prompt, 0, prompt.num_tokens()), (own, 0, own.num_tokens())],
+    )
+}
+
+fn compact(f: &Found, max_bytes: usize) -> Result<Payload> {
+    let fields = f.fields.clone().unwrap_or_default();
+    sidecar::validate(fields, max_bytes)
+        .and_then(|s| s.decode())
+        .map_err(|e| e.context(&f.path))
+}
