@@ -265,6 +265,7 @@ def merge_response(
     splice: bool = True,
     max_bytes: int | None = None,
     require_routing: bool = False,
+    shared_prompt: bool = False,
 ) -> bytes: ...
 def decode(
     value: Any,

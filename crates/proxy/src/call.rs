@@ -18,7 +18,7 @@ use routed_experts::Hints;
 
 use super::budget::Share;
 use super::buffered_stream::events_from_body;
-use super::config::{RoutingFormat, StreamRouting};
+use super::config::{PromptRouting, RoutingFormat, StreamRouting};
 use super::fault::{encoded_fault, merge_fault, status_fault, Blame, Fault};
 use super::metrics::Phase;
 use super::parts::{shared_parts, Held, Part, PartsBody};
@@ -26,7 +26,7 @@ use super::pool::{Lease, Outcome, Side};
 use super::proxy::{blocking_if, Proxy, Slot, BLOCKING_BYTES};
 use super::record::Exchange;
 use super::relay::{AbortOnDrop, ChannelBody, Head, Relay, STREAM_QUEUE};
-use super::request::{decode_start, Api, ClientBody};
+use super::request::{decode_start, Api, ClientBody, PROMPT_ROUTING};
 use super::responses::Body;
 use super::stream_merger::{StreamMerger, SAMPLE_ROWS};
 
@@ -55,6 +55,19 @@ impl Call {
         slot: Slot,
     ) -> Result<Response<Body>, Fault> {
         let proxy = Arc::clone(&self.proxy);
+        // The shared-prompt answer is a plain answer's shape: a stream's choices end one at a
+        // time, each with its own routing (format.md §4.1).
+        if ex.stream && body.prompt_routing == Some(PromptRouting::Shared) {
+            return Err(Fault::bad_field(
+                PROMPT_ROUTING,
+                format!(
+                    "{PROMPT_ROUTING}=\"shared\" is for plain requests: a stream's choices each \
+                     end with their whole routing (ask without stream, or leave the field out)"
+                ),
+            ));
+        }
+        let shared = !ex.stream
+            && body.prompt_routing.unwrap_or(proxy.config.prompt_routing) == PromptRouting::Shared;
         // A decode server first: with none to take the request, it is refused before a prefill
         // server computes a KV cache that no decode would ever fetch.
         let lease = proxy.lease(Side::Decode, body.session).await?;
@@ -111,6 +124,7 @@ impl Call {
                 let opts = MergeOptions {
                     require_routing: true,
                     defer_recode: !as_events,
+                    shared_prompt: shared,
                     ..self.merge_options(body.start, decode_start)
                 };
                 let mut spliced =

@@ -89,6 +89,8 @@ macro_rules! settings {
             pub routing_format: RoutingFormat,
             /// How a completions or chat stream gets its routing (default: buffered).
             pub stream_routing: StreamRouting,
+            /// How a plain answer carries its choices' prompt rows (default: in every choice).
+            pub prompt_routing: PromptRouting,
             $(
                 #[doc = $help]
                 pub $name: settings!(@type $unit),
@@ -107,6 +109,7 @@ macro_rules! settings {
                     upstreams_file: None,
                     routing_format: RoutingFormat::Engine,
                     stream_routing: StreamRouting::Buffered,
+                    prompt_routing: PromptRouting::PerChoice,
                     $( $name: settings!(@default $unit, $default), )*
                 }
             }
@@ -309,6 +312,36 @@ impl StreamRouting {
     }
 }
 
+/// How a plain answer carries its choices' prompt rows (`prompt_routing`, or a request's
+/// `routed_experts_prompt_routing`; format.md §4.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PromptRouting {
+    /// Every choice's value holds its whole sequence, prompt rows included, as one engine
+    /// answers: a group of `n` choices carries the prompt's rows `n` times.
+    PerChoice,
+    /// The prompt's rows once, as a compact sidecar at the top-level `prompt_routed_experts`,
+    /// and each choice's value (a compact sidecar) its rows after them.
+    Shared,
+}
+
+impl PromptRouting {
+    /// Every choice, in the order the help lists them.
+    pub const ALL: [PromptRouting; 2] = [PromptRouting::PerChoice, PromptRouting::Shared];
+
+    /// Its name in the settings and in a request's `routed_experts_prompt_routing`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PromptRouting::PerChoice => "per_choice",
+            PromptRouting::Shared => "shared",
+        }
+    }
+
+    /// The choice `name` names; `Err` lists the names.
+    pub fn parse(name: &str) -> Result<Self, String> {
+        super::config_error::parse_named(&Self::ALL, Self::name, name)
+    }
+}
+
 /// The settings that take text, beside [`SETTINGS`]: `(name, default, help)`.
 pub const TEXT_SETTINGS: &[(&str, Option<&str>, &str)] = &[
     (
@@ -351,6 +384,15 @@ pub const TEXT_SETTINGS: &[(&str, Option<&str>, &str)] = &[
          as SGLang; one that ends without routing ends with an error event)",
     ),
     (
+        "prompt_routing",
+        Some("per_choice"),
+        "how a plain answer carries its choices' prompt rows: per_choice (the default: each \
+         choice's routing holds its whole sequence, as one engine answers) or shared (the \
+         prompt's rows once, at the top-level prompt_routed_experts, and each choice's own rows \
+         after them, all as compact sidecars: a group of n choices carries the prompt once); a \
+         request's routed_experts_prompt_routing chooses for itself",
+    ),
+    (
         "upstreams_file",
         None,
         "a file listing the servers, `prefill URL` or `decode URL` a line (# comments), read \
@@ -387,6 +429,10 @@ impl Config {
             }
             "stream_routing" => {
                 self.stream_routing = StreamRouting::parse(value)
+                    .map_err(|e| ConfigError::new(name, format!("{name}: {e}")))?
+            }
+            "prompt_routing" => {
+                self.prompt_routing = PromptRouting::parse(value)
                     .map_err(|e| ConfigError::new(name, format!("{name}: {e}")))?
             }
             _ => {
@@ -563,6 +609,13 @@ mod tests {
         assert_eq!(c.routing_format, RoutingFormat::Engine);
         assert_eq!(c.set_text("routing_format", "compact"), Ok(()));
         assert_eq!(c.routing_format, RoutingFormat::Compact);
+        assert_eq!(c.prompt_routing, PromptRouting::PerChoice);
+        assert_eq!(c.set_text("prompt_routing", "shared"), Ok(()));
+        assert_eq!(c.prompt_routing, PromptRouting::Shared);
+        assert_eq!(
+            c.set_text("prompt_routing", "once").unwrap_err().message,
+            "prompt_routing: expected per_choice or shared, got \"once\""
+        );
         assert_eq!(
             c.set_text("routing_format", "npy").unwrap_err().message,
             "routing_format: expected compact or engine, got \"npy\""

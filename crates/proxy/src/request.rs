@@ -5,6 +5,7 @@
 use indexmap::IndexMap;
 use serde_json::value::RawValue;
 
+use super::config::PromptRouting;
 use super::fault::{push_json_string, Blame, Fault};
 
 /// Nesting the proxy passes on (objects and arrays, the body itself included). JSON readers
@@ -57,6 +58,9 @@ pub struct ClientBody {
     pub stream: bool,
     /// `stream_options.include_usage` of a stream request: its last chunk carries `usage`.
     pub include_usage: bool,
+    /// `routed_experts_prompt_routing`: how the client wants its choices' prompt rows answered
+    /// (the proxy's `prompt_routing` when not given). The proxy's field: no engine receives it.
+    pub prompt_routing: Option<PromptRouting>,
     /// The key of the request's `session_id` (vLLM's stable identity of related requests,
     /// such as a rollout's turns): its turns go to the same servers.
     pub session: Option<u64>,
@@ -141,6 +145,20 @@ impl ClientBody {
                 serde_json::from_str::<IndexMap<String, Box<RawValue>>>(v.get())
                     .is_ok_and(|o| o.get("include_usage").is_some_and(|u| u.get() == "true"))
             });
+        let prompt_routing = match fields.get(PROMPT_ROUTING).map(|v| v.get()) {
+            None | Some("null") => None,
+            Some(text) => Some(
+                serde_json::from_str::<String>(text)
+                    .map_err(|_| format!("a string, got {}", clip(text)))
+                    .and_then(|name| PromptRouting::parse(&name))
+                    .map_err(|e| {
+                        Fault::bad_field(
+                            PROMPT_ROUTING,
+                            format!("invalid request body: {PROMPT_ROUTING}: {e}"),
+                        )
+                    })?,
+            ),
+        };
         let session = match fields.get("session_id").map(|v| v.get()) {
             None | Some("null") => None,
             Some(text) => Some(super::policy::session_key(text.as_bytes())),
@@ -152,6 +170,7 @@ impl ClientBody {
             start,
             stream,
             include_usage,
+            prompt_routing,
             session,
         })
     }
@@ -194,8 +213,8 @@ impl ClientBody {
             }
         }
         f.shift_remove("stream_options");
-        for key in STEERING {
-            f.shift_remove(key);
+        for key in STEERING.iter().chain([&PROMPT_ROUTING]) {
+            f.shift_remove(*key);
         }
         f.insert("stream".into(), raw("false"));
         f.insert("kv_transfer_params".into(), raw(PREFILL_KV_TRANSFER_PARAMS));
@@ -225,7 +244,9 @@ impl ClientBody {
 
     fn decode_fields(&self, kv: Option<&[u8]>, start: Option<u64>, plain: bool) -> Vec<u8> {
         let mut fields = self.fields.clone();
-        fields.retain(|k, _| k != "kv_transfer_params" && !STEERING.contains(&k.as_str()));
+        fields.retain(|k, _| {
+            k != "kv_transfer_params" && k != PROMPT_ROUTING && !STEERING.contains(&k.as_str())
+        });
         if plain && self.stream {
             fields.insert("stream".into(), raw("false"));
             fields.shift_remove("stream_options");
@@ -265,6 +286,10 @@ impl ClientBody {
 pub fn decode_start(prompt: u64, start: Option<u64>) -> u64 {
     start.unwrap_or(0).max(prompt.saturating_sub(1))
 }
+
+/// The request field a client chooses its answer's prompt rows with (format.md §4.1): the
+/// proxy's own, taken out of what the engines receive.
+pub const PROMPT_ROUTING: &str = "routed_experts_prompt_routing";
 
 /// Fields of a client's body that would steer an engine's disaggregated-serving machinery
 /// (where to fetch caches from): the proxy decides those, so a client's are not forwarded.
@@ -369,6 +394,14 @@ mod tests {
         assert_eq!(json(&group.prefill_request())["n"], 1);
         assert_eq!(json(&group.decode_request(None, None))["n"], 16);
         assert!(json(&body.prefill_request()).get("n").is_none());
+        // The answer's shape is the proxy's to write: neither engine is asked about it.
+        let shared = br#"{"prompt":"x","n":2,"routed_experts_prompt_routing":"shared"}"#;
+        let shared = ClientBody::parse(shared, Api::Completions).unwrap();
+        assert_eq!(shared.prompt_routing, Some(PromptRouting::Shared));
+        for sent in [shared.prefill_request(), shared.decode_request(None, Some(3))] {
+            assert!(json(&sent).get(PROMPT_ROUTING).is_none());
+        }
+        assert_eq!(body.prompt_routing, None);
 
         assert!(body.include_usage && body.api() == Api::Completions);
         let plain = json(&body.plain_decode_request(None, Some(2)));
@@ -442,6 +475,14 @@ mod tests {
                 Some("routed_experts_prompt_start"),
             ),
             (br#"{"stream":1}"#, Some("stream")),
+            (
+                br#"{"routed_experts_prompt_routing":"once"}"#,
+                Some(PROMPT_ROUTING),
+            ),
+            (
+                br#"{"routed_experts_prompt_routing":true}"#,
+                Some(PROMPT_ROUTING),
+            ),
             (b"[1]", None),
             (b"{not json", None),
             (br#"{"t":NaN}"#, None),

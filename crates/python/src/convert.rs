@@ -631,6 +631,7 @@ named_args!(
     keep_format,
     splice,
     require_routing,
+    shared_prompt,
     mask,
     count_rows,
     writable,

@@ -105,9 +105,12 @@ pub fn from_response(
 /// start hints are not applied to them (a router can always pass the requested prompt start).
 /// `splice=False` forces the decode/concat/encode path (same result; the flag exists to compare
 /// the two). `require_routing=True` refuses a decode body without routing when the prefill body
-/// has some (MergeError "missing routing on the decode side"), for proxies.
+/// has some (MergeError "missing routing on the decode side"), for proxies. `shared_prompt=True`
+/// writes a group's prompt rows once, at the top-level `prompt_routed_experts`, and each choice's
+/// own rows after them, all as compact sidecars (format.md §4.1); `from_response` reads each
+/// choice whole from it.
 #[pyfunction]
-#[pyo3(signature = (prefill_body, decode_body, *, start = None, decode_start = None, num_layers = None, top_k = None, dtype = None, keep_format = false, splice = true, max_bytes = None, require_routing = false))]
+#[pyo3(signature = (prefill_body, decode_body, *, start = None, decode_start = None, num_layers = None, top_k = None, dtype = None, keep_format = false, splice = true, max_bytes = None, require_routing = false, shared_prompt = false))]
 #[allow(clippy::too_many_arguments)]
 pub fn merge_response<'py>(
     py: Python<'py>,
@@ -122,6 +125,7 @@ pub fn merge_response<'py>(
     #[pyo3(from_py_with = crate::convert::flag::splice)] splice: bool,
     #[pyo3(from_py_with = crate::convert::opt::max_bytes)] max_bytes: Option<usize>,
     #[pyo3(from_py_with = crate::convert::flag::require_routing)] require_routing: bool,
+    #[pyo3(from_py_with = crate::convert::flag::shared_prompt)] shared_prompt: bool,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let (p, d) = (
         convert::body_arg(prefill_body, "prefill_body")?,
@@ -136,6 +140,7 @@ pub fn merge_response<'py>(
         require_routing,
         // The body is assembled here: nothing is left to write later.
         defer_recode: false,
+        shared_prompt,
     };
     let spliced = py.detach(|| response::merge_response_pieces(&p, &d, opts))?;
     // One copy: the pieces (mostly slices of the inputs) go straight into the result bytes.

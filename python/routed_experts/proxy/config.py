@@ -36,6 +36,7 @@ class ProxyConfig:
     upstreams_file: str | None = None  # `prefill URL` / `decode URL` lines, re-read on SIGHUP
     routing_format: str = "engine"  # the decode engine's own format (vLLM's .npy), or "compact"
     stream_routing: str = "buffered"  # completions/chat streams from a plain decode, or "relay"
+    prompt_routing: str = "per_choice"  # or "shared": a plain answer's prompt rows once
     header_timeout: float = 30.0
     max_header_bytes: int = 64 * 1024
     max_connections: int = 4096
