@@ -5,20 +5,23 @@
 
 use crate::body::{BodyRouting, Found};
 use crate::error::{Error, ErrorKind, Result};
-use crate::formats::sidecar;
+use crate::formats::{self, Hints};
 use crate::payload::{merge, Payload};
 
-/// The whole sequence of choice `choice` (`None` when the body has no such choice).
+/// The whole sequence of choice `choice` (`None` when the body has no such choice). Hints are
+/// held to what the values state, as for any compact sidecar: a start to the prompt's (the
+/// sequence's start), the rest to both.
 pub fn sequence(
     body: &BodyRouting,
     prompt: &Found,
     choice: u64,
+    hints: &Hints,
     max_bytes: usize,
 ) -> Result<Option<Payload>> {
     if !body.choices.iter().any(|(i, _)| *i == choice) {
         return Ok(None);
     }
-    let rows = prompt_payload(prompt, max_bytes)?;
+    let rows = compact(prompt, hints, max_bytes)?;
     let Some(value) = body.value(choice) else {
         return Err(Error::new(
             ErrorKind::RowsLost,
@@ -28,18 +31,17 @@ pub fn sequence(
             ),
         ));
     };
-    let own = compact(value, max_bytes)?;
+    let own_hints = Hints {
+        start: None,
+        ..*hints
+    };
+    let own = compact(value, &own_hints, max_bytes)?;
     joined(&rows, &own).map(Some)
-}
-
-/// The prompt's rows of a shared-prompt answer, decoded.
-pub fn prompt_payload(prompt: &Found, max_bytes: usize) -> Result<Payload> {
-    compact(prompt, max_bytes)
 }
 
 /// A choice's own rows joined to the prompt's: they must start exactly where the prompt's stop
 /// (each value states its start; nothing is guessed), with the same layers and top_k.
-pub fn joined(prompt: &Payload, own: &Payload) -> Result<Payload> {
+fn joined(prompt: &Payload, own: &Payload) -> Result<Payload> {
     merge::check_same_rows(
         prompt.shape(),
         own.shape(),
@@ -72,9 +74,7 @@ pub fn joined(prompt: &Payload, own: &Payload) -> Result<Payload> {
     )
 }
 
-fn compact(f: &Found, max_bytes: usize) -> Result<Payload> {
+fn compact(f: &Found, hints: &Hints, max_bytes: usize) -> Result<Payload> {
     let fields = f.fields.clone().unwrap_or_default();
-    sidecar::validate(fields, max_bytes)
-        .and_then(|s| s.decode())
-        .map_err(|e| e.context(&f.path))
+    formats::decode_compact_fields(fields, hints, max_bytes).map_err(|e| e.context(&f.path))
 }

@@ -97,7 +97,8 @@ pub fn from_response(
     let mut found = read_body_decoding(body, choice, max_bytes)?;
     let in_choice = |e: Error| e.context(format!("choice {choice}"));
     if let Some(prompt) = found.prompt.as_ref().filter(|p| p.fields.is_some()) {
-        return shared_prompt::sequence(&found, prompt, choice, max_bytes).map_err(in_choice);
+        return shared_prompt::sequence(&found, prompt, choice, hints, max_bytes)
+            .map_err(in_choice);
     }
     if let Some(prompt) = &found.prompt {
         return split::sequence(&found, prompt, choice, hints, max_bytes).map_err(in_choice);

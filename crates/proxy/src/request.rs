@@ -398,7 +398,10 @@ mod tests {
         let shared = br#"{"prompt":"x","n":2,"routed_experts_prompt_routing":"shared"}"#;
         let shared = ClientBody::parse(shared, Api::Completions).unwrap();
         assert_eq!(shared.prompt_routing, Some(PromptRouting::Shared));
-        for sent in [shared.prefill_request(), shared.decode_request(None, Some(3))] {
+        for sent in [
+            shared.prefill_request(),
+            shared.decode_request(None, Some(3)),
+        ] {
             assert!(json(&sent).get(PROMPT_ROUTING).is_none());
         }
         assert_eq!(body.prompt_routing, None);
