@@ -109,6 +109,58 @@ def test_plain_requests_through_the_proxy_merge_to_the_truth(
     both_alive(stack)
 
 
+def generation_tokens(server: engine.Server) -> float:
+    """The tokens a server has sampled so far (its `vllm:generation_tokens_total`)."""
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:generation_tokens_total")]  # fmt: skip
+    assert counts, "the server's /metrics has no vllm:generation_tokens_total"
+    return sum(counts)
+
+
+@pytest.mark.parametrize("n", [4, 16])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_group_is_prefilled_once_and_every_choice_merges_to_the_truth(
+    stack: Stack, path: str, n: int
+) -> None:
+    # A GRPO group: the proxy asks prefill for one choice (the prompt's KV and routing are the
+    # same for all; vLLM's own counter shows the one token it sampled) and decode for n.
+    base = COMPLETION if path == "/v1/completions" else CHAT
+    body = json.loads(json.dumps(base).replace(LONG, f"{LONG} group {path[4:]} {n}"))
+    body = {**body, "n": n, "temperature": 1.0, "seed": 3}
+    before = generation_tokens(stack.prefill)
+    check_reply(stack, httpx.post(stack.url + path, json=body, timeout=300))
+    sampled = 0.0
+    for _ in range(50):  # the counter is updated as the engine logs its step
+        sampled = generation_tokens(stack.prefill) - before
+        if sampled:
+            break
+        time.sleep(0.1)
+    assert sampled == 1, f"prefill sampled {sampled} tokens for a group of {n}"
+    both_alive(stack)
+
+
+def test_the_shared_prompt_answer_carries_the_prompt_once_and_reads_to_the_truth(
+    stack: Stack,
+) -> None:
+    n = 8
+    body = {**COMPLETION, "prompt": f"{LONG} shared", "n": n, "temperature": 1.0, "seed": 5,
+            "routed_experts_prompt_routing": "shared"}  # fmt: skip
+    reply = httpx.post(stack.url + "/v1/completions", json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    doc = reply.json()
+    prompt = doc.get("prompt_token_ids") or doc["choices"][0]["prompt_token_ids"]
+    shared = rx.decode(doc["prompt_routed_experts"])
+    assert (shared.start, shared.stop) == (0, len(prompt))
+    seqs = [list(prompt) + list(c["token_ids"]) for c in doc["choices"]]
+    for c, want in zip(doc["choices"], truth(stack, seqs)):
+        got = rx.from_response(reply.content, choice=c["index"])
+        assert got is not None and got.start == 0
+        np.testing.assert_array_equal(got.to_numpy(), want)
+        assert rx.decode(c["routed_experts"]).start == len(prompt)
+    both_alive(stack)
+
+
 def test_the_loop_in_float32_replays_what_native_routing_already_agrees_with(
     stack: Stack,
 ) -> None:

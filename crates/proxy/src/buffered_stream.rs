@@ -6,10 +6,15 @@
 //! fields and, when `stream_options.include_usage` asked, its `usage`, then `data: [DONE]`.
 //! Values are copied as their JSON text, never read into numbers or rewritten.
 
+use bytes::Bytes;
 use indexmap::IndexMap;
 use serde_json::value::RawValue;
 
-use super::fault::{push_json_string, Blame, Fault};
+use routed_experts::body::BodyRouting;
+use routed_experts::response::{merge_response_found, MergeOptions};
+
+use super::fault::{merge_fault, push_json_string, Blame, Fault};
+use super::parts::{shared_parts, Part};
 use super::request::Api;
 
 /// Top-level fields every chunk repeats (`object` is set per chunk).
@@ -92,6 +97,51 @@ pub(crate) fn events_from_body(
     Ok(out)
 }
 
+/// The events of `decode_body` (decode's plain answer, its routing not yet merged;
+/// [`events_from_body`]) as parts with each event's routing merged with prefill's: slices of
+/// the events' text and of prefill's body, prefill's rows written as they are sent. So a
+/// group's stream is written from the one copy of the prompt's rows prefill sent, never
+/// assembled `n` times over. The whole decode body was merged (and so checked) first:
+/// `opts.require_routing` is dropped here, since most events carry no routing.
+pub(crate) fn merged_events(
+    decode_body: &[u8],
+    api: Api,
+    include_usage: bool,
+    prefill: (&Bytes, &BodyRouting<'_>),
+    opts: MergeOptions,
+) -> Result<Vec<Part>, Fault> {
+    let events = Bytes::from(events_from_body(decode_body, api, include_usage)?);
+    let opts = MergeOptions {
+        require_routing: false,
+        defer_recode: true,
+        ..opts
+    };
+    let mut parts = Vec::new();
+    let mut at = 0;
+    while at < events.len() {
+        // Every event is one `data: ` line and a blank line (`write_chunk`).
+        let end = find(&events[at..], b"\n\n").map_or(events.len(), |i| at + i + 2);
+        let json = at + b"data: ".len()..end - 2;
+        if !events[json.clone()].starts_with(b"{") {
+            parts.push(Part::Ready(events.slice(at..end)));
+            at = end;
+            continue;
+        }
+        parts.push(Part::Ready(events.slice(at..json.start)));
+        let event = &events[json.clone()];
+        let mut spliced =
+            merge_response_found(prefill.0, prefill.1, event, opts).map_err(merge_fault)?;
+        parts.extend(shared_parts(&mut spliced, &[prefill.0, &events]).map_err(merge_fault)?);
+        parts.push(Part::Ready(events.slice(json.end..end)));
+        at = end;
+    }
+    Ok(parts)
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
 /// One `data:` event: the head fields, `object`, the choices (`choices`: their JSON, joined)
 /// and `extra` fields.
 fn write_chunk<'a>(
@@ -123,7 +173,13 @@ fn write_chunk<'a>(
     text.push_str(choices);
     text.push(']');
     push_fields(&mut text, extra);
-    text.push_str("}\n\n");
+    text.push('}');
+    // A line break in valid JSON text is white space between tokens (inside a string it would
+    // be escaped): a space in its place keeps the value and the event on one `data:` line.
+    if text.contains(['\n', '\r']) {
+        text = text.replace(['\n', '\r'], " ");
+    }
+    text.push_str("\n\n");
     out.extend_from_slice(text.as_bytes());
 }
 
@@ -286,6 +342,52 @@ mod tests {
         let text = String::from_utf8(out).unwrap();
         assert!(text.contains(r#""text":"\u00e9""#), "{text}");
         assert!(text.contains("123456789012345678901234567890"), "{text}");
+    }
+
+    #[test]
+    fn line_breaks_between_tokens_never_split_an_event() {
+        let body = b"{\"choices\":[{\"index\":0,\"text\":\"a\\n\",\r\n\"finish_reason\":\n\n\"stop\",\n\"logprobs\":{\"x\":\n\n[1]}}],\n\n\"usage\":{}}";
+        let out = events_from_body(body, Api::Completions, true).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
+        assert_eq!(events.len(), 4, "{text}");
+        assert!(events
+            .iter()
+            .all(|e| e.starts_with("data: ") && !e.contains(['\n', '\r'])));
+        let finishing: Value = serde_json::from_str(&events[1][6..]).unwrap();
+        assert_eq!(finishing["choices"][0]["finish_reason"], "stop");
+        let content: Value = serde_json::from_str(&events[0][6..]).unwrap();
+        assert_eq!(content["choices"][0]["text"], "a\n");
+        assert_eq!(content["choices"][0]["logprobs"], json!({"x": [1]}));
+    }
+
+    #[test]
+    fn a_groups_events_are_merged_one_by_one_from_one_copy_of_the_prompt() {
+        use routed_experts::body::read_body;
+        use routed_experts::{merge_response, MergeOptions, DEFAULT_MAX_BYTES};
+        let prefill = Bytes::from_static(
+            br#"{"choices":[{"index":0,"text":"x","routed_experts":{"data":"CgsUFR4f","shape":[3,1,2],"start":0,"dtype":"uint8"}}]}"#,
+        );
+        // Two choices, each from position 2 (P - 1): rows [2, 4).
+        let decode = br#"{"id":"c","created":1,"model":"m","choices":[{"index":0,"text":"ab","finish_reason":"length","routed_experts":{"data":"FBUoKQ==","shape":[2,1,2],"start":2,"dtype":"uint8"}},{"index":1,"text":"cd","finish_reason":"length","routed_experts":{"data":"FBUyMw==","shape":[2,1,2],"start":2,"dtype":"uint8"}}],"usage":{"prompt_tokens":3,"completion_tokens":4}}"#;
+        let opts = MergeOptions::new(DEFAULT_MAX_BYTES);
+        let routing = read_body(&prefill).unwrap();
+        let parts =
+            merged_events(decode, Api::Completions, true, (&prefill, &routing), opts).unwrap();
+        let mut sent = Vec::new();
+        for part in parts {
+            match part {
+                Part::Ready(b) => sent.extend_from_slice(&b),
+                Part::Recoded { .. } => unreachable!("compact halves are spliced"),
+            }
+        }
+        // The same stream as the events of the whole merged body.
+        let merged = merge_response(&prefill, decode, opts).unwrap();
+        let want = events_from_body(&merged, Api::Completions, true).unwrap();
+        assert_eq!(
+            String::from_utf8(sent).unwrap(),
+            String::from_utf8(want).unwrap()
+        );
     }
 
     #[test]

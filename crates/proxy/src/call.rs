@@ -17,7 +17,7 @@ use routed_experts::response::{merge_response_found, merge_suspects, suspect_row
 use routed_experts::Hints;
 
 use super::budget::Share;
-use super::buffered_stream::events_from_body;
+use super::buffered_stream::merged_events;
 use super::config::{PromptRouting, RoutingFormat, StreamRouting};
 use super::fault::{encoded_fault, merge_fault, status_fault, Blame, Fault};
 use super::metrics::Phase;
@@ -123,7 +123,7 @@ impl Call {
                 // sidecar) is written as it is sent, a piece at a time while it is in cache.
                 let opts = MergeOptions {
                     require_routing: true,
-                    defer_recode: !as_events,
+                    defer_recode: true,
                     shared_prompt: shared,
                     ..self.merge_options(body.start, decode_start)
                 };
@@ -137,9 +137,10 @@ impl Call {
                     SAMPLE_ROWS,
                 );
                 let parts = if as_events {
-                    let merged = spliced.to_vec().map_err(merge_fault)?;
-                    let events = events_from_body(&merged, body.api(), body.include_usage)?;
-                    vec![Part::Ready(Bytes::from(events))]
+                    // Checked whole (the text it would copy too), then written event by event.
+                    spliced.take_checked_recoded_parts().map_err(merge_fault)?;
+                    let prefill = (&prefill_body, &read.routing);
+                    merged_events(&decode_body, body.api(), body.include_usage, prefill, opts)?
                 } else {
                     shared_parts(&mut spliced, &[&prefill_body, &decode_body])
                         .map_err(merge_fault)?
