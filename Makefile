@@ -25,6 +25,7 @@ DIST ?= dist
 .PHONY: run test test-wheel check-wheels wheel wheel-x86_64 wheel-aarch64 build-dev lint bench bench-rust bench-python bench-table bench-proxy \
 	bench-quality clean fuzz \
 	fuzz-build engine-vllm record-vllm test-engines bench-proxy-ci test-trainer bench-replay bench-r3 \
+	bench-step bench-step-ci \
 	engine-sglang record-sglang
 
 # Coverage-guided fuzzing (cargo fuzz, libFuzzer, nightly): every target for FUZZ_SECONDS each.
@@ -225,6 +226,19 @@ bench-replay: build-dev
 	OMP_NUM_THREADS=1 PYTHONPATH=python $$py benches/replay_tensors.py && \
 	dev=$$($$py -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")'); \
 	OMP_NUM_THREADS=1 PYTHONPATH=python $$py benches/replay_tensors.py --device $$dev
+
+# One RL step's routing, every hop, at DEVELOPERS.md's four geometries: stand-in engines ->
+# proxy -> the rollout side's collection -> the trainer's pack and each rank's share, the
+# engine's answer and the shared-prompt answer beside the glue RL frameworks write today
+# (benches/step.py; BENCHMARKS.md's table; about 10 minutes on 2 cores).
+bench-step: build-dev $(VENV)/.test-deps
+	$(PY) benches/step.py --json target/bench-step.json
+
+# Its short round, which CI runs: two geometries, a small group; fails when the shared answer
+# is not smaller on the wire or the proxy's peak grows with a group's answer.
+bench-step-ci: build-dev $(VENV)/.test-deps
+	$(PY) benches/step.py --model qwen3-30b-a3b kimi-k2 --n 8 --prompt-tokens 8192 \
+		--generated 256 --check --json target/bench-step-ci.json
 
 # The R3 loop measured: a real vLLM (P/D behind the proxy) in float32 and bfloat16, the tiny
 # model as served and tie-prone, its routing replayed in transformers; agreement and the

@@ -260,6 +260,7 @@ pub fn merge_response(data: &[u8]) {
             "deferred and assembled merges differ"
         );
     }
+    shared_prompt(prefill, decode, opts, spliced.as_ref().ok());
     match (&spliced, &general) {
         (Ok(a), Ok(b)) => {
             assert_eq!(a, b, "splice and general merges differ");
@@ -300,6 +301,66 @@ pub fn merge_response(data: &[u8]) {
             }
         }
         _ => panic!("kept-format text {kept:?} but decoded {decoded:?}"),
+    }
+}
+
+/// The shared-prompt answer (format.md §4.1) of the same halves: sent in pieces or assembled,
+/// spliced or decoded, the same bytes or refusals; and where the per-choice merge `per_choice`
+/// went through too, each of its choices reads back as that merge's does.
+fn shared_prompt(prefill: &[u8], decode: &[u8], opts: MergeOptions, per_choice: Option<&Vec<u8>>) {
+    let shared = MergeOptions {
+        shared_prompt: true,
+        ..opts
+    };
+    let whole = response::merge_response(prefill, decode, shared);
+    let general = response::merge_response(
+        prefill,
+        decode,
+        MergeOptions {
+            splice: false,
+            ..shared
+        },
+    );
+    let sent = response::merge_response_pieces(
+        prefill,
+        decode,
+        MergeOptions {
+            defer_recode: true,
+            ..shared
+        },
+    )
+    .and_then(|mut p| sent_in_pieces(&mut p));
+    let text =
+        |r: &routed_experts::Result<Vec<u8>>| r.as_ref().map_err(ToString::to_string).cloned();
+    assert_eq!(
+        text(&sent),
+        text(&whole),
+        "shared: deferred and assembled differ"
+    );
+    assert_eq!(
+        whole.is_ok(),
+        general.is_ok(),
+        "shared: splice and general disagree"
+    );
+    let (Ok(answer), Some(per_choice)) = (&whole, per_choice) else {
+        return;
+    };
+    if let Ok(g) = &general {
+        assert_eq!(g, answer, "shared: splice and general differ");
+    }
+    let Ok(found) = body::read_body(per_choice) else {
+        return;
+    };
+    for index in found.values.iter().map(|f| f.index) {
+        let read = |b: &[u8]| response::from_response(b, index, &Hints::default(), LIMIT);
+        if let Ok(Some(a)) = read(per_choice) {
+            let b = read(answer).expect("a choice one answer reads, the other reads");
+            let b = b.expect("a choice with routing in one answer has it in the other");
+            assert!(
+                a.same_routing(&b) && a.start() == b.start(),
+                "choice {index} reads differently"
+            );
+        }
     }
 }
 

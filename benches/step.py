@@ -1,0 +1,288 @@
+"""One RL step's routing, every hop, measured (`make bench-step`; a short round in CI,
+`make bench-step-ci`): GRPO groups of `n` choices over a long prompt, at the model geometries
+of DEVELOPERS.md.
+
+stand-in engines (prefill, decode) -> the proxy (`routed-experts proxy`, its defaults) ->
+the rollout side (HTTP, then each choice's routing collected) -> the trainer side (the group
+packed into one batch, then each rank's share: context parallel x pipeline stages).
+
+Three ways side by side, each in a fresh process so its peak memory is its own:
+
+- `library, engine answer`: the proxy's default answer (vLLM's `.npy` text, the prompt's rows
+  in every choice), read with `rx.from_response`, packed with `rx.pack` (int32), shared out
+  with `rx.shard`;
+- `library, shared answer`: the same with `"routed_experts_prompt_routing": "shared"` (the
+  prompt's rows once, format.md §4.1);
+- `glue`: the engine answer read as RL frameworks do today (`json.loads` of the body, then
+  `np.load` of each choice's base64), one full int64 batch per step (`np.concatenate`), each
+  rank's share cut from it with numpy.
+
+Per hop: seconds, bytes, and the process's peak resident growth (VmHWM reset before the hop).
+The proxy's peak resident size is read from /proc after each way's requests. Loopback only;
+every round is bounded."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+GEOMETRIES = ["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2"]
+WAYS = ["library, engine answer", "library, shared answer", "glue"]
+HERE = Path(__file__).resolve()
+
+
+def _status_kb(field: str, pid: str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
+
+
+def _reset_peak() -> int:
+    """Reset this process's peak resident size to its current one; return that, in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kb("VmRSS") * 1024
+
+
+def _peak_growth(before: int) -> int:
+    return _status_kb("VmHWM") * 1024 - before
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(url: str, seconds: float = 60) -> None:
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            httpx.get(url, timeout=1)
+            return
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not answer in {seconds} s") from None
+            time.sleep(0.1)
+
+
+def _ranks(cp: int, pp: int, layers: int) -> list[tuple[int, tuple[int, int]]]:
+    """Every rank's (cp rank, its pipeline stage's layers)."""
+    step = -(-layers // pp)
+    stages = [(lo, min(lo + step, layers)) for lo in range(0, layers, step)]
+    return [(r, s) for r in range(cp) for s in stages]
+
+
+def child(args: argparse.Namespace) -> None:
+    """One way, in this process: every hop of `args.groups` groups, reported as JSON."""
+    import httpx
+    import numpy as np
+
+    import routed_experts as rx
+
+    way, hops = args.way, {}
+    prompt = [(i * 7919) % 50_000 + 1 for i in range(args.prompt_tokens)]
+    body: dict[str, Any] = {"model": "m", "prompt": prompt, "n": args.n,
+                            "max_tokens": args.generated}  # fmt: skip
+    if way == "library, shared answer":
+        body["routed_experts_prompt_routing"] = "shared"
+
+    # Hop 1: the groups' answers over HTTP from the proxy.
+    before, began, answers = _reset_peak(), time.perf_counter(), []
+    with httpx.Client(timeout=600) as client:
+        for g in range(args.groups):
+            reply = client.post(args.proxy + "/v1/completions",
+                                json={**body, "prompt": [g + 1, *prompt[1:]]})  # fmt: skip
+            if reply.status_code != 200:
+                raise SystemExit(f"{way}: {reply.status_code} {reply.text[:300]}")
+            answers.append(reply.content)
+    hops["wire"] = {"seconds": time.perf_counter() - began, "peak": _peak_growth(before),
+                    "bytes": sum(len(a) for a in answers)}  # fmt: skip
+
+    # Hop 2: the rollout side collects each choice's routing.
+    before, began = _reset_peak(), time.perf_counter()
+    samples: list[Any] = []
+    if way == "glue":
+        for a in answers:
+            for c in json.loads(a)["choices"]:
+                raw = base64.b64decode(c["routed_experts"])
+                samples.append(np.load(io.BytesIO(raw), allow_pickle=False))
+    else:
+        for a in answers:
+            samples.extend(rx.from_response(a, choice=i) for i in range(args.n))
+    answers.clear()
+    rows = sum(len(s) for s in samples)
+    hops["collect"] = {"seconds": time.perf_counter() - began, "peak": _peak_growth(before),
+                       "rows": rows}  # fmt: skip
+
+    # Hop 3: the trainer side packs the step's samples and takes each rank's share.
+    before, began = _reset_peak(), time.perf_counter()
+    if way == "glue":
+        batch = np.concatenate([s.astype(np.int64) for s in samples])
+        cu = np.cumsum([0] + [len(s) for s in samples])
+    else:
+        batch, cu = rx.pack(samples, pad_each_to_multiple=2 * args.cp)
+    samples.clear()
+    hops["pack"] = {"seconds": time.perf_counter() - began, "peak": _peak_growth(before),
+                    "bytes": int(batch.nbytes)}  # fmt: skip
+    layers = batch.shape[1]
+    before, began, share_bytes = _reset_peak(), time.perf_counter(), 0
+    for cp_rank, stage in _ranks(args.cp, args.pp, layers):
+        if way == "glue":  # each rank's contiguous piece of every sample, its layers
+            idx = np.concatenate([np.arange(lo + (hi - lo) * cp_rank // args.cp,
+                                            lo + (hi - lo) * (cp_rank + 1) // args.cp)
+                                  for lo, hi in zip(cu[:-1], cu[1:])])  # fmt: skip
+            share = batch[idx][:, stage[0]:stage[1]]
+        else:
+            share, _, _ = rx.shard(batch, cu, cp_size=args.cp, cp_rank=cp_rank, layers=stage)
+        share_bytes += int(share.nbytes)
+        del share
+    hops["shard"] = {"seconds": time.perf_counter() - began, "peak": _peak_growth(before),
+                     "bytes": share_bytes, "ranks": args.cp * args.pp}  # fmt: skip
+    print(json.dumps({"way": way, "hops": hops, "choices": args.groups * args.n}))
+
+
+def _start(cmd: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        p.send_signal(signal.SIGINT)
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def run_geometry(model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    exe = str(Path(sys.executable).with_name("routed-experts"))
+    ports = [_free_port() for _ in range(3)]
+    engines = [_start([exe, "engine", "--role", role, "--port", str(port), "--model", model])
+               for role, port in zip(("prefill", "decode"), ports)]  # fmt: skip
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    proxy = _start([exe, "proxy", "--port", str(ports[2]), "--prefill", urls[0], "--decode",
+                    urls[1]])  # fmt: skip
+    rows = []
+    try:
+        for url in urls:
+            _wait(url + "/health")
+        for way in WAYS:
+            out = subprocess.run(
+                [sys.executable, str(HERE), "--child", "--way", way, "--proxy", urls[2],
+                 *_sizes(args)],
+                capture_output=True, text=True, check=False,
+            )  # fmt: skip
+            if out.returncode != 0:
+                raise SystemExit(f"bench-step: {model}, {way} failed:\n{out.stderr[-3000:]}")
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            row["model"] = model
+            row["proxy_peak"] = _status_kb("VmHWM", str(proxy.pid)) * 1024
+            rows.append(row)
+            print(_line(row, args), flush=True)
+    finally:
+        _stop([proxy, *engines])
+    return rows
+
+
+def _sizes(args: argparse.Namespace) -> list[str]:
+    return ["--groups", str(args.groups), "--n", str(args.n), "--prompt-tokens",
+            str(args.prompt_tokens), "--generated", str(args.generated), "--cp", str(args.cp),
+            "--pp", str(args.pp)]  # fmt: skip
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f}"
+
+
+def _line(row: dict[str, Any], args: argparse.Namespace) -> str:
+    h = row["hops"]
+    return (
+        f"{row['model']:16} {row['way']:24} wire {_mb(h['wire']['bytes']):>9} MB "
+        f"{h['wire']['seconds']:6.2f} s | collect {h['collect']['seconds']:6.2f} s "
+        f"peak +{_mb(h['collect']['peak']):>8} MB | pack {h['pack']['seconds']:5.2f} s "
+        f"{_mb(h['pack']['bytes']):>8} MB | shard x{h['shard']['ranks']} "
+        f"{h['shard']['seconds']:5.2f} s peak +{_mb(h['shard']['peak']):>7} MB | "
+        f"proxy peak {_mb(row['proxy_peak'])} MB"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--way", help=argparse.SUPPRESS)
+    ap.add_argument("--proxy", help=argparse.SUPPRESS)
+    ap.add_argument("--model", nargs="+", default=GEOMETRIES, choices=GEOMETRIES)
+    ap.add_argument("--groups", type=int, default=1, help="groups (prompts) in the step")
+    ap.add_argument("--n", type=int, default=16, help="choices per group (at most 16)")
+    ap.add_argument("--prompt-tokens", type=int, default=32768)
+    ap.add_argument("--generated", type=int, default=1024, help="tokens each choice generates")
+    ap.add_argument("--cp", type=int, default=2, help="context-parallel ranks")
+    ap.add_argument("--pp", type=int, default=2, help="pipeline stages")
+    ap.add_argument("--json", type=Path, help="write every row here")
+    ap.add_argument("--check", action="store_true",
+                    help="fail unless the shared answer is smaller on the wire than the "
+                         "engine's and the proxy's peak stays below the engine answer's size")
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+    print(f"bench-step: {args.groups} group(s) x n={args.n}, {args.prompt_tokens} prompt + "
+          f"{args.generated} generated tokens, cp={args.cp} x pp={args.pp}; "
+          f"CPU: {_cpu()}", flush=True)  # fmt: skip
+    rows = [r for m in args.model for r in run_geometry(m, args)]
+    if args.json:
+        args.json.write_text(json.dumps({"sizes": _sizes(args), "cpu": _cpu(), "rows": rows},
+                                        indent=1))  # fmt: skip
+    if args.check:
+        failures = _check(rows)
+        for f in failures:
+            print("bench-step: " + f)
+        if failures:
+            raise SystemExit(1)
+
+
+def _check(rows: list[dict[str, Any]]) -> list[str]:
+    """What CI holds a short round to: every way ran every hop (a failed request or read
+    stops the run before this), the shared answer is smaller on the wire than the engine's,
+    and the proxy's peak stays within its idle size and a few times one choice's answer (it
+    never holds a group's answer). Speed is reported, not asserted."""
+    failures = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        by = {r["way"]: r for r in rows if r["model"] == model}
+        engine, shared = by[WAYS[0]], by[WAYS[1]]
+        if shared["hops"]["wire"]["bytes"] >= engine["hops"]["wire"]["bytes"]:
+            failures.append(f"{model}: the shared answer is not smaller on the wire")
+        # One choice's answer is about the prompt's rows once, which the proxy holds (as the
+        # prefill body), with its idle size beside it; n choices' worth is what it never holds.
+        one_choice = engine["hops"]["wire"]["bytes"] / engine["choices"]
+        if engine["proxy_peak"] > (64 << 20) + 3 * one_choice:
+            failures.append(f"{model}: the proxy's peak ({_mb(engine['proxy_peak'])} MB) grew "
+                            f"with the group's answer")
+    return failures
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))  # fmt: skip
+    except (OSError, StopIteration):
+        name = "unknown CPU"
+    return f"{name}, {os.cpu_count()} cores"
+
+
+if __name__ == "__main__":
+    main()
