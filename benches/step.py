@@ -17,8 +17,10 @@ Three ways side by side, each in a fresh process so its peak memory is its own:
   `np.load` of each choice's base64), one full int64 batch per step (`np.concatenate`), each
   rank's share cut from it with numpy.
 
-Per hop: seconds, bytes, and the process's peak resident growth (VmHWM reset before the hop).
-The proxy's peak resident size is read from /proc after each way's requests. Loopback only;
+Per hop: seconds, bytes, and the process's peak resident size so far above what it held before
+its first request (the rollout side's peak after `collect`, the step's after `shard`), beside
+the information the group holds (its rows, in the engine's dtype). The proxy's peak resident
+size is read from /proc after each way's requests. Loopback only;
 every round is bounded."""
 
 from __future__ import annotations
@@ -46,15 +48,13 @@ def _status_kb(field: str, pid: str = "self") -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field))
 
 
-def _reset_peak() -> int:
-    """Reset this process's peak resident size to its current one; return that, in bytes."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+def _resident() -> int:
     return _status_kb("VmRSS") * 1024
 
 
-def _peak_growth(before: int) -> int:
-    return _status_kb("VmHWM") * 1024 - before
+def _peak_above(base: int) -> int:
+    """This process's peak resident size since it started, above `base` (bytes)."""
+    return _status_kb("VmHWM") * 1024 - base
 
 
 def _free_port() -> int:
@@ -92,6 +92,7 @@ def child(args: argparse.Namespace) -> None:
     import routed_experts as rx
 
     way, hops = args.way, {}
+    rx.set_max_bytes(16 << 30)  # a step's packed batch runs to gigabytes (int32, 94 layers)
     prompt = [(i * 7919) % 50_000 + 1 for i in range(args.prompt_tokens)]
     body: dict[str, Any] = {"model": "m", "prompt": prompt, "n": args.n,
                             "max_tokens": args.generated}  # fmt: skip
@@ -99,7 +100,7 @@ def child(args: argparse.Namespace) -> None:
         body["routed_experts_prompt_routing"] = "shared"
 
     # Hop 1: the groups' answers over HTTP from the proxy.
-    before, began, answers = _reset_peak(), time.perf_counter(), []
+    base, began, answers = _resident(), time.perf_counter(), []
     with httpx.Client(timeout=600) as client:
         for g in range(args.groups):
             reply = client.post(args.proxy + "/v1/completions",
@@ -107,11 +108,11 @@ def child(args: argparse.Namespace) -> None:
             if reply.status_code != 200:
                 raise SystemExit(f"{way}: {reply.status_code} {reply.text[:300]}")
             answers.append(reply.content)
-    hops["wire"] = {"seconds": time.perf_counter() - began, "peak": _peak_growth(before),
+    hops["wire"] = {"seconds": time.perf_counter() - began, "peak": _peak_above(base),
                     "bytes": sum(len(a) for a in answers)}  # fmt: skip
 
     # Hop 2: the rollout side collects each choice's routing.
-    before, began = _reset_peak(), time.perf_counter()
+    began = time.perf_counter()
     samples: list[Any] = []
     if way == "glue":
         for a in answers:
@@ -121,23 +122,27 @@ def child(args: argparse.Namespace) -> None:
     else:
         for a in answers:
             samples.extend(rx.from_response(a, choice=i) for i in range(args.n))
+    hops["collect"] = {"seconds": time.perf_counter() - began, "peak": _peak_above(base),
+                       "rows": sum(len(s) for s in samples)}  # fmt: skip
     answers.clear()
-    rows = sum(len(s) for s in samples)
-    hops["collect"] = {"seconds": time.perf_counter() - began, "peak": _peak_growth(before),
-                       "rows": rows}  # fmt: skip
+    # What the group holds: prompt rows once and each choice's own, in the engine's dtype.
+    first = np.asarray(getattr(samples[0], "array", samples[0]))
+    row_bytes = first.shape[1] * first.shape[2] * first.dtype.itemsize
+    own = args.generated - 1
+    info = args.groups * (args.prompt_tokens + args.n * own) * row_bytes
 
     # Hop 3: the trainer side packs the step's samples and takes each rank's share.
-    before, began = _reset_peak(), time.perf_counter()
+    began = time.perf_counter()
     if way == "glue":
         batch = np.concatenate([s.astype(np.int64) for s in samples])
         cu = np.cumsum([0] + [len(s) for s in samples])
     else:
         batch, cu = rx.pack(samples, pad_each_to_multiple=2 * args.cp)
     samples.clear()
-    hops["pack"] = {"seconds": time.perf_counter() - began, "peak": _peak_growth(before),
+    hops["pack"] = {"seconds": time.perf_counter() - began, "peak": _peak_above(base),
                     "bytes": int(batch.nbytes)}  # fmt: skip
     layers = batch.shape[1]
-    before, began, share_bytes = _reset_peak(), time.perf_counter(), 0
+    began, share_bytes = time.perf_counter(), 0
     for cp_rank, stage in _ranks(args.cp, args.pp, layers):
         if way == "glue":  # each rank's contiguous piece of every sample, its layers
             idx = np.concatenate([np.arange(lo + (hi - lo) * cp_rank // args.cp,
@@ -148,9 +153,10 @@ def child(args: argparse.Namespace) -> None:
             share, _, _ = rx.shard(batch, cu, cp_size=args.cp, cp_rank=cp_rank, layers=stage)
         share_bytes += int(share.nbytes)
         del share
-    hops["shard"] = {"seconds": time.perf_counter() - began, "peak": _peak_growth(before),
+    hops["shard"] = {"seconds": time.perf_counter() - began, "peak": _peak_above(base),
                      "bytes": share_bytes, "ranks": args.cp * args.pp}  # fmt: skip
-    print(json.dumps({"way": way, "hops": hops, "choices": args.groups * args.n}))
+    print(json.dumps({"way": way, "hops": hops, "choices": args.groups * args.n,
+                      "information": info}))  # fmt: skip
 
 
 def _start(cmd: list[str]) -> subprocess.Popen[bytes]:
@@ -210,12 +216,12 @@ def _mb(n: float) -> str:
 def _line(row: dict[str, Any], args: argparse.Namespace) -> str:
     h = row["hops"]
     return (
-        f"{row['model']:16} {row['way']:24} wire {_mb(h['wire']['bytes']):>9} MB "
-        f"{h['wire']['seconds']:6.2f} s | collect {h['collect']['seconds']:6.2f} s "
-        f"peak +{_mb(h['collect']['peak']):>8} MB | pack {h['pack']['seconds']:5.2f} s "
-        f"{_mb(h['pack']['bytes']):>8} MB | shard x{h['shard']['ranks']} "
-        f"{h['shard']['seconds']:5.2f} s peak +{_mb(h['shard']['peak']):>7} MB | "
-        f"proxy peak {_mb(row['proxy_peak'])} MB"
+        f"{row['model']:16} {row['way']:24} wire {_mb(h['wire']['bytes']):>8} MB "
+        f"{h['wire']['seconds']:6.2f} s | collect {h['collect']['seconds']:5.2f} s, rollout "
+        f"peak {_mb(h['collect']['peak']):>7} MB (information {_mb(row['information'])} MB) | "
+        f"pack {h['pack']['seconds']:5.2f} s {_mb(h['pack']['bytes']):>8} MB | shard "
+        f"x{h['shard']['ranks']} {h['shard']['seconds']:5.2f} s | step peak "
+        f"{_mb(h['shard']['peak']):>8} MB | proxy peak {_mb(row['proxy_peak'])} MB"
     )
 
 
