@@ -9,8 +9,8 @@ packed into one batch, then each rank's share: context parallel x pipeline stage
 Three ways side by side, each in a fresh process so its peak memory is its own:
 
 - `library, engine answer`: the proxy's default answer (vLLM's `.npy` text, the prompt's rows
-  in every choice), read with `rx.from_response`, packed with `rx.pack` (int32), shared out
-  with `rx.shard`;
+  in every choice), read with `rx.group_from_response` (the prompt's rows held once, shared by
+  the choices' samples), packed with `rx.pack` (int32), shared out with `rx.shard`;
 - `library, shared answer`: the same with `"routed_experts_prompt_routing": "shared"` (the
   prompt's rows once, format.md §4.1);
 - `glue`: the engine answer read as RL frameworks do today (`json.loads` of the body, then
@@ -119,14 +119,13 @@ def child(args: argparse.Namespace) -> None:
             for c in json.loads(a)["choices"]:
                 raw = base64.b64decode(c["routed_experts"])
                 samples.append(np.load(io.BytesIO(raw), allow_pickle=False))
-    else:
+    else:  # each group once: its prompt's rows shared by its choices' samples
         for a in answers:
-            samples.extend(rx.from_response(a, choice=i) for i in range(args.n))
-    hops["collect"] = {"seconds": time.perf_counter() - began, "peak": _peak_above(base),
-                       "rows": sum(len(s) for s in samples)}  # fmt: skip
+            samples.extend(rx.group_from_response(a))
+    hops["collect"] = {"seconds": time.perf_counter() - began, "peak": _peak_above(base)}
     answers.clear()
     # What the group holds: prompt rows once and each choice's own, in the engine's dtype.
-    first = np.asarray(getattr(samples[0], "array", samples[0]))
+    first = np.asarray(samples[0] if way == "glue" else samples[0][-1].array)
     row_bytes = first.shape[1] * first.shape[2] * first.dtype.itemsize
     own = args.generated - 1
     info = args.groups * (args.prompt_tokens + args.n * own) * row_bytes

@@ -210,3 +210,59 @@ def test_a_shared_answer_is_not_merged_again() -> None:
     shared = rx.merge_response(p_body, d_body, decode_start=19, shared_prompt=True)
     with pytest.raises(rx.MergeError, match="shared-prompt answer"):
         rx.merge_response(p_body, shared, decode_start=19)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prompt=st.integers(1, 120),
+    generated=st.integers(1, 6),
+    n=st.integers(1, 5),
+    shared=st.booleans(),
+    compact=st.booleans(),
+)
+def test_a_group_read_once_packs_as_its_choices_read_whole(
+    prompt: int, generated: int, n: int, shared: bool, compact: bool
+) -> None:
+    dims = (3, 2, 64)
+    p_body = npy_body(routing_of(list(range(prompt)), 1, dims)[:prompt], prompt, 1)
+    decode_rows = [routing_of(list(range(prompt)), generated, dims, c)[prompt - 1:]
+                   for c in range(n)]  # fmt: skip
+    d_body = json.dumps({
+        "choices": [{"index": c, "routed_experts": rx.encode(
+            rx.RoutedExperts.from_array(r, start=prompt - 1),
+            "compact" if compact else "vllm_npy")} for c, r in enumerate(decode_rows)],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": generated * n},
+    }).encode()  # fmt: skip
+    answer = rx.merge_response(p_body, d_body, decode_start=prompt - 1, shared_prompt=shared)
+    group = rx.group_from_response(answer)
+    assert len(group) == n
+    # The prompt's rows are one object, shared by every choice; each choice's own follow them.
+    assert all(len(sample) == 2 and sample[0] is group[0][0] for sample in group)
+    assert (group[0][0].start, group[0][0].stop) == (0, prompt)
+    assert all(sample[1].start == prompt for sample in group)
+    whole = [rx.from_response(answer, choice=c) for c in range(n)]
+    for a, b in zip(rx.pack(group, pad_each_to_multiple=4, mask=True),
+                    rx.pack(whole, pad_each_to_multiple=4, mask=True)):  # fmt: skip
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_samples_parts_must_follow_each_other() -> None:
+    a = rx.RoutedExperts.from_array(np.ones((4, 2, 2), dtype=np.uint8))
+    later = rx.RoutedExperts.from_array(np.ones((2, 2, 2), dtype=np.uint8), start=5)
+    with pytest.raises(rx.MergeError, match="sample 0, part 1 starts at position 5") as e:
+        rx.pack([(a, later)])
+    assert e.value.kind == "gap" and e.value.details == {"stop": 4, "start": 5}
+    with pytest.raises(rx.RoutedExpertsError, match="sample 1, part 1: not a RoutedExperts"):
+        rx.pack([(a,), (a, np.ones((2, 2, 2)))])
+    assert rx.group_from_response(b'{"choices": [{"index": 0, "text": "x"}]}') == []
+
+
+def test_the_proxys_answers_read_as_one_group(group_stack: dict[str, Any]) -> None:
+    body = group_request("completions", 8, 5)
+    reply = httpx.post(group_stack["url"] + PATHS["completions"], json=body, timeout=30)
+    assert reply.status_code == 200, reply.text
+    group = rx.group_from_response(reply.content)
+    assert len(group) == 8 and all(s[0] is group[0][0] for s in group)
+    for i, (prompt_rows, own) in enumerate(group):
+        np.testing.assert_array_equal(
+            np.concatenate([prompt_rows.array, own.array]), choice_truth(body, i))

@@ -38,6 +38,7 @@ __all__ = [
     "expert_load",
     "from_response",
     "get_max_bytes",
+    "group_from_response",
     "merge",
     "merge_response",
     "pack",
@@ -252,6 +253,15 @@ def from_response(
     dtype: _DTypeLike | None = None,
     max_bytes: int | None = None,
 ) -> RoutedExperts | None: ...
+def group_from_response(
+    body: _Body,
+    *,
+    start: int | None = None,
+    num_layers: int | None = None,
+    top_k: int | None = None,
+    dtype: _DTypeLike | None = None,
+    max_bytes: int | None = None,
+) -> list[tuple[RoutedExperts, RoutedExperts] | tuple[RoutedExperts]]: ...
 def merge_response(
     prefill_body: _Body,
     decode_body: _Body,
@@ -278,7 +288,9 @@ def decode(
 ) -> RoutedExperts: ...
 def encode(payload: RoutedExperts, format: _Format = "compact") -> Any: ...
 def detect_format(value: Any) -> _Format: ...
-_Sample: TypeAlias = RoutedExperts | Trajectory | Any  # or an integer array (rows from 0)
+# A payload, a trajectory, a sample's parts (group_from_response's tuples), or an integer array
+# (rows from 0).
+_Sample: TypeAlias = RoutedExperts | Trajectory | tuple[RoutedExperts, ...] | Any
 
 @overload
 def pack(

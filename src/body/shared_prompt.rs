@@ -39,39 +39,43 @@ pub fn sequence(
     joined(&rows, &own).map(Some)
 }
 
-/// A choice's own rows joined to the prompt's: they must start exactly where the prompt's stop
-/// (each value states its start; nothing is guessed), with the same layers and top_k.
+/// A choice's own rows joined to the prompt's ([`check_follows`]).
 fn joined(prompt: &Payload, own: &Payload) -> Result<Payload> {
+    check_follows(prompt, own)?;
+    merge::concat(
+        prompt.start(),
+        &[(prompt, 0, prompt.num_tokens()), (own, 0, own.num_tokens())],
+    )
+}
+
+/// A choice's own rows must start exactly where the prompt's stop (each value states its
+/// start; nothing is guessed), with the same layers and top_k.
+pub fn check_follows(prompt: &Payload, own: &Payload) -> Result<()> {
     merge::check_same_rows(
         prompt.shape(),
         own.shape(),
         "the prompt's rows",
         "the choice's",
     )?;
-    if own.start() != prompt.stop() {
-        let message = format!(
-            "a shared-prompt answer's choice rows start at {} but the prompt's rows cover \
-             [{}, {}): a choice's own rows follow the prompt's exactly",
-            own.start(),
-            prompt.start(),
-            prompt.stop()
-        );
-        return Err(if own.start() > prompt.stop() {
-            Error::new(
-                ErrorKind::Gap {
-                    stop: prompt.stop(),
-                    start: own.start(),
-                },
-                message,
-            )
-        } else {
-            Error::payload(message)
-        });
+    if own.start() == prompt.stop() {
+        return Ok(());
     }
-    merge::concat(
+    let message = format!(
+        "a shared-prompt answer's choice rows start at {} but the prompt's rows cover \
+         [{}, {}): a choice's own rows follow the prompt's exactly",
+        own.start(),
         prompt.start(),
-        &[(prompt, 0, prompt.num_tokens()), (own, 0, own.num_tokens())],
-    )
+        prompt.stop()
+    );
+    Err(if own.start() > prompt.stop() {
+        let kind = ErrorKind::Gap {
+            stop: prompt.stop(),
+            start: own.start(),
+        };
+        Error::new(kind, message)
+    } else {
+        Error::payload(message)
+    })
 }
 
 fn compact(f: &Found, hints: &Hints, max_bytes: usize) -> Result<Payload> {

@@ -5,6 +5,7 @@
 //! `.npy` by copying its text, `npy_text`); and merging one event of a
 //! stream as it passes (`streaming`, with prefill's rows held decoded in `prefill_rows`).
 
+mod group;
 mod merge;
 mod npy_text;
 mod options;
@@ -17,6 +18,7 @@ mod streaming;
 mod streaming_tests;
 mod suspects;
 
+pub use group::{group_from_response, Group, GroupChoice};
 pub use merge::{merge_response, merge_response_found, merge_response_pieces};
 pub use options::MergeOptions;
 pub use prefill_rows::PrefillRows;

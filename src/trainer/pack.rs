@@ -52,12 +52,60 @@ pub fn layout(
     dtype: DType,
     max_bytes: usize,
 ) -> Result<Layout> {
-    let Some(first) = samples.first() else {
+    let whole: Vec<&[&Payload]> = samples.iter().map(std::slice::from_ref).collect();
+    layout_parts(&whole, opts, dtype, max_bytes)
+}
+
+/// Where a sample made of parts (payloads of consecutive positions, such as a group's prompt
+/// rows, shared by its choices, then one choice's own rows) starts, and how many rows its parts
+/// hold; parts that do not follow each other are refused, naming the sample and the part.
+fn parts_span(i: usize, parts: &[&Payload], first: &Payload) -> Result<(u64, usize)> {
+    let Some(head) = parts.first() else {
         return Err(Error::field(
             "samples",
-            "at least one sample",
-            "an empty list",
+            "samples of at least one part",
+            format!("sample {i} with none"),
         ));
+    };
+    let mut rows = 0usize;
+    for (k, part) in parts.iter().enumerate() {
+        let name = format!("sample {i}, part {k}");
+        check_same_rows(first.shape(), part.shape(), "sample 0", &name)?;
+        if k > 0 && part.start() != parts[k - 1].stop() {
+            let (stop, start) = (parts[k - 1].stop(), part.start());
+            let message = format!(
+                "{name} starts at position {start}, but part {} stops at {stop}: a sample's \
+                 parts are consecutive positions",
+                k - 1
+            );
+            return Err(if start > stop {
+                Error::new(ErrorKind::Gap { stop, start }, message)
+            } else {
+                Error::payload(message)
+            });
+        }
+        rows = rows
+            .checked_add(part.num_tokens())
+            .ok_or_else(|| Error::payload(format!("sample {i}: more than 2**64 rows")))?;
+    }
+    Ok((head.start(), rows))
+}
+
+/// [`layout`] of samples each made of parts of consecutive positions, which may be shared
+/// between samples (a group's prompt rows): each is laid out as the one payload its parts
+/// join to, without joining them.
+pub fn layout_parts(
+    samples: &[&[&Payload]],
+    opts: &PackOptions,
+    dtype: DType,
+    max_bytes: usize,
+) -> Result<Layout> {
+    let Some(first) = samples.iter().find_map(|s| s.first()) else {
+        let got = match samples.len() {
+            0 => "an empty list".to_string(),
+            n => format!("{n} samples of no parts"),
+        };
+        return Err(Error::field("samples", "at least one sample", got));
     };
     if let Some(n) = &opts.num_tokens {
         if n.len() != samples.len() {
@@ -72,22 +120,22 @@ pub fn layout(
     let mut places = Vec::with_capacity(samples.len());
     let mut rows = 0usize;
     cu.push(rows);
-    for (i, s) in samples.iter().enumerate() {
-        check_same_rows(first.shape(), s.shape(), "sample 0", &format!("sample {i}"))?;
+    for (i, parts) in samples.iter().enumerate() {
+        let (s_start, s_rows) = parts_span(i, parts, first)?;
         let (len, offset) = match &opts.num_tokens {
             None => {
-                let start = usize::try_from(s.start()).map_err(|_| {
-                    Error::payload(format!("sample {i}: a start of {} positions", s.start()))
+                let start = usize::try_from(s_start).map_err(|_| {
+                    Error::payload(format!("sample {i}: a start of {s_start} positions"))
                 })?;
                 let stop = start
-                    .checked_add(s.num_tokens())
+                    .checked_add(s_rows)
                     .ok_or_else(|| Error::payload(format!("sample {i}: positions past 2**64")))?;
                 (stop, start)
             }
             Some(counts) => {
                 let n = counts[i];
-                let start = usize::try_from(s.start()).unwrap_or(usize::MAX);
-                let stop = start.saturating_add(s.num_tokens());
+                let start = usize::try_from(s_start).unwrap_or(usize::MAX);
+                let stop = start.saturating_add(s_rows);
                 if stop > n {
                     return Err(Error::payload(format!(
                         "sample {i}: routing covers positions {start}..{stop}, past its \
@@ -135,9 +183,22 @@ pub fn pack_into<D: Element>(
     samples: &[&Payload],
     layout: &Layout,
     dst: &mut [D],
+    mask: Option<&mut [bool]>,
+) -> Result<()> {
+    let whole: Vec<&[&Payload]> = samples.iter().map(std::slice::from_ref).collect();
+    pack_parts_into(&whole, layout, dst, mask)
+}
+
+/// [`pack_into`] of samples made of parts (as [`layout_parts`] lays them out): each part's
+/// rows written where its positions fall in its sample, a part shared by several samples
+/// written once for each.
+pub fn pack_parts_into<D: Element>(
+    samples: &[&[&Payload]],
+    layout: &Layout,
+    dst: &mut [D],
     mut mask: Option<&mut [bool]>,
 ) -> Result<()> {
-    let Some(first) = samples.first() else {
+    let Some(first) = samples.iter().find_map(|s| s.first()) else {
         return Ok(());
     };
     let row = first.num_layers() * first.top_k();
@@ -168,48 +229,68 @@ pub fn pack_into<D: Element>(
         );
         return Err(Error::field("samples", expected, samples.len()));
     }
-    for (i, (s, &at)) in samples.iter().zip(&layout.places).enumerate() {
-        let n = s.num_tokens();
-        let end = at.checked_add(n).and_then(|e| e.checked_mul(row));
-        if s.num_layers() * s.top_k() != row || end.is_none_or(|e| e > dst.len()) {
-            return Err(Error::field(
-                "samples",
-                "the samples the layout was made for",
-                format!("sample {i} of {} that does not fit it", s.shape()),
-            ));
+    for (i, (parts, &place)) in samples.iter().zip(&layout.places).enumerate() {
+        let (s_start, _) = parts_span(i, parts, first)?;
+        for s in parts.iter() {
+            // Within u64: `parts_span` found the parts consecutive from `s_start`.
+            let at = place + (s.start() - s_start) as usize;
+            write_part(i, s, at, row, first.top_k(), dst, mask.as_deref_mut())?;
         }
-        let out = &mut dst[at * row..(at + n) * row];
-        s.write_as::<D>(out)
-            .map_err(|e| e.context(format!("sample {i}")))?;
-        let signed = matches!(s.dtype(), DType::I8 | DType::I16 | DType::I32 | DType::I64);
-        for (t, r) in out.chunks_exact_mut(row.max(1)).enumerate().take(n) {
-            let real = if signed {
-                let sentinels = r.iter().filter(|&&v| Into::<i64>::into(v) == -1).count();
-                if sentinels == r.len() {
-                    r.fill(D::zeroed());
-                    false
-                } else if sentinels > 0 {
-                    let at = r
-                        .iter()
-                        .position(|&v| Into::<i64>::into(v) == -1)
-                        .unwrap_or(0);
-                    let (position, layer) = (s.start() + t as u64, at / first.top_k().max(1));
-                    return Err(Error::new(
-                        ErrorKind::Id { position, layer },
-                        format!(
-                            "sample {i}: position {position} has -1 in layer {layer} beside real \
+    }
+    Ok(())
+}
+
+/// One part's rows (of sample `i`) at batch row `at`, converted; its rows that carry routing
+/// marked in `mask`.
+fn write_part<D: Element>(
+    i: usize,
+    s: &Payload,
+    at: usize,
+    row: usize,
+    top_k: usize,
+    dst: &mut [D],
+    mut mask: Option<&mut [bool]>,
+) -> Result<()> {
+    let n = s.num_tokens();
+    let end = at.checked_add(n).and_then(|e| e.checked_mul(row));
+    if s.num_layers() * s.top_k() != row || end.is_none_or(|e| e > dst.len()) {
+        return Err(Error::field(
+            "samples",
+            "the samples the layout was made for",
+            format!("sample {i} of {} that does not fit it", s.shape()),
+        ));
+    }
+    let out = &mut dst[at * row..(at + n) * row];
+    s.write_as::<D>(out)
+        .map_err(|e| e.context(format!("sample {i}")))?;
+    let signed = matches!(s.dtype(), DType::I8 | DType::I16 | DType::I32 | DType::I64);
+    for (t, r) in out.chunks_exact_mut(row.max(1)).enumerate().take(n) {
+        let real = if signed {
+            let sentinels = r.iter().filter(|&&v| Into::<i64>::into(v) == -1).count();
+            if sentinels == r.len() {
+                r.fill(D::zeroed());
+                false
+            } else if sentinels > 0 {
+                let at = r
+                    .iter()
+                    .position(|&v| Into::<i64>::into(v) == -1)
+                    .unwrap_or(0);
+                let (position, layer) = (s.start() + t as u64, at / top_k.max(1));
+                return Err(Error::new(
+                    ErrorKind::Id { position, layer },
+                    format!(
+                        "sample {i}: position {position} has -1 in layer {layer} beside real \
                              ids (a missing row is -1 throughout)"
-                        ),
-                    ));
-                } else {
-                    true
-                }
+                    ),
+                ));
             } else {
                 true
-            };
-            if let Some(m) = mask.as_deref_mut() {
-                m[at + t] = real;
             }
+        } else {
+            true
+        };
+        if let Some(m) = mask.as_deref_mut() {
+            m[at + t] = real;
         }
     }
     Ok(())
@@ -228,6 +309,72 @@ mod tests {
             DTypeChoice::Compact,
         )
         .unwrap()
+    }
+
+    #[test]
+    fn a_groups_samples_share_their_prompt_part_and_pack_as_whole_samples_do() {
+        let mut next = crate::test_rng::xorshift(0x9a5);
+        for _ in 0..30 {
+            let (start, prompt, n) = (next() % 3, 1 + next() % 6, 1 + next() % 4);
+            let values = |rows: u64, salt: u64| -> Vec<i64> {
+                (0..rows * 2)
+                    .map(|v| ((v * 7 + salt) % 50) as i64)
+                    .collect()
+            };
+            let shared = payload(&values(prompt, 0), prompt as usize, start);
+            let own: Vec<Payload> = (0..n)
+                .map(|c| {
+                    let g = next() % 4;
+                    payload(&values(g, c + 1), g as usize, start + prompt)
+                })
+                .collect();
+            let whole: Vec<Payload> = own
+                .iter()
+                .map(|o| crate::payload::merge::merge(&shared, o).unwrap())
+                .collect();
+            let parts: Vec<[&Payload; 2]> = own.iter().map(|o| [&shared, o]).collect();
+            let parts: Vec<&[&Payload]> = parts.iter().map(|p| &p[..]).collect();
+            let opts = PackOptions {
+                pad_each_to_multiple: Some(1 + next() as usize % 4),
+                ..PackOptions::default()
+            };
+            let refs: Vec<&Payload> = whole.iter().collect();
+            let want = layout(&refs, &opts, DType::I64, 1 << 20).unwrap();
+            let got = layout_parts(&parts, &opts, DType::I64, 1 << 20).unwrap();
+            assert_eq!(got, want);
+            let (mut a, mut b) = (vec![0i64; want.rows * 2], vec![0i64; want.rows * 2]);
+            let (mut ma, mut mb) = (vec![false; want.rows], vec![false; want.rows]);
+            pack_into(&refs, &want, &mut a, Some(&mut ma)).unwrap();
+            pack_parts_into(&parts, &got, &mut b, Some(&mut mb)).unwrap();
+            assert_eq!((a, ma), (b, mb));
+        }
+    }
+
+    #[test]
+    fn parts_that_do_not_follow_each_other_are_refused_by_sample_and_part() {
+        let prompt = payload(&[1, 2, 3, 4], 2, 0);
+        let later = payload(&[5, 6], 1, 3);
+        let inside = payload(&[5, 6], 1, 1);
+        let wide =
+            Payload::from_values(&[1, 2, 3, 4], Shape::new(1, 2, 2), 2, DTypeChoice::Compact)
+                .unwrap();
+        let o = PackOptions::default();
+        let e = layout_parts(&[&[&prompt, &later]], &o, DType::I32, 1 << 20).unwrap_err();
+        assert!(
+            matches!(e.kind(), ErrorKind::Gap { stop: 2, start: 3 }),
+            "{e}"
+        );
+        assert!(
+            e.to_string()
+                .contains("sample 0, part 1 starts at position 3"),
+            "{e}"
+        );
+        let e = layout_parts(&[&[&prompt], &[&prompt, &inside]], &o, DType::I32, 1 << 20);
+        assert!(e.unwrap_err().to_string().contains("sample 1, part 1"));
+        let e = layout_parts(&[&[&prompt, &wide]], &o, DType::I32, 1 << 20).unwrap_err();
+        assert!(matches!(e.kind(), ErrorKind::Shape { .. }), "{e}");
+        let e = layout_parts(&[&[&prompt], &[]], &o, DType::I32, 1 << 20).unwrap_err();
+        assert!(e.to_string().contains("sample 1 with none"), "{e}");
     }
 
     #[test]

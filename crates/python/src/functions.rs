@@ -95,6 +95,46 @@ pub fn from_response(
     Ok(found.map(RoutedExperts::new))
 }
 
+/// Every choice of a response body with routing, as `pack`'s samples: a tuple of the rows it
+/// shares with the group's other choices (the prompt's; one object, the same in every tuple
+/// that shares it) and its own rows after them, or a tuple of its whole routing when it shares
+/// none; ordered by choice index. A GRPO group is so held at its information's size, not `n`
+/// copies of its prompt, until it is packed. The shared rows are a shared-prompt answer's
+/// `prompt_routed_experts` (format.md §4.1), or, in an answer whose choices each hold their
+/// whole sequence, the rows before the prompt's end (the body's `usage.prompt_tokens` or prompt
+/// ids) that every such choice holds alike. A choice without routing beside choices with it is
+/// a PayloadError (rows lost); a body without routing gives an empty list.
+#[pyfunction]
+#[pyo3(signature = (body, *, start = None, num_layers = None, top_k = None, dtype = None, max_bytes = None))]
+pub fn group_from_response<'py>(
+    py: Python<'py>,
+    body: &Bound<'py, PyAny>,
+    #[pyo3(from_py_with = crate::convert::opt::start)] start: Option<u64>,
+    #[pyo3(from_py_with = crate::convert::opt::num_layers)] num_layers: Option<usize>,
+    #[pyo3(from_py_with = crate::convert::opt::top_k)] top_k: Option<usize>,
+    dtype: Option<&Bound<'py, PyAny>>,
+    #[pyo3(from_py_with = crate::convert::opt::max_bytes)] max_bytes: Option<usize>,
+) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+    let text = convert::body_arg(body, "body")?;
+    let hints = hints(start, num_layers, top_k, dtype)?;
+    let limit = max_bytes.unwrap_or_else(crate::max_bytes);
+    let mut group = py.detach(|| response::group_from_response(&text, &hints, limit))?;
+    group.choices.sort_by_key(|c| c.index);
+    let shared = group
+        .shared
+        .map(|p| Bound::new(py, RoutedExperts::new(p)))
+        .transpose()?;
+    let mut samples = Vec::with_capacity(group.choices.len());
+    for c in group.choices {
+        let own = Bound::new(py, RoutedExperts::new(c.own))?.into_any();
+        samples.push(match (&shared, c.shares) {
+            (Some(s), true) => PyTuple::new(py, [s.clone().into_any(), own])?,
+            _ => PyTuple::new(py, [own])?,
+        });
+    }
+    Ok(samples)
+}
+
 /// The decode body with every routing value merged with the prefill routing of the same choice
 /// index (a one-choice prefill body serves every decode choice). Every other byte of the decode
 /// body is returned unchanged; the merged value is a compact sidecar unless `keep_format`.
@@ -298,7 +338,9 @@ pub fn pack<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     use numpy::PyArray1;
     let samples = pack_samples(samples)?;
-    let payloads: Vec<&Payload> = samples.iter().map(Sample::payload).collect();
+    let parts: Vec<Vec<&Payload>> = samples.iter().map(Sample::parts).collect();
+    let parts: Vec<&[&Payload]> = parts.iter().map(Vec::as_slice).collect();
+    let payloads: Vec<&Payload> = parts.iter().flat_map(|p| p.iter().copied()).collect();
     let Some(first) = payloads.first() else {
         return Err(routed_experts::Error::field(
             "samples",
@@ -320,7 +362,7 @@ pub fn pack<'py>(
         pad_each_to_multiple,
         pad_to_multiple,
     };
-    let layout = routed_experts::pack::layout(&payloads, &opts, dtype, crate::max_bytes())?;
+    let layout = routed_experts::pack::layout_parts(&parts, &opts, dtype, crate::max_bytes())?;
     let cu: Vec<i64> = layout.cu_seqlens.iter().map(|&c| c as i64).collect();
     let cu_seqlens = PyArray1::from_vec(py, cu).call_method1("astype", ("int32",))?;
     let dims = (layout.rows, first.num_layers(), first.top_k());
@@ -328,7 +370,7 @@ pub fn pack<'py>(
     let batch = routed_experts::dtype::with_element!(dtype, D => {
         super::numpy_filled::<D>(py, dims, |dst| {
             let m = mask.then_some(&mut rows_mask[..]);
-            routed_experts::pack::pack_into(&payloads, &layout, dst, m)
+            routed_experts::pack::pack_parts_into(&parts, &layout, dst, m)
         })?
     });
     if !mask {
@@ -338,20 +380,48 @@ pub fn pack<'py>(
     Ok(PyTuple::new(py, [batch, cu_seqlens, rows_mask])?.into_any())
 }
 
-/// One of `pack`'s samples: a payload as it is, or the payload made from an array (its rows from
-/// position 0).
+/// One of `pack`'s samples: a payload as it is, payloads of consecutive positions (a group's
+/// shared rows, then a choice's own: `group_from_response`'s tuples), or the payload made from
+/// an array (its rows from position 0).
 enum Sample<'py> {
     Held(Bound<'py, RoutedExperts>),
+    Parts(Vec<Bound<'py, RoutedExperts>>),
     Owned(Payload),
 }
 
 impl Sample<'_> {
-    fn payload(&self) -> &Payload {
+    fn parts(&self) -> Vec<&Payload> {
         match self {
-            Sample::Held(p) => &p.get().inner,
-            Sample::Owned(p) => p,
+            Sample::Held(p) => vec![&p.get().inner],
+            Sample::Parts(ps) => ps.iter().map(|p| &p.get().inner).collect(),
+            Sample::Owned(p) => vec![p],
         }
     }
+}
+
+/// A tuple or list whose first item is a payload: one sample's parts, every item a payload.
+fn sample_parts<'py>(s: &Bound<'py, PyAny>, i: usize) -> PyResult<Option<Sample<'py>>> {
+    let is_sequence = s.is_instance_of::<PyTuple>() || s.is_instance_of::<PyList>();
+    if !is_sequence
+        || s.get_item(0)
+            .is_ok_and(|f| f.cast::<RoutedExperts>().is_err())
+    {
+        return Ok(None);
+    }
+    let mut parts = Vec::new();
+    for (k, item) in s.try_iter()?.enumerate() {
+        let item = item?;
+        let Ok(p) = item.cast_into::<RoutedExperts>() else {
+            return Err(routed_experts::Error::field(
+                "samples",
+                "a sample's parts all payloads",
+                format!("sample {i}, part {k}: not a RoutedExperts"),
+            )
+            .into());
+        };
+        parts.push(p);
+    }
+    Ok(Some(Sample::Parts(parts)))
 }
 
 /// `pack`'s samples: payloads, trajectories (their payload) and integer arrays.
@@ -371,6 +441,10 @@ fn pack_samples<'py>(samples: &Bound<'py, PyAny>) -> PyResult<Vec<Sample<'py>>> 
         let s = s?;
         if let Ok(p) = s.cast::<RoutedExperts>() {
             out.push(Sample::Held(p.clone()));
+            continue;
+        }
+        if let Some(parts) = sample_parts(&s, i)? {
+            out.push(parts);
             continue;
         }
         if let Ok(t) = s.cast::<crate::trajectory::Trajectory>() {
