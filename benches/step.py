@@ -178,27 +178,32 @@ def run_geometry(model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     engines = [_start([exe, "engine", "--role", role, "--port", str(port), "--model", model])
                for role, port in zip(("prefill", "decode"), ports)]  # fmt: skip
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    proxy = _start([exe, "proxy", "--port", str(ports[2]), "--prefill", urls[0], "--decode",
-                    urls[1]])  # fmt: skip
     rows = []
     try:
-        for url in urls:
+        for url in urls[:2]:
             _wait(url + "/health")
         for way in WAYS:
-            out = subprocess.run(
-                [sys.executable, str(HERE), "--child", "--way", way, "--proxy", urls[2],
-                 *_sizes(args)],
-                capture_output=True, text=True, check=False,
-            )  # fmt: skip
+            # A proxy of its own for each way, so its peak is that way's.
+            proxy = _start([exe, "proxy", "--port", str(ports[2]), "--prefill", urls[0],
+                            "--decode", urls[1]])  # fmt: skip
+            try:
+                _wait(urls[2] + "/health")
+                out = subprocess.run(
+                    [sys.executable, str(HERE), "--child", "--way", way, "--proxy", urls[2],
+                     *_sizes(args)],
+                    capture_output=True, text=True, check=False,
+                )  # fmt: skip
+                peak = _status_kb("VmHWM", str(proxy.pid)) * 1024
+            finally:
+                _stop([proxy])
             if out.returncode != 0:
                 raise SystemExit(f"bench-step: {model}, {way} failed:\n{out.stderr[-3000:]}")
             row = json.loads(out.stdout.strip().splitlines()[-1])
-            row["model"] = model
-            row["proxy_peak"] = _status_kb("VmHWM", str(proxy.pid)) * 1024
+            row["model"], row["proxy_peak"] = model, peak
             rows.append(row)
             print(_line(row, args), flush=True)
     finally:
-        _stop([proxy, *engines])
+        _stop(engines)
     return rows
 
 
