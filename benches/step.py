@@ -242,12 +242,18 @@ def main() -> None:
     ap.add_argument("--cp", type=int, default=2, help="context-parallel ranks")
     ap.add_argument("--pp", type=int, default=2, help="pipeline stages")
     ap.add_argument("--json", type=Path, help="write every row here")
+    ap.add_argument("--plot", type=Path, help="draw the rows of --json (no run) into this PNG")
     ap.add_argument("--check", action="store_true",
                     help="fail unless the shared answer is smaller on the wire than the "
                          "engine's and the proxy's peak stays below the engine answer's size")
     args = ap.parse_args()
     if args.child:
         child(args)
+        return
+    if args.plot:
+        if not args.json:
+            raise SystemExit("bench-step: --plot draws the rows of --json; give both")
+        plot(json.loads(args.json.read_text()), args.plot)
         return
     print(f"bench-step: {args.groups} group(s) x n={args.n}, {args.prompt_tokens} prompt + "
           f"{args.generated} generated tokens, cp={args.cp} x pp={args.pp}; "
@@ -282,6 +288,39 @@ def _check(rows: list[dict[str, Any]]) -> list[str]:
             failures.append(f"{model}: the proxy's peak ({_mb(engine['proxy_peak'])} MB) grew "
                             f"with the group's answer")
     return failures
+
+
+def plot(run: dict[str, Any], out: Path) -> None:
+    """Bytes on the wire, the rollout's peak and the step's seconds (collect, pack, shard) per
+    geometry, each way beside the others."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = run["rows"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = [
+        ("bytes to the rollout (MB)", lambda h: h["wire"]["bytes"] / 1e6),
+        ("rollout peak memory (MB)", lambda h: h["collect"]["peak"] / 1e6),
+        ("collect + pack + shard (s)",
+         lambda h: h["collect"]["seconds"] + h["pack"]["seconds"] + h["shard"]["seconds"]),
+    ]  # fmt: skip
+    width = 0.8 / len(WAYS)
+    for ax, (title, value) in zip(axes, panels):
+        for k, way in enumerate(WAYS):
+            ys = [next(value(r["hops"]) for r in rows if r["model"] == m and r["way"] == way)
+                  for m in models]  # fmt: skip
+            ax.bar([i + k * width for i in range(len(models))], ys, width, label=way)
+        ax.set_title(title)
+        ax.set_xticks([i + width for i in range(len(models))], models, fontsize=8)
+        ax.set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"One GRPO step's routing ({' '.join(run['sizes'])}); {run['cpu']}",
+                 fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
 
 
 def _cpu() -> str:

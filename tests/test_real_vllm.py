@@ -200,9 +200,12 @@ def test_real_pd_halves_merge_into_the_whole_sequence(release: Path, case: dict[
     merged = rx.merge_response(
         body(release, pre), body(release, dec), decode_start=decode_start, require_routing=True
     )
-    got = rx.from_response(merged)
-    assert got is not None and got.start == 0
-    np.testing.assert_array_equal(got.to_numpy(), expected(case["truth"][0], 0))
+    # Every choice (a group's decode generated n from prefill's one), against its own truth.
+    assert len(case["truth"]) == len(json.loads(body(release, dec))["choices"])
+    for i, truth in enumerate(case["truth"]):
+        got = rx.from_response(merged, choice=i)
+        assert got is not None and got.start == 0
+        np.testing.assert_array_equal(got.to_numpy(), expected(truth, 0))
     # Decode's own rows start where it was asked to: its value carries no start, and read from
     # 0 it is refused by the body's token counts (format.md §3.3), never placed at 0.
     d = rx.from_response(body(release, dec), start=decode_start)
@@ -341,9 +344,12 @@ def test_the_proxy_asks_decode_from_the_prompts_last_position(
             r = httpx.post(proxy.url + case["decode"]["endpoint"], json=client, timeout=60)
     assert r.status_code == 200, r.text
     assert start_asked(asked[-1]) == start_asked(case["decode"]["request"])
-    got = rx.from_response(r.content)
-    assert got is not None and got.start == 0
-    np.testing.assert_array_equal(got.to_numpy(), expected(case["truth"][0], 0))
+    # Prefill is asked as the recording asked it: a group's for one choice.
+    assert asked[0].get("n") == case["prefill"]["request"].get("n")
+    for i, truth in enumerate(case["truth"]):
+        got = rx.from_response(r.content, choice=i)
+        assert got is not None and got.start == 0
+        np.testing.assert_array_equal(got.to_numpy(), expected(truth, 0))
 
 
 @pytest.mark.parametrize(("release", "case"), [

@@ -337,14 +337,23 @@ def record_pd(r: Recorder, prefill: engine.Server, decode: engine.Server) -> Non
         }
 
     # Each case its own prompt: a prompt seen before would find its blocks in the KV folder.
-    for back, tail in ((1, " decode"), (0, " trainer")):
+    # The last is a GRPO group as the proxy asks for it: prefill for one choice, decode for 4.
+    group = {"n": 4, "temperature": 1.0, "seed": 11}
+    halves = [(1, " decode", {}), (0, " trainer", {}), (1, " group", group)]
+    for back, tail, extra in halves:
         for name, (endpoint, req) in shapes(tail).items():
+            if extra and name != "completions":
+                continue
+            req = {**req, **extra}
+            if extra:
+                name += f"-group-n{extra['n']}"
             tag = f"pd-{name}-from-P" + ("-1" if back else "")
+            one = {"n": 1} if "n" in req else {}  # the proxy asks prefill for one choice
             pre = r.call(
                 prefill,
                 tag + "-prefill",
                 endpoint,
-                {**req, "max_tokens": 1, "kv_transfer_params": kv},
+                {**req, "max_tokens": 1, **one, "kv_transfer_params": kv},
             )
             if pre["status"] != 200:
                 r.case(tag, "e8", "the prefill half failed", prefill=pre)["sequences"] = []
