@@ -304,13 +304,19 @@ def test_body_limits_413_for_clients_502_for_upstreams() -> None:
         r = post(url, big)
         assert r.status_code == 413 and r.json()["error"]["side"] == "client"
         assert "over the limit of 2000" in r.json()["error"]["message"]
+        assert "(--max-request-bytes)" in r.json()["error"]["message"]
         # its unread rest must not be parsed as another request: the connection is closed
         assert r.headers["connection"] == "close"
         assert post(url).status_code == 200  # a small one still passes
     with stack([Engine()], [Engine()], max_upstream_bytes=500) as url:
         r = post(url)
         assert r.status_code == 502 and r.json()["error"]["side"] == "prefill"
-        assert "--max-upstream-bytes" in r.json()["error"]["message"]
+        message = r.json()["error"]["message"]
+        # The size it would need: a proxy started with it takes the reply.
+        size = int(message.split("reply is ")[1].split(" ")[0])
+        assert f"a proxy started with --max-upstream-bytes {size} takes it" in message
+    with stack([Engine()], [Engine()], max_upstream_bytes=size) as url:
+        assert post(url).status_code == 200
 
 
 def test_a_stream_event_over_the_upstream_limit_ends_in_an_error_event() -> None:

@@ -90,7 +90,7 @@ async fn receive_body(
             Blame::Client,
             413,
             format!(
-                "the request body is {size} bytes, over the limit of {}",
+                "the request body is {size} bytes, over the limit of {} (--max-request-bytes)",
                 c.max_request_bytes
             ),
         )

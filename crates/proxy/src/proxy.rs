@@ -232,8 +232,10 @@ impl Proxy {
                 502,
                 format!(
                     "the {s} server's reply is {}{size} bytes, over the limit of {limit} \
-                     (--max-upstream-bytes)",
-                    if more { "at least " } else { "" }
+                     (--max-upstream-bytes; a proxy started with --max-upstream-bytes {size}{} \
+                     takes it)",
+                    if more { "at least " } else { "" },
+                    if more { " or more" } else { "" }
                 ),
             ),
             CallError::NeverFits(size, room, more) => {
