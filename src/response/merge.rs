@@ -6,7 +6,7 @@ use std::borrow::Cow;
 
 use super::options::{one_choice, side_hints, MergeOptions};
 use super::read::decode_found;
-use super::spliced::{groups_valid, Piece, Spliced};
+use super::spliced::{checked_copy, groups_valid, Piece, Spliced};
 
 use crate::error::{Error, Half, Result};
 use crate::formats::sidecar::{self, SidecarText};
@@ -287,34 +287,4 @@ fn splice_text<'a>(
         });
     }
     Ok(sidecar::wrap_base64(&plan.header, pieces))
-}
-
-/// `text[from..to]` (whole groups) as a piece checked while it is copied (or, when the scan
-/// that read `text` found it to be base64 characters, `scanned`, only for its length and
-/// padding); text that had escapes (so is owned, not borrowed from the body) is checked here
-/// and copied as it is.
-pub(super) fn checked_copy<'a>(
-    text: &Cow<'a, [u8]>,
-    from: usize,
-    to: usize,
-    side: &'static str,
-    scanned: bool,
-) -> Result<Piece<'a>> {
-    let last = to == text.len();
-    match text {
-        Cow::Borrowed(t) => Ok(Piece::Base64 {
-            text: &t[from..to],
-            last,
-            whole: t,
-            field: "data",
-            context: side.to_string(),
-            scanned,
-        }),
-        Cow::Owned(t) => {
-            if !b64::groups_valid(&t[from..to], last) {
-                return Err(b64::error_in(t, "data").context(side));
-            }
-            Ok(Piece::Copy(Cow::Owned(t[from..to].to_vec())))
-        }
-    }
 }

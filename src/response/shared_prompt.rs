@@ -5,10 +5,9 @@
 
 use std::borrow::Cow;
 
-use super::merge::checked_copy;
 use super::options::{side_hints, MergeOptions};
 use super::read::decode_found;
-use super::spliced::{Piece, Spliced};
+use super::spliced::{checked_copy, Piece, Spliced};
 
 use crate::body::{BodyRouting, Found};
 use crate::error::{Error, Half, Result};

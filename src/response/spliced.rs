@@ -341,6 +341,36 @@ impl<'a> Spliced<'a> {
     }
 }
 
+/// `text[from..to]` (whole groups) as a piece checked while it is copied (or, when the scan
+/// that read `text` found it to be base64 characters, `scanned`, only for its length and
+/// padding); text that had escapes (so is owned, not borrowed from the body) is checked here
+/// and copied as it is.
+pub(super) fn checked_copy<'a>(
+    text: &Cow<'a, [u8]>,
+    from: usize,
+    to: usize,
+    side: &'static str,
+    scanned: bool,
+) -> Result<Piece<'a>> {
+    let last = to == text.len();
+    match text {
+        Cow::Borrowed(t) => Ok(Piece::Base64 {
+            text: &t[from..to],
+            last,
+            whole: t,
+            field: "data",
+            context: side.to_string(),
+            scanned,
+        }),
+        Cow::Owned(t) => {
+            if !b64::groups_valid(&t[from..to], last) {
+                return Err(b64::error_in(t, "data").context(side));
+            }
+            Ok(Piece::Copy(Cow::Owned(t[from..to].to_vec())))
+        }
+    }
+}
+
 /// `checked_slices` is for bodies that are all slices; one with text left to encode has none
 /// to give for it.
 fn recoded_error() -> crate::error::Error {
