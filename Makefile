@@ -229,10 +229,12 @@ bench-replay: build-dev
 
 # One RL step's routing, every hop, at DEVELOPERS.md's four geometries: stand-in engines ->
 # proxy -> the rollout side's collection -> the trainer's pack and each rank's share, the
-# engine's answer and the shared-prompt answer beside the glue RL frameworks write today
-# (benches/step.py; BENCHMARKS.md's table; about 10 minutes on 2 cores).
+# engine's answer and the shared-prompt answer beside the glue RL frameworks write today, the
+# packed batch handed to the ranks through Ray's object store (benches/step.py; BENCHMARKS.md's
+# table and plot; about 10 minutes on 2 cores).
 bench-step: build-dev $(VENV)/.test-deps
-	$(PY) benches/step.py --json target/bench-step.json
+	$(PY) benches/step.py --ray --json target/bench-step.json
+	$(PY) benches/step.py --json target/bench-step.json --plot BENCHMARKS-step.png
 
 # Its short round, which CI runs: two geometries, a small group; fails when the shared answer
 # is not smaller on the wire or the proxy's peak grows with a group's answer.

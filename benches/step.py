@@ -10,7 +10,9 @@ Three ways side by side, each in a fresh process so its peak memory is its own:
 
 - `library, engine answer`: the proxy's default answer (vLLM's `.npy` text, the prompt's rows
   in every choice), read with `rx.group_from_response` (the prompt's rows held once, shared by
-  the choices' samples), packed with `rx.pack` (int32), shared out with `rx.shard`;
+  the choices' samples), packed with `rx.pack` (int32), shared out with `rx.shard` (in the
+  process, and with `--ray` by trainer ranks that read the batch from Ray's object store, each
+  only its share);
 - `library, shared answer`: the same with `"routed_experts_prompt_routing": "shared"` (the
   prompt's rows once, format.md §4.1);
 - `glue`: the engine answer read as RL frameworks do today (`json.loads` of the body, then
@@ -154,8 +156,51 @@ def child(args: argparse.Namespace) -> None:
         del share
     hops["shard"] = {"seconds": time.perf_counter() - began, "peak": _peak_above(base),
                      "bytes": share_bytes, "ranks": args.cp * args.pp}  # fmt: skip
+    if args.ray:
+        hops["ray"] = _through_ray(batch, cu, args, way == "glue")
     print(json.dumps({"way": way, "hops": hops, "choices": args.groups * args.n,
                       "information": info}))  # fmt: skip
+
+
+def _rank_share(batch: Any, cu: Any, cp: int, cp_rank: int, stage: tuple[int, int],
+                glue: bool) -> tuple[int, int]:  # fmt: skip
+    """One trainer rank in a Ray worker: its share of the batch it reads from the object store
+    (a read-only view of the store's buffer, no copy); the share's bytes and the worker's peak
+    above what it held before."""
+    import numpy as np
+
+    import routed_experts as rx
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _resident()
+    if glue:
+        idx = np.concatenate([np.arange(lo + (hi - lo) * cp_rank // cp,
+                                        lo + (hi - lo) * (cp_rank + 1) // cp)
+                              for lo, hi in zip(cu[:-1], cu[1:])])  # fmt: skip
+        share = batch[idx][:, stage[0]:stage[1]]
+    else:
+        share, _, _ = rx.shard(batch, cu, cp_size=cp, cp_rank=cp_rank, layers=stage)
+    return int(share.nbytes), _peak_above(base)
+
+
+def _through_ray(batch: Any, cu: Any, args: argparse.Namespace, glue: bool) -> dict[str, Any]:
+    """The packed batch handed to the trainer's ranks as RL stacks hand samples over: put in
+    Ray's object store once, each rank (a Ray task) reading only its share."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        began = time.perf_counter()
+        ref = ray.put(batch)
+        put = time.perf_counter() - began
+        task = ray.remote(_rank_share)
+        ranks = _ranks(args.cp, args.pp, batch.shape[1])
+        got = ray.get([task.remote(ref, cu, args.cp, r, stage, glue) for r, stage in ranks])
+        return {"seconds": time.perf_counter() - began, "put_seconds": put,
+                "bytes": sum(b for b, _ in got), "rank_peak": max(p for _, p in got)}  # fmt: skip
+    finally:
+        ray.shutdown()
 
 
 def _start(cmd: list[str]) -> subprocess.Popen[bytes]:
@@ -210,7 +255,7 @@ def run_geometry(model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 def _sizes(args: argparse.Namespace) -> list[str]:
     return ["--groups", str(args.groups), "--n", str(args.n), "--prompt-tokens",
             str(args.prompt_tokens), "--generated", str(args.generated), "--cp", str(args.cp),
-            "--pp", str(args.pp)]  # fmt: skip
+            "--pp", str(args.pp), *(["--ray"] if args.ray else [])]  # fmt: skip
 
 
 def _mb(n: float) -> str:
@@ -226,6 +271,8 @@ def _line(row: dict[str, Any], args: argparse.Namespace) -> str:
         f"pack {h['pack']['seconds']:5.2f} s {_mb(h['pack']['bytes']):>8} MB | shard "
         f"x{h['shard']['ranks']} {h['shard']['seconds']:5.2f} s | step peak "
         f"{_mb(h['shard']['peak']):>8} MB | proxy peak {_mb(row['proxy_peak'])} MB"
+        + (f" | ray: put {h['ray']['put_seconds']:.2f} s, ranks {h['ray']['seconds']:.2f} s, "
+           f"a rank's peak {_mb(h['ray']['rank_peak'])} MB" if "ray" in h else "")
     )
 
 
@@ -241,6 +288,8 @@ def main() -> None:
     ap.add_argument("--generated", type=int, default=1024, help="tokens each choice generates")
     ap.add_argument("--cp", type=int, default=2, help="context-parallel ranks")
     ap.add_argument("--pp", type=int, default=2, help="pipeline stages")
+    ap.add_argument("--ray", action="store_true",
+                    help="also hand the batch to the ranks through Ray's object store")
     ap.add_argument("--json", type=Path, help="write every row here")
     ap.add_argument("--plot", type=Path, help="draw the rows of --json (no run) into this PNG")
     ap.add_argument("--check", action="store_true",
