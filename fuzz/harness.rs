@@ -159,6 +159,7 @@ pub fn response(data: &[u8]) {
         );
         return;
     };
+    group_reads_as_its_choices(body, flags);
     let split = body::read_body(body).is_ok_and(|r| r.prompt.is_some());
     for (i, f) in found.iter().enumerate() {
         assert_eq!(&body[f.span.clone()], f.text);
@@ -301,6 +302,31 @@ pub fn merge_response(data: &[u8]) {
             }
         }
         _ => panic!("kept-format text {kept:?} but decoded {decoded:?}"),
+    }
+}
+
+/// A group read once (`group_from_response`): each choice's parts join to what
+/// `from_response` reads of it, wherever both read the body.
+fn group_reads_as_its_choices(body: &[u8], flags: u8) {
+    let Ok(group) = response::group_from_response(body, &hints(flags), LIMIT) else {
+        return;
+    };
+    for c in &group.choices {
+        let whole = match (&group.shared, c.shares) {
+            (Some(s), true) => merge::concat(
+                s.start(),
+                &[(s, 0, s.num_tokens()), (&c.own, 0, c.own.num_tokens())],
+            )
+            .expect("a choice's parts join"),
+            _ => c.own.clone(),
+        };
+        if let Ok(Some(read)) = response::from_response(body, c.index, &hints(flags), LIMIT) {
+            assert!(
+                read.same_routing(&whole),
+                "choice {} of the group differs from from_response",
+                c.index
+            );
+        }
     }
 }
 
