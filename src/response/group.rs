@@ -3,6 +3,8 @@
 //! its information's size, not `n` copies of its prompt, until it is packed
 //! ([`pack::layout_parts`](crate::pack::layout_parts) takes the parts as they are).
 
+use std::collections::HashSet;
+
 use crate::body::{read_body, shared_prompt, split, BodyRouting};
 use crate::error::{Error, ErrorKind, Result};
 use crate::formats::{self, Hints};
@@ -60,12 +62,11 @@ pub fn group_from_response(body: &[u8], hints: &Hints, max_bytes: usize) -> Resu
         }
         return Ok(group);
     }
-    let mut seen = Vec::new();
+    let mut seen = HashSet::new();
     for f in &found.values {
-        if seen.contains(&f.index) {
+        if !seen.insert(f.index) {
             continue; // the same routing at a second place (SGLang, Dynamo): read once
         }
-        seen.push(f.index);
         let (_, rows) = decode_found(f, hints, max_bytes)
             .map_err(|e| e.context(format!("choice {}", f.index)))?;
         let prompt = f.counts.prompt.map(|(p, _)| p);
@@ -133,12 +134,11 @@ fn shared_answer(
         shared: None,
         choices: Vec::new(),
     };
-    let mut seen = Vec::new();
+    let mut seen = HashSet::new();
     for f in &found.values {
-        if seen.contains(&f.index) {
+        if !seen.insert(f.index) {
             continue;
         }
-        seen.push(f.index);
         let own = compact(f, &own_hints).map_err(|e| e.context(format!("choice {}", f.index)))?;
         shared_prompt::check_follows(&shared, &own)
             .map_err(|e| e.context(format!("choice {}", f.index)))?;
@@ -159,11 +159,8 @@ fn check_every_choice(found: &BodyRouting, group: &Group) -> Result<()> {
     if group.choices.is_empty() {
         return Ok(());
     }
-    match found
-        .choices
-        .iter()
-        .find(|(i, _)| !group.choices.iter().any(|c| c.index == *i))
-    {
+    let routed: HashSet<u64> = group.choices.iter().map(|c| c.index).collect();
+    match found.choices.iter().find(|(i, _)| !routed.contains(i)) {
         Some((i, _)) => Err(Error::new(
             ErrorKind::RowsLost,
             format!("choice {i} carries no routing beside choices that do: its rows are lost"),
