@@ -21,7 +21,7 @@ pub fn sequence(
     if !body.choices.iter().any(|(i, _)| *i == choice) {
         return Ok(None);
     }
-    let rows = compact(prompt, hints, max_bytes)?;
+    let rows = prompt_rows(prompt, hints, max_bytes)?;
     let Some(value) = body.value(choice) else {
         return Err(Error::new(
             ErrorKind::RowsLost,
@@ -31,21 +31,12 @@ pub fn sequence(
             ),
         ));
     };
-    let own_hints = Hints {
-        start: None,
-        ..*hints
-    };
-    let own = compact(value, &own_hints, max_bytes)?;
-    joined(&rows, &own).map(Some)
-}
-
-/// A choice's own rows joined to the prompt's ([`check_follows`]).
-fn joined(prompt: &Payload, own: &Payload) -> Result<Payload> {
-    check_follows(prompt, own)?;
+    let own = own_rows(&rows, value, hints, max_bytes)?;
     merge::concat(
-        prompt.start(),
-        &[(prompt, 0, prompt.num_tokens()), (own, 0, own.num_tokens())],
+        rows.start(),
+        &[(&rows, 0, rows.num_tokens()), (&own, 0, own.num_tokens())],
     )
+    .map(Some)
 }
 
 /// A choice's own rows must start exactly where the prompt's stop (each value states its
@@ -76,6 +67,28 @@ pub fn check_follows(prompt: &Payload, own: &Payload) -> Result<()> {
     } else {
         Error::payload(message)
     })
+}
+
+/// The prompt's rows of a shared-prompt answer, a start hint held to theirs (the sequence's).
+pub fn prompt_rows(prompt: &Found, hints: &Hints, max_bytes: usize) -> Result<Payload> {
+    compact(prompt, hints, max_bytes)
+}
+
+/// A choice's own rows of a shared-prompt answer, held to follow `prompt`'s exactly
+/// ([`check_follows`]); a start hint is the prompt's, not theirs.
+pub fn own_rows(
+    prompt: &Payload,
+    value: &Found,
+    hints: &Hints,
+    max_bytes: usize,
+) -> Result<Payload> {
+    let own_hints = Hints {
+        start: None,
+        ..*hints
+    };
+    let own = compact(value, &own_hints, max_bytes)?;
+    check_follows(prompt, &own)?;
+    Ok(own)
 }
 
 fn compact(f: &Found, hints: &Hints, max_bytes: usize) -> Result<Payload> {

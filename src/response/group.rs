@@ -7,7 +7,7 @@ use std::collections::HashSet;
 
 use crate::body::{read_body, shared_prompt, split, BodyRouting};
 use crate::error::{Error, ErrorKind, Result};
-use crate::formats::{self, Hints};
+use crate::formats::Hints;
 use crate::payload::Payload;
 
 use super::read::decode_found;
@@ -121,15 +121,7 @@ fn shared_answer(
     hints: &Hints,
     max_bytes: usize,
 ) -> Result<Group> {
-    let compact = |f: &crate::body::Found, h: &Hints| {
-        let fields = f.fields.clone().unwrap_or_default();
-        formats::decode_compact_fields(fields, h, max_bytes).map_err(|e| e.context(&f.path))
-    };
-    let shared = compact(prompt, hints)?;
-    let own_hints = Hints {
-        start: None,
-        ..*hints
-    };
+    let shared = shared_prompt::prompt_rows(prompt, hints, max_bytes)?;
     let mut group = Group {
         shared: None,
         choices: Vec::new(),
@@ -139,8 +131,7 @@ fn shared_answer(
         if !seen.insert(f.index) {
             continue;
         }
-        let own = compact(f, &own_hints).map_err(|e| e.context(format!("choice {}", f.index)))?;
-        shared_prompt::check_follows(&shared, &own)
+        let own = shared_prompt::own_rows(&shared, f, hints, max_bytes)
             .map_err(|e| e.context(format!("choice {}", f.index)))?;
         group.choices.push(GroupChoice {
             index: f.index,
