@@ -145,11 +145,8 @@ def child(args: argparse.Namespace) -> None:
     layers = batch.shape[1]
     began, share_bytes = time.perf_counter(), 0
     for cp_rank, stage in _ranks(args.cp, args.pp, layers):
-        if way == "glue":  # each rank's contiguous piece of every sample, its layers
-            idx = np.concatenate([np.arange(lo + (hi - lo) * cp_rank // args.cp,
-                                            lo + (hi - lo) * (cp_rank + 1) // args.cp)
-                                  for lo, hi in zip(cu[:-1], cu[1:])])  # fmt: skip
-            share = batch[idx][:, stage[0]:stage[1]]
+        if way == "glue":
+            share = _glue_share(batch, cu, args.cp, cp_rank, stage)
         else:
             share, _, _ = rx.shard(batch, cu, cp_size=args.cp, cp_rank=cp_rank, layers=stage)
         share_bytes += int(share.nbytes)
@@ -162,12 +159,22 @@ def child(args: argparse.Namespace) -> None:
                       "information": info}))  # fmt: skip
 
 
+def _glue_share(batch: Any, cu: Any, cp: int, cp_rank: int, stage: tuple[int, int]) -> Any:
+    """What the glue does for a rank: its contiguous piece of every sample (index arrays, one
+    fancy-indexing copy), then its stage's layers."""
+    import numpy as np
+
+    idx = np.concatenate([np.arange(lo + (hi - lo) * cp_rank // cp,
+                                    lo + (hi - lo) * (cp_rank + 1) // cp)
+                          for lo, hi in zip(cu[:-1], cu[1:])])  # fmt: skip
+    return batch[idx][:, stage[0]:stage[1]]
+
+
 def _rank_share(batch: Any, cu: Any, cp: int, cp_rank: int, stage: tuple[int, int],
                 glue: bool) -> tuple[int, int]:  # fmt: skip
     """One trainer rank in a Ray worker: its share of the batch it reads from the object store
     (a read-only view of the store's buffer, no copy); the share's bytes and the worker's peak
     above what it held before."""
-    import numpy as np
 
     import routed_experts as rx
 
@@ -175,10 +182,7 @@ def _rank_share(batch: Any, cu: Any, cp: int, cp_rank: int, stage: tuple[int, in
         f.write("5")
     base = _resident()
     if glue:
-        idx = np.concatenate([np.arange(lo + (hi - lo) * cp_rank // cp,
-                                        lo + (hi - lo) * (cp_rank + 1) // cp)
-                              for lo, hi in zip(cu[:-1], cu[1:])])  # fmt: skip
-        share = batch[idx][:, stage[0]:stage[1]]
+        share = _glue_share(batch, cu, cp, cp_rank, stage)
     else:
         share, _, _ = rx.shard(batch, cu, cp_size=cp, cp_rank=cp_rank, layers=stage)
     return int(share.nbytes), _peak_above(base)

@@ -167,6 +167,19 @@ def npy_body(rows: np.ndarray, prompt: int, generated: int, choices: int = 1) ->
     }).encode()  # fmt: skip
 
 
+def decode_body(prompt: int, generated: int, n: int, dims: tuple[int, int, int],
+                compact: bool) -> bytes:  # fmt: skip
+    """Decode's answer to a group asked from `P - 1`: each choice's rows `[P - 1, P + G - 1)`,
+    as compact sidecars or vLLM's `.npy` text."""
+    rows = [routing_of(list(range(prompt)), generated, dims, c)[prompt - 1:] for c in range(n)]
+    return json.dumps({
+        "choices": [{"index": c, "routed_experts": rx.encode(
+            rx.RoutedExperts.from_array(r, start=prompt - 1),
+            "compact" if compact else "vllm_npy")} for c, r in enumerate(rows)],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": generated * n},
+    }).encode()  # fmt: skip
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     prompt=st.integers(1, 200),
@@ -182,15 +195,8 @@ def test_shared_and_per_choice_answers_read_the_same_sequences(
     start = min(int(start_frac * prompt), prompt - 1)
     dims = (3, 2, experts)
     prefill = routing_of(list(range(prompt)), 1, dims)[start:prompt]
-    decode_rows = [routing_of(list(range(prompt)), generated, dims, c)[prompt - 1:]
-                   for c in range(n)]  # fmt: skip
     p_body = npy_body(prefill, prompt, 1)
-    d_body = json.dumps({
-        "choices": [{"index": c, "routed_experts": rx.encode(
-            rx.RoutedExperts.from_array(r, start=prompt - 1),
-            "compact" if compact else "vllm_npy")} for c, r in enumerate(decode_rows)],
-        "usage": {"prompt_tokens": prompt, "completion_tokens": generated * n},
-    }).encode()  # fmt: skip
+    d_body = decode_body(prompt, generated, n, dims, compact)
     kw = {"start": start, "decode_start": prompt - 1}
     per_choice = rx.merge_response(p_body, d_body, **kw)
     shared = rx.merge_response(p_body, d_body, shared_prompt=True, **kw)
@@ -225,14 +231,7 @@ def test_a_group_read_once_packs_as_its_choices_read_whole(
 ) -> None:
     dims = (3, 2, 64)
     p_body = npy_body(routing_of(list(range(prompt)), 1, dims)[:prompt], prompt, 1)
-    decode_rows = [routing_of(list(range(prompt)), generated, dims, c)[prompt - 1:]
-                   for c in range(n)]  # fmt: skip
-    d_body = json.dumps({
-        "choices": [{"index": c, "routed_experts": rx.encode(
-            rx.RoutedExperts.from_array(r, start=prompt - 1),
-            "compact" if compact else "vllm_npy")} for c, r in enumerate(decode_rows)],
-        "usage": {"prompt_tokens": prompt, "completion_tokens": generated * n},
-    }).encode()  # fmt: skip
+    d_body = decode_body(prompt, generated, n, dims, compact)
     answer = rx.merge_response(p_body, d_body, decode_start=prompt - 1, shared_prompt=shared)
     group = rx.group_from_response(answer)
     assert len(group) == n
