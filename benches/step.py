@@ -12,7 +12,8 @@ Three ways side by side, each in a fresh process so its peak memory is its own:
   in every choice), read with `rx.group_from_response` (the prompt's rows held once, shared by
   the choices' samples), packed with `rx.pack` (int32), shared out with `rx.shard` (in the
   process, and with `--ray` by trainer ranks that read the batch from Ray's object store, each
-  only its share);
+  only its share), and each rank's share written straight from the samples with
+  `rx.pack_shard` into one reused buffer, no batch at all (`direct`);
 - `library, shared answer`: the same with `"routed_experts_prompt_routing": "shared"` (the
   prompt's rows once, format.md §4.1);
 - `glue`: the engine answer read as RL frameworks do today (`json.loads` of the body, then
@@ -139,7 +140,6 @@ def child(args: argparse.Namespace) -> None:
         cu = np.cumsum([0] + [len(s) for s in samples])
     else:
         batch, cu = rx.pack(samples, pad_each_to_multiple=2 * args.cp)
-    samples.clear()
     hops["pack"] = {"seconds": time.perf_counter() - began, "peak": _peak_above(base),
                     "bytes": int(batch.nbytes)}  # fmt: skip
     layers = batch.shape[1]
@@ -155,8 +155,34 @@ def child(args: argparse.Namespace) -> None:
                      "bytes": share_bytes, "ranks": args.cp * args.pp}  # fmt: skip
     if args.ray:
         hops["ray"] = _through_ray(batch, cu, args, way == "glue")
+    del batch
+    if way != "glue":
+        hops["direct"] = _direct_shares(samples, args, layers)
+    samples.clear()
     print(json.dumps({"way": way, "hops": hops, "choices": args.groups * args.n,
                       "information": info}))  # fmt: skip
+
+
+def _direct_shares(samples: list[Any], args: argparse.Namespace, layers: int) -> dict[str, Any]:
+    """Each rank's share written straight from the samples (`rx.pack_shard`), no batch, into one
+    buffer reused from rank to rank (as a trainer reuses a pinned one from step to step); the
+    peak is this process's above what it held before (the samples)."""
+    import numpy as np
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base, began, share_bytes, buf = _resident(), time.perf_counter(), 0, None
+    ranks = _ranks(args.cp, args.pp, layers)
+    for cp_rank, stage in ranks:
+        share, _, _ = rx.pack_shard(samples, pad_each_to_multiple=2 * args.cp, cp_size=args.cp,
+                                    cp_rank=cp_rank, layers=stage, out=buf)  # fmt: skip
+        if buf is None:  # sized once: every rank's rows, the widest stage's layers
+            widest = max(hi - lo for _, (lo, hi) in ranks)
+            buf = np.empty(share.shape[0] * widest * share.shape[2], dtype=share.dtype)
+        share_bytes += int(share.nbytes)
+        del share
+    return {"seconds": time.perf_counter() - began, "peak": _peak_above(base),
+            "bytes": share_bytes, "ranks": len(ranks)}  # fmt: skip
 
 
 def _glue_share(batch: Any, cu: Any, cp: int, cp_rank: int, stage: tuple[int, int]) -> Any:
@@ -275,6 +301,8 @@ def _line(row: dict[str, Any], args: argparse.Namespace) -> str:
         f"pack {h['pack']['seconds']:5.2f} s {_mb(h['pack']['bytes']):>8} MB | shard "
         f"x{h['shard']['ranks']} {h['shard']['seconds']:5.2f} s | step peak "
         f"{_mb(h['shard']['peak']):>8} MB | proxy peak {_mb(row['proxy_peak'])} MB"
+        + (f" | direct x{h['direct']['ranks']} {h['direct']['seconds']:5.2f} s, peak "
+           f"{_mb(h['direct']['peak'])} MB" if "direct" in h else "")
         + (f" | ray: put {h['ray']['put_seconds']:.2f} s, ranks {h['ray']['seconds']:.2f} s, "
            f"a rank's peak {_mb(h['ray']['rank_peak'])} MB" if "ray" in h else "")
     )

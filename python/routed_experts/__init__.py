@@ -26,6 +26,7 @@ from routed_experts._core import (
     merge,
     merge_response,
     pack,
+    pack_shard,
     set_max_bytes,
     shard,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "merge",
     "merge_response",
     "pack",
+    "pack_shard",
     "replay",
     "set_max_bytes",
     "shard",

@@ -312,6 +312,22 @@ def pack(
     pad_each_to_multiple: int | None = None,
     mask: Literal[True],
 ) -> tuple[_IntArray, np.ndarray[Any, np.dtype[np.int32]], _BoolArray]: ...
+def pack_shard(
+    samples: Sequence[_Sample],
+    dtype: str | None = "int32",
+    pad_to_multiple: int | None = None,
+    *,
+    num_tokens: Sequence[int] | None = None,
+    pad_each_to_multiple: int | None = None,
+    mask: bool = False,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    cp_split: Literal["zigzag", "contiguous"] = "zigzag",
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    layers: tuple[int, int] | None = None,
+    out: np.ndarray | None = None,
+) -> tuple[_IntArray, np.ndarray[Any, np.dtype[np.int32]], _BoolArray | None]: ...
 def shard(
     batch: Any,
     cu_seqlens: Any,

@@ -333,6 +333,43 @@ impl Payload {
         })
     }
 
+    /// [`Payload::write_rows_as`] of the layers `layers` only: `dst` has one slot per kept
+    /// value of rows `[from, to)` (a pipeline stage's share of them).
+    pub(crate) fn write_block_as<D: Element>(
+        &self,
+        from: usize,
+        to: usize,
+        layers: std::ops::Range<usize>,
+        dst: &mut [D],
+    ) -> Result<()> {
+        if layers == (0..self.shape.layers) {
+            return self.write_rows_as(from, to, dst);
+        }
+        let (k, row) = (self.shape.top_k, self.shape.layers * self.shape.top_k);
+        let width = layers.len() * k;
+        with_element!(self.dtype, S => {
+            let src = self.data.as_slice::<S>();
+            for (r, out) in (from..to).zip(dst.chunks_exact_mut(width.max(1))) {
+                let at = r * row + layers.start * k;
+                convert(&src[at..at + width], out)
+                    .map_err(|i| self.value_error(at + i, src[at + i].into(), D::DTYPE))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// How many values of row `r` are -1 (vLLM's mark of a row it has no routing for), and the
+    /// first one's place in the row; `(0, 0)` for an unsigned dtype.
+    pub(crate) fn sentinels(&self, r: usize) -> (usize, usize) {
+        let row = self.shape.layers * self.shape.top_k;
+        with_element!(self.dtype, S => {
+            let values = &self.data.as_slice::<S>()[r * row..(r + 1) * row];
+            let is_mark = |v: &S| Into::<i64>::into(*v) == -1;
+            let count = values.iter().filter(|v| is_mark(v)).count();
+            (count, values.iter().position(is_mark).unwrap_or(0))
+        })
+    }
+
     /// Append rows `[from, to)` of `other` (same layers and top_k; its dtype must fit ours).
     pub(crate) fn append_rows(&mut self, other: &Payload, from: usize, to: usize) -> Result<()> {
         let row = self.shape.layers * self.shape.top_k;

@@ -6,6 +6,9 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::payload::dtype::{DType, Element};
 use crate::payload::merge::check_same_rows;
 use crate::payload::{Payload, Shape};
+use crate::trainer::shard::Plan;
+
+use std::ops::Range;
 
 /// How samples are laid out in the batch.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -234,7 +237,7 @@ pub fn pack_parts_into<D: Element>(
         for s in parts.iter() {
             // Within u64: `parts_span` found the parts consecutive from `s_start`.
             let at = place + (s.start() - s_start) as usize;
-            write_part(i, s, at, row, first.top_k(), dst, mask.as_deref_mut())?;
+            write_part(i, s, at, row, dst, mask.as_deref_mut())?;
         }
     }
     Ok(())
@@ -247,9 +250,8 @@ fn write_part<D: Element>(
     s: &Payload,
     at: usize,
     row: usize,
-    top_k: usize,
     dst: &mut [D],
-    mut mask: Option<&mut [bool]>,
+    mask: Option<&mut [bool]>,
 ) -> Result<()> {
     let n = s.num_tokens();
     let end = at.checked_add(n).and_then(|e| e.checked_mul(row));
@@ -260,38 +262,168 @@ fn write_part<D: Element>(
             format!("sample {i} of {} that does not fit it", s.shape()),
         ));
     }
+    let layers = 0..s.num_layers();
     let out = &mut dst[at * row..(at + n) * row];
-    s.write_as::<D>(out)
-        .map_err(|e| e.context(format!("sample {i}")))?;
+    write_block(i, s, 0..n, layers, out, mask.map(|m| &mut m[at..at + n]))
+}
+
+/// Rows `rows` of part `s` (of sample `i`; its own row numbers), layers `layers`, converted
+/// into `dst` (one slot per value kept); each row's entry of `mask` (one per row written) says
+/// whether it carries routing. A row marked missing (all -1, in every layer) is written as
+/// zeros, whatever the dtype; a -1 beside real ids is an error.
+fn write_block<D: Element>(
+    i: usize,
+    s: &Payload,
+    rows: Range<usize>,
+    layers: Range<usize>,
+    dst: &mut [D],
+    mut mask: Option<&mut [bool]>,
+) -> Result<()> {
     let signed = matches!(s.dtype(), DType::I8 | DType::I16 | DType::I32 | DType::I64);
-    for (t, r) in out.chunks_exact_mut(row.max(1)).enumerate().take(n) {
-        let real = if signed {
-            let sentinels = r.iter().filter(|&&v| Into::<i64>::into(v) == -1).count();
-            if sentinels == r.len() {
-                r.fill(D::zeroed());
+    let in_sample = |e: Error| e.context(format!("sample {i}"));
+    if !signed {
+        // No row can be marked missing: one conversion for the whole block.
+        s.write_block_as(rows.start, rows.end, layers, dst)
+            .map_err(in_sample)?;
+        if let Some(m) = mask {
+            m.fill(true);
+        }
+        return Ok(());
+    }
+    let (row, width) = (s.num_layers() * s.top_k(), layers.len() * s.top_k());
+    for (t, r) in rows.enumerate() {
+        let out = &mut dst[t * width..(t + 1) * width];
+        let real = match s.sentinels(r) {
+            (0, _) => {
+                s.write_block_as(r, r + 1, layers.clone(), out)
+                    .map_err(in_sample)?;
+                true
+            }
+            (count, _) if count == row => {
+                out.fill(D::zeroed());
                 false
-            } else if sentinels > 0 {
-                let at = r
-                    .iter()
-                    .position(|&v| Into::<i64>::into(v) == -1)
-                    .unwrap_or(0);
-                let (position, layer) = (s.start() + t as u64, at / top_k.max(1));
+            }
+            (_, at) => {
+                let (position, layer) = (s.start() + r as u64, at / s.top_k().max(1));
                 return Err(Error::new(
                     ErrorKind::Id { position, layer },
                     format!(
                         "sample {i}: position {position} has -1 in layer {layer} beside real \
-                             ids (a missing row is -1 throughout)"
+                         ids (a missing row is -1 throughout)"
                     ),
                 ));
-            } else {
-                true
             }
-        } else {
-            true
         };
         if let Some(m) = mask.as_deref_mut() {
-            m[at + t] = real;
+            m[t] = real;
         }
+    }
+    Ok(())
+}
+
+/// One rank's share of the batch `layout` lays out, written without the batch: what
+/// [`crate::shard::gather`] would take, by `plan`, from the batch [`pack_parts_into`] writes.
+/// `plan` comes from [`crate::shard::plan`] over `layout.cu_seqlens`, `layout.rows` and the
+/// samples' layers; `dst` holds the plan's rows x its layers x top_k, `mask` one entry per
+/// plan row. Every value of both is written (zeros and false where no routing is), so a
+/// buffer may be reused from step to step.
+pub fn pack_share_into<D: Element>(
+    samples: &[&[&Payload]],
+    layout: &Layout,
+    plan: &Plan,
+    dst: &mut [D],
+    mut mask: Option<&mut [bool]>,
+) -> Result<()> {
+    let Some(first) = samples.iter().find_map(|s| s.first()) else {
+        return Err(Error::field("samples", "at least one sample", "none"));
+    };
+    let (num_layers, top_k) = (first.num_layers(), first.top_k());
+    if plan.layers.start >= plan.layers.end || plan.layers.end > num_layers {
+        let got = format!("layers {}..{}", plan.layers.start, plan.layers.end);
+        return Err(Error::field(
+            "plan",
+            format!("layers within 0..{num_layers}"),
+            got,
+        ));
+    }
+    if let Some(run) = plan.rows.iter().find(|r| r.end > layout.rows) {
+        let (rows, got) = (layout.rows, format!("rows {}..{}", run.start, run.end));
+        return Err(Error::field(
+            "plan",
+            format!("rows within the layout's {rows}"),
+            got,
+        ));
+    }
+    let width = plan.layers.len() * top_k;
+    let rows = plan.num_rows();
+    if rows.checked_mul(width) != Some(dst.len()) {
+        let expected = format!("the plan's {rows} rows of {width} values");
+        return Err(Error::field(
+            "dst",
+            expected,
+            format!("{} values", dst.len()),
+        ));
+    }
+    if let Some(m) = mask.as_deref().filter(|m| m.len() != rows) {
+        let expected = format!("one entry per row of the plan ({rows})");
+        return Err(Error::field(
+            "mask",
+            expected,
+            format!("{} entries", m.len()),
+        ));
+    }
+    if samples.len() != layout.places.len() {
+        let expected = format!(
+            "the {} samples the layout was made for",
+            layout.places.len()
+        );
+        return Err(Error::field("samples", expected, samples.len()));
+    }
+    // Every part's first batch row: ascending, the parts disjoint (samples follow each other,
+    // a sample's parts are consecutive positions).
+    let mut spans: Vec<(usize, usize, &Payload)> = Vec::new();
+    for (i, (parts, &place)) in samples.iter().zip(&layout.places).enumerate() {
+        let (s_start, _) = parts_span(i, parts, first)?;
+        for &p in parts.iter() {
+            // Within u64: `parts_span` found the parts consecutive from `s_start`.
+            let at = place + (p.start() - s_start) as usize;
+            if at
+                .checked_add(p.num_tokens())
+                .is_none_or(|e| e > layout.rows)
+            {
+                return Err(Error::field(
+                    "samples",
+                    "the samples the layout was made for",
+                    format!("sample {i} of {} that does not fit it", p.shape()),
+                ));
+            }
+            spans.push((at, i, p));
+        }
+    }
+    let mut out = 0usize; // the share's row the run starts at
+    let blank = |dst: &mut [D], mask: &mut Option<&mut [bool]>, from: usize, to: usize| {
+        dst[from * width..to * width].fill(D::zeroed());
+        if let Some(m) = mask.as_deref_mut() {
+            m[from..to].fill(false);
+        }
+    };
+    for run in &plan.rows {
+        let mut filled = run.start;
+        let mut k = spans.partition_point(|&(at, _, p)| at + p.num_tokens() <= run.start);
+        while let Some(&(at, i, p)) = spans.get(k).filter(|s| s.0 < run.end) {
+            let (a, b) = (at.max(run.start), (at + p.num_tokens()).min(run.end));
+            if a < b {
+                let (from, to) = (out + a - run.start, out + b - run.start);
+                blank(dst, &mut mask, out + filled - run.start, from);
+                let m = mask.as_deref_mut().map(|m| &mut m[from..to]);
+                let block = &mut dst[from * width..to * width];
+                write_block(i, p, a - at..b - at, plan.layers.clone(), block, m)?;
+                filled = b;
+            }
+            k += 1;
+        }
+        blank(dst, &mut mask, out + filled - run.start, out + run.len());
+        out += run.len();
     }
     Ok(())
 }
@@ -348,6 +480,132 @@ mod tests {
             pack_parts_into(&parts, &got, &mut b, Some(&mut mb)).unwrap();
             assert_eq!((a, ma), (b, mb));
         }
+    }
+
+    #[test]
+    fn a_ranks_share_written_without_the_batch_is_what_shard_takes_from_it() {
+        use crate::trainer::shard::{gather, plan, CpSplit, Rank};
+        let mut next = crate::test_rng::xorshift(0x5a4e);
+        let mut cases = 0;
+        while cases < 200 {
+            let (layers, cp, tp) = (
+                1 + next() as usize % 3,
+                1 + next() as usize % 3,
+                1 + next() as usize % 2,
+            );
+            let value = |v: u64| -> i64 {
+                if v % 11 == 0 {
+                    -1
+                } else {
+                    (v % 40) as i64
+                }
+            };
+            let make = |rows: u64, start: u64, salt: u64, missing: bool| -> Payload {
+                let width = layers as u64 * 2;
+                let values: Vec<i64> = (0..rows * width)
+                    .map(|v| {
+                        if missing && value(v / width + salt) == -1 {
+                            -1
+                        } else {
+                            ((v * 7 + salt) % 40) as i64
+                        }
+                    })
+                    .collect();
+                Payload::from_values(
+                    &values,
+                    Shape::new(rows as usize, layers, 2),
+                    start,
+                    DTypeChoice::Compact,
+                )
+                .unwrap()
+            };
+            let prompt = make(next() % 9, next() % 3, 0, next() % 2 == 0);
+            let own: Vec<Payload> = (0..1 + next() % 4)
+                .map(|c| make(next() % 5, prompt.stop(), c + 1, next() % 2 == 0))
+                .collect();
+            let parts: Vec<[&Payload; 2]> = own.iter().map(|o| [&prompt, o]).collect();
+            let parts: Vec<&[&Payload]> = parts.iter().map(|p| &p[..]).collect();
+            let opts = PackOptions {
+                pad_each_to_multiple: Some(2 * cp * tp),
+                pad_to_multiple: Some(1 + next() as usize % 5),
+                ..PackOptions::default()
+            };
+            let l = layout_parts(&parts, &opts, DType::I32, 1 << 20).unwrap();
+            let mut batch = vec![0i32; l.rows * layers * 2];
+            let mut mask = vec![false; l.rows];
+            pack_parts_into(&parts, &l, &mut batch, Some(&mut mask)).unwrap();
+            let lo = next() as usize % layers;
+            let rank = Rank {
+                cp_size: cp,
+                cp_rank: next() as usize % cp,
+                cp_split: if next() % 2 == 0 {
+                    CpSplit::Zigzag
+                } else {
+                    CpSplit::Contiguous
+                },
+                tp_size: tp,
+                tp_rank: next() as usize % tp,
+                layers: Some((lo, lo + 1 + next() as usize % (layers - lo))),
+            };
+            let Ok(p) = plan(&l.cu_seqlens, l.rows, layers, &rank) else {
+                continue;
+            };
+            let width = p.layers.len() * 2;
+            let mut want = vec![0i32; p.num_rows() * width];
+            gather(&batch, layers, 2, &p, &mut want);
+            let want_mask: Vec<bool> = p
+                .rows
+                .iter()
+                .flat_map(|r| mask[r.clone()].to_vec())
+                .collect();
+            // A dirty buffer, as one reused from the step before.
+            let mut got = vec![-7i32; want.len()];
+            let mut got_mask = vec![true; p.num_rows()];
+            pack_share_into(&parts, &l, &p, &mut got, Some(&mut got_mask)).unwrap();
+            assert_eq!((got, got_mask), (want, want_mask));
+            cases += 1;
+        }
+    }
+
+    #[test]
+    fn a_share_refuses_buffers_and_plans_other_than_its_own() {
+        use crate::trainer::shard::{plan, Rank};
+        let a = payload(&[1, 2, 3, 4], 2, 0);
+        let l = layout(&[&a], &PackOptions::default(), DType::I32, 1 << 20).unwrap();
+        let p = plan(&l.cu_seqlens, l.rows, 1, &Rank::default()).unwrap();
+        let parts: [&[&Payload]; 1] = [&[&a]];
+        let field = |e: Error| match e.kind() {
+            ErrorKind::Field { field, .. } => field.clone(),
+            _ => panic!("{e}"),
+        };
+        let e = pack_share_into(&parts, &l, &p, &mut [0i32; 3], None).unwrap_err();
+        assert_eq!(field(e), "dst");
+        let e = pack_share_into(&parts, &l, &p, &mut [0i32; 4], Some(&mut [false; 3])).unwrap_err();
+        assert_eq!(field(e), "mask");
+        let far = Plan {
+            rows: std::iter::once(1..3).collect(),
+            ..p.clone()
+        };
+        let e = pack_share_into(&parts, &l, &far, &mut [0i32; 4], None).unwrap_err();
+        assert!(e.to_string().contains("rows within the layout's 2"), "{e}");
+        let wide = Plan {
+            layers: 0..2,
+            ..p.clone()
+        };
+        let e = pack_share_into(&parts, &l, &wide, &mut [0i32; 8], None).unwrap_err();
+        assert_eq!(field(e), "plan");
+    }
+
+    #[test]
+    fn a_missing_row_packs_as_zeros_into_an_unsigned_dtype() {
+        let a = payload(&[1, 2, -1, -1, 3, 4], 3, 0);
+        let l = layout(&[&a], &PackOptions::default(), DType::U8, 1 << 20).unwrap();
+        let (mut dst, mut mask) = (vec![9u8; 6], vec![true; 3]);
+        pack_into(&[&a], &l, &mut dst, Some(&mut mask)).unwrap();
+        assert_eq!(
+            (dst, mask),
+            (vec![1, 2, 0, 0, 3, 4], vec![true, false, true])
+        );
     }
 
     #[test]

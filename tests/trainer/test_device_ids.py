@@ -82,3 +82,22 @@ def test_the_layer_checks_run_where_the_rows_are() -> None:
     rows[:3, 2] = 0
     with pytest.raises(rx.PayloadError, match="payload layer 2: .* all zero"):
         _device.ids_on(rows, [1, 2], None, 8, ["a", "b"], device="cpu", pattern=pattern)
+
+
+def test_a_ranks_share_is_written_into_a_host_tensor_reused_from_step_to_step() -> None:
+    # A trainer's staging buffer (pinned where there is a GPU): its `.numpy()` is `out`, and the
+    # tensor holds the share afterwards with nothing copied in between.
+    pin = torch.cuda.is_available()
+    buf = torch.full((4096,), 7, dtype=torch.int32, pin_memory=pin)
+    rng = np.random.default_rng(3)
+    for step in range(3):
+        prompt = rx.RoutedExperts.from_array(rng.integers(0, 64, size=(10 + step, 3, 2)))
+        own = [rx.RoutedExperts.from_array(rng.integers(0, 64, size=(4, 3, 2)), start=10 + step)
+               for _ in range(3)]  # fmt: skip
+        samples = [(prompt, o) for o in own]
+        rank: dict[str, Any] = {"cp_size": 2, "cp_rank": step % 2, "layers": (1, 3)}
+        want, _, _ = rx.shard(*rx.pack(samples, pad_each_to_multiple=4, mask=True), **rank)
+        got, _, _ = rx.pack_shard(samples, pad_each_to_multiple=4, out=buf.numpy(), **rank)
+        np.testing.assert_array_equal(got, want)
+        torch.testing.assert_close(buf[: want.size].view(want.shape), torch.from_numpy(want))
+        assert buf.is_pinned() == pin

@@ -476,6 +476,70 @@ pub fn shard_array<'py>(
     Err(routed_experts::Error::field("batch", "an integer array", format!("dtype {dt}")).into())
 }
 
+/// Fill the front of a caller's buffer `out` (a writable, C-contiguous numpy array of `D`, of
+/// any shape, reused from call to call) with the `dims` values `fill` writes (the GIL
+/// released), and return the view of them shaped `dims`. Anything else is refused, never
+/// written into a copy the caller does not see.
+pub fn fill_out<'py, D: routed_experts::Element + numpy::Element>(
+    out: &Bound<'py, PyAny>,
+    dims: (usize, usize, usize),
+    fill: impl FnOnce(&mut [D]) -> routed_experts::Result<()> + Send,
+) -> PyResult<Bound<'py, PyAny>> {
+    use numpy::PyUntypedArray;
+    let field = |expected: String, got: String| -> Failure {
+        routed_experts::Error::field("out", expected, got).into()
+    };
+    let Ok(untyped) = out.cast::<PyUntypedArray>() else {
+        let expected = "a numpy array (of a pinned tensor: its .numpy())".to_string();
+        return Err(field(expected, a_value_of(out)));
+    };
+    let want = D::DTYPE.name();
+    let Ok(arr) = out.cast::<PyArrayDyn<D>>() else {
+        let got = untyped.dtype().str()?.to_cow()?.into_owned();
+        return Err(field(
+            format!("an array of {want} (the pack's dtype)"),
+            format!("dtype {got}"),
+        ));
+    };
+    let (rows, layers, top_k) = dims;
+    let n = rows
+        .checked_mul(layers)
+        .and_then(|v| v.checked_mul(top_k))
+        .ok_or_else(|| routed_experts::Error::payload(format!("a share of {dims:?} values")))?;
+    if !untyped.is_c_contiguous() {
+        return Err(field(
+            "a C-contiguous array".into(),
+            "a strided view".into(),
+        ));
+    }
+    if !out
+        .getattr("flags")?
+        .getattr("writeable")?
+        .extract::<bool>()?
+    {
+        return Err(field("a writable array".into(), "a read-only one".into()));
+    }
+    if untyped.len() < n {
+        let expected = format!("at least {n} values (the share's {rows} x {layers} x {top_k})");
+        return Err(field(expected, format!("{} values", untyped.len())));
+    }
+    {
+        let mut rw = arr
+            .try_readwrite()
+            .map_err(|e| field("an array no other call is writing".into(), e.to_string()))?;
+        let whole = rw
+            .as_slice_mut()
+            .map_err(|_| field("a C-contiguous array".into(), "a strided view".into()))?;
+        let dst = &mut whole[..n];
+        out.py().detach(|| fill(dst))?;
+    }
+    let py = out.py();
+    let front = out
+        .call_method1("reshape", (-1,))?
+        .get_item(pyo3::types::PySlice::new(py, 0, n as isize, 1))?;
+    Ok(front.call_method1("reshape", (rows, layers, top_k))?)
+}
+
 /// `shard::gather` for a batch that is not one contiguous slice: the plan's rows and layers,
 /// read through the view's strides into `dst`.
 fn gather_strided<T: Copy>(

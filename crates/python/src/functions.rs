@@ -340,29 +340,13 @@ pub fn pack<'py>(
     let samples = pack_samples(samples)?;
     let parts: Vec<Vec<&Payload>> = samples.iter().map(Sample::parts).collect();
     let parts: Vec<&[&Payload]> = parts.iter().map(Vec::as_slice).collect();
-    let payloads: Vec<&Payload> = parts.iter().flat_map(|p| p.iter().copied()).collect();
-    let Some(first) = payloads.first() else {
-        return Err(routed_experts::Error::field(
-            "samples",
-            "at least one sample",
-            "an empty list",
-        )
-        .into());
-    };
-    let dtype = match dtype {
-        Some(dtype) => dtype,
-        None => payloads.iter().fold(first.dtype(), |d, p| {
-            routed_experts::DType::promote(d, p.dtype())
-        }),
-    };
-    let opts = routed_experts::pack::PackOptions {
-        num_tokens: num_tokens
-            .map(|n| convert::offsets_arg("num_tokens", n))
-            .transpose()?,
-        pad_each_to_multiple,
+    let (dtype, layout, first) = packing(
+        &parts,
+        dtype,
+        num_tokens,
         pad_to_multiple,
-    };
-    let layout = routed_experts::pack::layout_parts(&parts, &opts, dtype, crate::max_bytes())?;
+        pad_each_to_multiple,
+    )?;
     let cu: Vec<i64> = layout.cu_seqlens.iter().map(|&c| c as i64).collect();
     let cu_seqlens = PyArray1::from_vec(py, cu).call_method1("astype", ("int32",))?;
     let dims = (layout.rows, first.num_layers(), first.top_k());
@@ -378,6 +362,109 @@ pub fn pack<'py>(
     }
     let rows_mask = PyArray1::from_vec(py, rows_mask).into_any();
     Ok(PyTuple::new(py, [batch, cu_seqlens, rows_mask])?.into_any())
+}
+
+/// What `pack` and `pack_shard` share: the samples' dtype (`dtype`, or the smallest that holds
+/// them all), their layout, and the first sample's first part (its layers and top_k).
+fn packing<'a>(
+    parts: &[&'a [&'a Payload]],
+    dtype: Option<routed_experts::DType>,
+    num_tokens: Option<&Bound<'_, PyAny>>,
+    pad_to_multiple: Option<usize>,
+    pad_each_to_multiple: Option<usize>,
+) -> PyResult<(
+    routed_experts::DType,
+    routed_experts::pack::Layout,
+    &'a Payload,
+)> {
+    let mut payloads = parts.iter().flat_map(|p| p.iter().copied());
+    let Some(first) = payloads.next() else {
+        return Err(routed_experts::Error::field(
+            "samples",
+            "at least one sample",
+            "an empty list",
+        )
+        .into());
+    };
+    let dtype = match dtype {
+        Some(dtype) => dtype,
+        None => payloads.fold(first.dtype(), |d, p| {
+            routed_experts::DType::promote(d, p.dtype())
+        }),
+    };
+    let opts = routed_experts::pack::PackOptions {
+        num_tokens: num_tokens
+            .map(|n| convert::offsets_arg("num_tokens", n))
+            .transpose()?,
+        pad_each_to_multiple,
+        pad_to_multiple,
+    };
+    let layout = routed_experts::pack::layout_parts(parts, &opts, dtype, crate::max_bytes())?;
+    Ok((dtype, layout, first))
+}
+
+/// `pack` then `shard` in one pass, without the batch (format.md §6.1): the rank's rows and
+/// layers of the batch `pack` would make, written straight into a new array or into `out`.
+/// Returns what `shard(*pack(samples, ..., mask=True), ...)` returns: `(batch, cu_seqlens,
+/// mask)`, the mask None unless `mask=True`. `out` (reused from step to step; a pinned tensor's
+/// `.numpy()`) is a writable C-contiguous numpy array of the pack's dtype holding at least the
+/// share's values; the batch returned is a view of its front, every value of it written.
+#[pyfunction]
+#[pyo3(signature = (samples, dtype = Some(routed_experts::DType::I32), pad_to_multiple = None, *, num_tokens = None, pad_each_to_multiple = None, mask = false, cp_size = 1, cp_rank = 0, cp_split = routed_experts::shard::CpSplit::Zigzag, tp_size = 1, tp_rank = 0, layers = None, out = None), text_signature = "(samples, dtype='int32', pad_to_multiple=None, *, num_tokens=None, pad_each_to_multiple=None, mask=False, cp_size=1, cp_rank=0, cp_split='zigzag', tp_size=1, tp_rank=0, layers=None, out=None)")]
+#[allow(clippy::too_many_arguments)]
+pub fn pack_shard<'py>(
+    py: Python<'py>,
+    samples: &Bound<'py, PyAny>,
+    #[pyo3(from_py_with = convert::opt_typed::dtype)] dtype: Option<routed_experts::DType>,
+    #[pyo3(from_py_with = convert::opt::pad_to_multiple)] pad_to_multiple: Option<usize>,
+    num_tokens: Option<&Bound<'py, PyAny>>,
+    #[pyo3(from_py_with = convert::opt::pad_each_to_multiple)] pad_each_to_multiple: Option<usize>,
+    #[pyo3(from_py_with = convert::flag::mask)] mask: bool,
+    #[pyo3(from_py_with = convert::arg::cp_size)] cp_size: usize,
+    #[pyo3(from_py_with = convert::arg::cp_rank)] cp_rank: usize,
+    #[pyo3(from_py_with = convert::word::cp_split)] cp_split: routed_experts::shard::CpSplit,
+    #[pyo3(from_py_with = convert::arg::tp_size)] tp_size: usize,
+    #[pyo3(from_py_with = convert::arg::tp_rank)] tp_rank: usize,
+    #[pyo3(from_py_with = convert::opt_pair::layers)] layers: Option<(usize, usize)>,
+    out: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Share<'py>> {
+    use numpy::PyArray1;
+    let samples = pack_samples(samples)?;
+    let parts: Vec<Vec<&Payload>> = samples.iter().map(Sample::parts).collect();
+    let parts: Vec<&[&Payload]> = parts.iter().map(Vec::as_slice).collect();
+    let (dtype, layout, first) = packing(
+        &parts,
+        dtype,
+        num_tokens,
+        pad_to_multiple,
+        pad_each_to_multiple,
+    )?;
+    let rank = routed_experts::shard::Rank {
+        cp_size,
+        cp_rank,
+        cp_split,
+        tp_size,
+        tp_rank,
+        layers,
+    };
+    let (num_layers, top_k) = (first.num_layers(), first.top_k());
+    let plan = routed_experts::shard::plan(&layout.cu_seqlens, layout.rows, num_layers, &rank)?;
+    let dims = (plan.num_rows(), plan.layers.len(), top_k);
+    let mut rows_mask = vec![false; if mask { plan.num_rows() } else { 0 }];
+    let batch = routed_experts::dtype::with_element!(dtype, D => {
+        let write = |dst: &mut [D]| {
+            let m = mask.then_some(&mut rows_mask[..]);
+            routed_experts::pack::pack_share_into(&parts, &layout, &plan, dst, m)
+        };
+        match out {
+            None => super::numpy_filled::<D>(py, dims, write)?,
+            Some(out) => convert::fill_out::<D>(out, dims, write)?,
+        }
+    });
+    let cu: Vec<i64> = plan.cu_seqlens.iter().map(|&c| c as i64).collect();
+    let cu_seqlens = PyArray1::from_vec(py, cu).call_method1("astype", ("int32",))?;
+    let rows_mask = mask.then(|| PyArray1::from_vec(py, rows_mask).into_any());
+    Ok((batch, cu_seqlens, rows_mask))
 }
 
 /// One of `pack`'s samples: a payload as it is, payloads of consecutive positions (a group's

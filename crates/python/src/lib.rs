@@ -169,7 +169,7 @@ mod _core {
     #[pymodule_export]
     use crate::functions::{
         _read_prefill, decode, detect_format, encode, from_response, group_from_response, merge,
-        merge_response, pack, shard,
+        merge_response, pack, pack_shard, shard,
     };
     #[pymodule_export]
     use crate::payload::{_from_raw, RoutedExperts};
