@@ -169,6 +169,8 @@ def _direct_shares(samples: list[Any], args: argparse.Namespace, layers: int) ->
     peak is this process's above what it held before (the samples)."""
     import numpy as np
 
+    import routed_experts as rx
+
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     base, began, share_bytes, buf = _resident(), time.perf_counter(), 0, None

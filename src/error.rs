@@ -92,6 +92,10 @@ pub enum ErrorKind {
         /// What they must be a multiple of.
         multiple: u64,
     },
+    /// The body read for routing is not a response: an engine's or a router's error reply
+    /// (its message quoted), or JSON that has none of a response's keys (`{}`, a request, a
+    /// routing value where a body belongs).
+    NotResponse,
     /// Malformed input of another kind (weights where ids belong, a slice outside a payload,
     /// a shape that overflows, ...): the message says which.
     Malformed,
@@ -128,7 +132,7 @@ pub enum ErrorKind {
 
 impl ErrorKind {
     /// Every kind's [`name`](ErrorKind::name), malformed input first, in declaration order.
-    pub const NAMES: [&'static str; 16] = [
+    pub const NAMES: [&'static str; 17] = [
         "field",
         "json",
         "counts",
@@ -139,6 +143,7 @@ impl ErrorKind {
         "unplaced",
         "offloaded",
         "unpadded",
+        "not_response",
         "malformed",
         "gap",
         "shape",
@@ -161,6 +166,7 @@ impl ErrorKind {
             ErrorKind::Unplaced => "unplaced",
             ErrorKind::Offloaded => "offloaded",
             ErrorKind::Unpadded { .. } => "unpadded",
+            ErrorKind::NotResponse => "not_response",
             ErrorKind::Malformed => "malformed",
             ErrorKind::Gap { .. } => "gap",
             ErrorKind::Shape { .. } => "shape",
@@ -185,6 +191,7 @@ impl ErrorKind {
                 | ErrorKind::Unplaced
                 | ErrorKind::Offloaded
                 | ErrorKind::Unpadded { .. }
+                | ErrorKind::NotResponse
                 | ErrorKind::Malformed
         )
     }
@@ -328,6 +335,7 @@ mod tests {
                 rows: 3,
                 multiple: 2,
             },
+            ErrorKind::NotResponse,
             ErrorKind::Malformed,
             ErrorKind::Gap { stop: 3, start: 5 },
             ErrorKind::Shape {
@@ -353,6 +361,7 @@ mod tests {
                 | ErrorKind::Unplaced
                 | ErrorKind::Offloaded
                 | ErrorKind::Unpadded { .. }
+                | ErrorKind::NotResponse
                 | ErrorKind::Malformed
                 | ErrorKind::Gap { .. }
                 | ErrorKind::Shape { .. }
@@ -373,7 +382,7 @@ mod tests {
             .take_while(|k| k.is_malformed_input())
             .count();
         assert_eq!(
-            malformed, 11,
+            malformed, 12,
             "malformed input first, then parts that do not fit"
         );
         assert!(one_of_each()[malformed..]

@@ -116,8 +116,9 @@ def test_inspect_of_what_is_not_routing_says_what_it_is(
     path = write(tmp_path, name, data)
     assert main(["inspect", path]) == 2
     err = capsys.readouterr().err
-    assert f"{path}: not routing in any known format" in err and said in err, err
-    assert "sglang" not in err.replace("(compact, vllm_npy, sglang, nemo, lists)", ""), err
+    assert f"{path}: " in err and "not a routing value or a response body" in err, err
+    assert said in err, err
+    assert "sglang" not in err, err
     assert "--num-layers" not in err, err
 
 
@@ -232,7 +233,7 @@ def test_a_choice_the_body_lacks_or_a_value_cannot_have_is_an_error(
                                                       "--choice", "1"]):
         rc, out, err = _run(argv, capsys)
         assert (rc, out) == (2, ""), (argv, out)
-        assert "b.json: --choice" in err and "has choice 0" in err, err
+        assert "b.json: --choice: expected one of the body's choices (0), got" in err, err
     rc, out, err = _run(["inspect", side, "--choice", "1"], capsys)
     assert (rc, out) == (2, "") and "a routing value has no choices" in err, err
     # Nothing half-said on stdout before an error.
@@ -249,7 +250,7 @@ def test_merge_and_compare_name_the_files_they_are_about(
                  json.dumps({"choices": [{"index": 0, "routed_experts": p.to_dict()}]}))
     value = write(tmp_path, "full.json", p.to_json())
     rc, _, err = _run(["merge", body, value], capsys)
-    assert rc == 2 and "MergeError" in err, err
+    assert rc == 1 and "MergeError" in err, err
     assert "prefill.json is a response body and" in err and "full.json is a routing value" in err
     assert "from_response" not in err  # the command's words, not the library's
     other = rx.RoutedExperts.from_array(np.arange(16, dtype=np.int64).reshape(2, 2, 4))
@@ -316,3 +317,161 @@ def test_the_wheel_contents_check_refuses_a_shipped_harness(tmp_path: Path) -> N
     found = wheel_contents.problems(bad, want)
     assert any("benchmark harness shipped" in f for f in found), found
     assert any("outside the package" in f for f in found), found
+
+
+def test_missing_routing_exits_3_unless_allowed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The exit codes (README, "The command"): 3 where routing was expected and none came.
+    none = write(tmp_path, "norouting.json",
+                 json.dumps({"id": "c", "choices": [{"index": 0, "text": "hi"}]}))
+    rc, out, err = _run(["inspect", none], capsys)
+    assert (rc, out) == (3, "") and "norouting.json: the response carries no routing" in err, err
+    rc, out, _ = _run(["inspect", none, "--allow-missing"], capsys)
+    assert rc == 0 and "choice 0: no routing" in out
+    rc, _, err = _run(["merge", none, none], capsys)
+    assert rc == 3 and "neither" in err and "--allow-missing" in err, err
+    rc, out, _ = _run(["merge", none, none, "--allow-missing"], capsys)
+    assert rc == 0 and json.loads(out) == json.loads(Path(none).read_text())
+    # Prefill with routing, decode without: the decode side's rows are missing.
+    p = rx.RoutedExperts.from_array(np.arange(24, dtype=np.int64).reshape(2, 3, 4))
+    routed = write(tmp_path, "prefill.json",
+                   json.dumps({"choices": [{"index": 0, "routed_experts": p.to_dict()}]}))
+    rc, _, err = _run(["merge", routed, none], capsys)
+    assert rc == 3 and "missing routing on the decode side" in err, err
+    rc, _, err = _run(["compare", none, routed], capsys)
+    assert rc == 3 and "norouting.json" in err, err
+
+
+def test_merge_takes_decode_start_for_a_body_that_does_not_fix_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # vLLM's P/D: prefill's rows [0, 5), decode's from P - 1 = 4 to P + G - 1 = 7, no counts.
+    truth = (np.arange(7 * 2 * 2).reshape(7, 2, 2) % 9).astype(np.uint8)
+    text = {k: rx.encode(rx.RoutedExperts.from_array(a, start=s), "vllm_npy")
+            for k, (a, s) in {"p": (truth[:5], 0), "d": (truth[4:], 4)}.items()}
+    pre = write(tmp_path, "p.json", json.dumps({"choices": [{"index": 0, "routed_experts": text["p"]}]}))
+    dec = write(tmp_path, "d.json", json.dumps({"choices": [{"index": 0, "routed_experts": text["d"]}]}))
+    rc, out, _ = _run(["merge", pre, dec, "--decode-start", "4"], capsys)
+    assert rc == 0
+    np.testing.assert_array_equal(rx.from_response(out).array, truth)
+    rc, _, err = _run(["merge", pre, dec], capsys)  # read from 0, decode lies inside prefill
+    assert rc in (1, 2) and err, err
+
+
+@pytest.mark.parametrize(("name", "data", "said"), [
+    ("empty.json", b"", "empty, no routing value or response body in it"),
+    ("img.png", b"\x89PNG\r\n\x1a\n\x00\x00", "a PNG image, not a routing value or a response body"),
+    ("error.json", b'{"error": {"message": "max_tokens is too large", "code": 400}}',
+     'the server\'s error reply, not a response: "max_tokens is too large"'),
+    ("request.json", b'{"model": "m", "prompt": "hi"}',
+     'a JSON object of keys "model", "prompt", neither a routing value nor a response body'),
+])
+def test_every_command_names_the_file_and_what_it_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, data: bytes, said: str
+) -> None:
+    bad = write(tmp_path, name, data)
+    p = rx.RoutedExperts.from_array(np.arange(24, dtype=np.int64).reshape(2, 3, 4))
+    good = write(tmp_path, "good.json",
+                 json.dumps({"choices": [{"index": 0, "routed_experts": p.to_dict()}]}))
+    for argv in (["inspect", bad], ["convert", bad, "--to", "lists"], ["compare", good, bad],
+                 ["merge", good, bad], ["merge", bad, good]):
+        rc, out, err = _run(argv, capsys)
+        assert (rc, out) == (2, ""), (argv, err)
+        assert f"{bad}: {said}" in err, (argv, err)
+
+
+def test_a_raw_npy_file_is_read_as_its_array(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a = (np.arange(24).reshape(4, 3, 2) % 11).astype(np.uint8)
+    path = tmp_path / "rows.npy"
+    np.save(path, a)
+    rc, out, _ = _run(["inspect", str(path), "--start", "5"], capsys)
+    assert rc == 0 and "format: raw .npy (np.save)" in out and "positions: [5, 9)" in out, out
+    rc, out, _ = _run(["convert", str(path), "--to", "lists"], capsys)
+    assert rc == 0 and json.loads(out) == a.tolist()
+
+
+def test_swapped_pd_inputs_are_said_to_be_swapped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A prefill half counts one generated token; decode counts the choice's.
+    truth = (np.arange(8 * 2 * 2).reshape(8, 2, 2) % 9).astype(np.uint8)
+
+    def half(rows: np.ndarray, prompt: int, generated: int) -> str:
+        value = rx.encode(rx.RoutedExperts.from_array(rows), "vllm_npy")
+        return json.dumps({"choices": [{"index": 0, "text": "x", "routed_experts": value}],
+                           "usage": {"prompt_tokens": prompt, "completion_tokens": generated}})
+
+    pre = write(tmp_path, "prefill.json", half(truth[:5], 5, 1))
+    dec = write(tmp_path, "decode.json", half(truth[4:], 5, 4))
+    rc, _, err = _run(["merge", dec, pre], capsys)
+    assert rc == 1 and "the inputs look swapped" in err, err
+    assert f"run `routed-experts merge {pre} {dec}`" in err, err
+    rc, out, _ = _run(["merge", pre, dec], capsys)  # decode's start derived: P + G - 1 - rows
+    assert rc == 0
+    np.testing.assert_array_equal(rx.from_response(out).array, truth)
+
+
+def test_a_bad_flag_is_said_first_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["proxy", "--prefill", "htp://x", "--decode", "http://127.0.0.1:1"])
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2
+    assert err[0] == ("routed-experts proxy: error: argument --prefill: expected a URL starting "
+                      "with http://, got 'htp://x'"), err
+    assert err[1:] == ["(`routed-experts proxy --help` lists the flags)"], err
+
+
+@pytest.mark.source_tree
+def test_the_proxy_says_at_start_which_server_does_not_answer() -> None:
+    import queue
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+    engine_port, nobody = free_port(), free_port()
+    exe = [sys.executable, "-m", "routed_experts"]
+    engine = subprocess.Popen([*exe, "engine", "--role", "decode", "--port", str(engine_port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proxy = None
+    try:
+        deadline = time.monotonic() + 30
+        def listening() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", engine_port)) == 0
+
+        while not listening():
+            assert time.monotonic() < deadline, "the stand-in engine never listened"
+            time.sleep(0.1)
+        proxy = subprocess.Popen(
+            [*exe, "proxy", "--prefill", f"http://127.0.0.1:{nobody}", "--decode",
+             f"http://127.0.0.1:{engine_port}", "--port", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        assert proxy.stdout is not None
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in proxy.stdout],  # type: ignore[union-attr]
+                         daemon=True).start()  # fmt: skip
+        said: list[str] = []
+        while sum("/health" in s for s in said) < 2:
+            said.append(lines.get(timeout=30))  # queue.Empty: the proxy never said it
+        text = "".join(said)
+        assert f"prefill server http://127.0.0.1:{nobody} does not answer /health at start" in text
+        assert f"decode server http://127.0.0.1:{engine_port} answers /health" in text, text
+        assert proxy.poll() is None  # it serves on: a server that starts later is used
+    finally:
+        for p in (proxy, engine):
+            if p is not None:
+                p.kill()
+                p.wait()
+                if p.stdout is not None:
+                    p.stdout.close()

@@ -45,6 +45,7 @@ def test_each_kind_carries_its_values_and_its_class() -> None:
         (lambda: rx.from_response(b'{"usage":{"prompt_tokens":1,"prompt_tokens":2}}'),
          rx.PayloadError, "json", {"expected": "each key once in an object"}),
         (lambda: rx.decode(b"{}", start=-1), rx.PayloadError, "field", {"field": "start"}),
+        (lambda: rx.from_response(b"{}"), rx.PayloadError, "not_response", {}),
     ]
     for call, cls, kind, details in cases:
         e = raised(call)

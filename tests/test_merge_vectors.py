@@ -91,10 +91,26 @@ def test_the_rust_example_merges_bodies_as_the_python_api_does(tmp_path: Path) -
         )
         if "error" in case:
             # The example matches the error's kind: halves that do not fit exit 1, malformed
-            # input 2 (the Python classes MergeError and PayloadError).
-            code = {"MergeError": 1, "PayloadError": 2}[case["error"]]
+            # input 2 (the Python classes MergeError and PayloadError), missing routing 3.
+            # Routing on one side only is 3, as the command's missing routing.
+            try:
+                rx.merge_response(case["prefill_body"], case["decode_body"])
+            except rx.RoutedExpertsError as e:
+                kind = e.kind
+            code = 3 if kind == "missing_routing" else {"MergeError": 1, "PayloadError": 2}[
+                case["error"]]
             assert r.returncode == code and r.stderr, (case["name"], r.stderr)
+        elif rx.from_response(want := rx.merge_response(case["prefill_body"],
+                                                        case["decode_body"])) is None:
+            # Neither body carries routing: exit 3 unless --allow-missing, which writes
+            # decode's body unchanged (the CLI's codes; README, "The command").
+            assert r.returncode == 3 and b"neither body carries routing" in r.stderr, r.stderr
+            r = subprocess.run(
+                ["cargo", "run", "--quiet", "--example", "merge", "--", str(prefill), str(decode),
+                 "--allow-missing"],
+                cwd=REPO, capture_output=True, timeout=600,
+            )  # fmt: skip
+            assert r.returncode == 0 and r.stdout == want + b"\n", case["name"]
         else:
             assert r.returncode == 0, r.stderr
-            want = rx.merge_response(case["prefill_body"], case["decode_body"])
             assert r.stdout == want + b"\n", case["name"]

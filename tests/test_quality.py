@@ -401,6 +401,24 @@ def test_cli_plot_draws_load_and_agreement(
     assert width == w1 and height > 1.8 * h1  # two panels, one panel
 
 
+def test_cli_plot_refuses_an_output_it_would_not_write_as_named(
+    rollout_and_recompute: tuple[str, str], tmp_path: Path
+) -> None:
+    # Checked before anything is read or drawn: no traceback, nothing written elsewhere.
+    tmp_path = tmp_path / "plots"
+    tmp_path.mkdir()
+    for output, said in [
+        (tmp_path / "x.txt", "the suffix .txt; the suffix says the format: .png, .pdf, .svg"),
+        (tmp_path / "noext", "no suffix; the suffix says the format: .png, .pdf, .svg"),
+        (tmp_path, "a folder; name the file to write (.png, .pdf, .svg)"),
+        (tmp_path / "nowhere" / "a.png", f"the folder {tmp_path / 'nowhere'} does not exist"),
+    ]:
+        r = cli("plot", rollout_and_recompute[0], "-o", str(output))
+        assert r.returncode == 2 and f"-o {output}: {said}" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_cli_plot_without_matplotlib_says_what_to_install(tmp_path: Path) -> None:
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"  # as if the extra were not installed

@@ -212,8 +212,35 @@ def test_real_pd_halves_merge_into_the_whole_sequence(release: Path, case: dict[
     assert d is not None and d.start == decode_start
     with pytest.raises(rx.PayloadError, match="pass that start|start"):
         rx.from_response(body(release, dec))
-    with pytest.raises(rx.RoutedExpertsError):
-        rx.merge_response(body(release, pre), body(release, dec))
+    # With no start given, the merge derives it from the decode body's token counts (format.md
+    # §4): the same merged body, byte for byte.
+    assert rx.merge_response(body(release, pre), body(release, dec), require_routing=True) == merged
+
+
+@pytest.mark.source_tree
+def test_a_saved_pd_exchange_merges_from_the_cli_and_from_rust_with_no_start_given(
+    tmp_path: Path,
+) -> None:
+    # `routed-experts merge` and `cargo run --example merge`, as a user runs them on two saved
+    # bodies, against the Python merge with the start the recording asked.
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    example = ["cargo", "run", "--quiet", "--example", "merge", "--"]
+    for release, case in (c.values for c in cases_with("prefill", "decode")):
+        pre, dec = tmp_path / "prefill.json", tmp_path / "decode.json"
+        pre.write_bytes(body(release, case["prefill"]))
+        dec.write_bytes(body(release, case["decode"]))
+        want = rx.merge_response(pre.read_bytes(), dec.read_bytes(),
+                                 decode_start=start_asked(case["decode"]["request"]))  # fmt: skip
+        cli = subprocess.run([sys.executable, "-m", "routed_experts", "merge", str(pre), str(dec)],
+                             capture_output=True, timeout=120)  # fmt: skip
+        assert cli.returncode == 0, (release.name, case["name"], cli.stderr)
+        assert cli.stdout.rstrip(b"\n") == want, (release.name, case["name"])
+        rust = subprocess.run([*example, pre, dec], cwd=repo, capture_output=True, timeout=900)
+        assert rust.returncode == 0, (release.name, case["name"], rust.stderr)
+        assert rust.stdout == want + b"\n", (release.name, case["name"])
 
 
 def json_replies() -> list[Any]:

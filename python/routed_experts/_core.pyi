@@ -30,6 +30,7 @@ __all__ = [
     "_proxy_text_settings",
     "_read_prefill",
     "_replay_ids",
+    "_sniff",
     "_trajectory_from_payload",
     "agreement",
     "decode",
@@ -42,6 +43,7 @@ __all__ = [
     "merge",
     "merge_response",
     "pack",
+    "pack_shard",
     "set_max_bytes",
     "shard",
 ]
@@ -70,7 +72,7 @@ _Routing: TypeAlias = RoutedExperts | npt.ArrayLike
 # Which rule an error broke: the core's `ErrorKind` by name (docs/format.md §8).
 _ErrorKind: TypeAlias = Literal[
     "field", "json", "counts", "row", "id", "rows_lost", "too_large", "unplaced", "offloaded",
-    "unpadded", "malformed", "gap", "shape", "missing_routing", "overlap", "inconsistent",
+    "unpadded", "not_response", "malformed", "gap", "shape", "missing_routing", "overlap", "inconsistent",
 ]
 _ERROR_KINDS: tuple[_ErrorKind, ...]
 
@@ -349,6 +351,13 @@ def _replay_ids(
     dtype: str,
     origin: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
+def _sniff(
+    data: bytes | bytearray | memoryview | str,
+) -> tuple[
+    Literal["empty", "npy", "binary", "routing", "response", "error_reply", "json", "text"],
+    str | None,
+    int | None,
+]: ...
 def set_max_bytes(n: int) -> None: ...
 def get_max_bytes() -> int: ...
 def _from_raw(data: Any, shape: tuple[int, int, int], start: int, dtype: str) -> RoutedExperts: ...

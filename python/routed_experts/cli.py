@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import io
 import json
 import os
 import re
 import sys
+from pathlib import Path
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -22,10 +24,6 @@ from routed_experts._synthetic import MODELS, best_of, synthetic_rollout
 
 # Where `routed-experts proxy` reads the upstream API key when --upstream-api-key is not given.
 UPSTREAM_KEY_ENV = "ROUTED_EXPERTS_UPSTREAM_API_KEY"
-
-# The top-level keys of a response body (format.md §3.2), as the Rust core's sidecar::BODY_KEYS.
-BODY_KEYS = ("choices", "sglext", "meta_info", "nvext")
-
 
 def _progress(text: str) -> None:
     """A step of work that can take more than a moment, on stderr when it is a terminal (never
@@ -65,7 +63,14 @@ def _in_file(path: str) -> Iterator[None]:
     try:
         yield
     except RoutedExpertsError as e:
-        raise type(e)(f"{'stdin' if path == '-' else path}: {e}") from None
+        name = "stdin" if path == "-" else path
+        if str(e).startswith(f"{name}: "):
+            raise  # named already
+        named = type(e)(f"{name}: {e}")
+        for attr in ("kind", "details", "exit_code"):  # what the exit code is read from
+            if hasattr(e, attr):
+                setattr(named, attr, getattr(e, attr))
+        raise named from None
 
 
 def _read_input(path: str) -> bytes:
@@ -91,64 +96,75 @@ def _hints(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _response_body(text: bytes) -> dict[str, Any] | list[Any] | None:
-    """The parsed document when `text` is a response body (routing inside
-    choices/meta_info/nvext), None when it is a bare routing value (or not JSON)."""
-    try:
-        doc = json.loads(text)
-    except ValueError:
-        return None
-    if isinstance(doc, list):
-        return doc if doc and isinstance(doc[0], dict) and "data" not in doc[0] else None
-    return doc if isinstance(doc, dict) and any(k in doc for k in BODY_KEYS) else None
-
-
-def _is_response_body(text: bytes) -> bool:
-    """A response body, not a bare routing value."""
-    return _response_body(text) is not None
-
-
-def _choice(path: str, data: bytes, args: argparse.Namespace) -> int | None:
-    """The `--choice` to read from `data`: 0 when not given; an error naming the file when
-    the body has no such choice, or when `--choice` is given for a routing value (which has
-    none). None for a routing value."""
+def _what(path: str, data: bytes) -> tuple[str, str | None, int | None]:
+    """What a file is (the core's sniffer, `rx._core._sniff`): every message about a file is
+    built from its answer. Routing values, raw `.npy` files and response bodies are read; for
+    anything else the error says what the file is and what to do."""
+    kind, detail, generated = rx._core._sniff(data)
     name = "stdin" if path == "-" else path
-    doc = _response_body(data)  # parsed once: bodies run to tens of MB
-    if doc is None:
-        if getattr(args, "choice", None) is not None:
-            raise rx.PayloadError(f"{name}: --choice {args.choice}: a routing value has no "
-                                  "choices (--choice is for response bodies)")
-        return None
-    choice = args.choice or 0
-    if isinstance(doc, list):
-        have = list(range(len(doc)))
-    elif isinstance(doc.get("choices"), list) and doc["choices"]:
-        have = [c.get("index", i) if isinstance(c, dict) else i
-                for i, c in enumerate(doc["choices"])]
-    else:
-        have = [0]
-    if choice not in have:
-        raise rx.PayloadError(f"{name}: --choice {choice}: the response body has "
-                              f"choice{'s' if len(have) > 1 else ''} "
-                              f"{', '.join(map(str, have))}")
-    return int(choice)
+    refused = {
+        "empty": f"{name}: empty, no routing value or response body in it (save the server's "
+                 "answer into it, or pass another file)",
+        "binary": f"{name}: {detail}, not a routing value or a response body",
+        "error_reply": f"{name}: the server's error reply, not a response: {detail} (fix the "
+                       "request and save the answer it gets)",
+        "json": f"{name}: {detail}, neither a routing value nor a response body (pass the body "
+                "the server answered, or one routing value)",
+        "text": f"{name}: not a routing value or a response body: {detail}",
+    }
+    if kind in refused:
+        raise rx.PayloadError(refused[kind])
+    return kind, detail, generated
+
+
+def _choice(path: str, kind: str, args: argparse.Namespace) -> int | None:
+    """The `--choice` to read from a file of `kind`: 0 when not given (the body says which it
+    has: a choice it lacks is an error naming them); None for a routing value, which has no
+    choices, and an error when `--choice` is given for one."""
+    if kind == "response":
+        return int(args.choice or 0)
+    if getattr(args, "choice", None) is not None:
+        name = "stdin" if path == "-" else path
+        raise rx.PayloadError(f"{name}: --choice {args.choice}: a routing value has no "
+                              "choices (--choice is for response bodies)")
+    return None
+
+
+def _from_npy(data: bytes, args: argparse.Namespace) -> RoutedExperts:
+    """A raw `np.save` file (vLLM's rows before base64): its array, from `--start` (0)."""
+    try:
+        array = np.load(io.BytesIO(data), allow_pickle=False)
+    except ValueError as e:
+        raise rx.PayloadError(f"a .npy file numpy cannot read: {e}") from None
+    return RoutedExperts.from_array(array, start=args.start or 0)
+
+
+def _read_routing(path: str, data: bytes, args: argparse.Namespace,
+                  kind: str, detail: str | None) -> tuple[RoutedExperts | None, str]:  # fmt: skip
+    """The routing a file of `kind` holds and how it was read (for `inspect`'s format line);
+    None for a response without routing."""
+    choice = _choice(path, kind, args)
+    with _in_file(path):
+        if kind == "response":
+            return rx.from_response(data, choice, **_hints(args)), "response body"
+        if kind == "npy":
+            return _from_npy(data, args), "raw .npy (np.save)"
+        return rx.decode(data, **_hints(args)), str(detail)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     _progress(f"reading {'stdin' if args.file == '-' else args.file}")
     text = _read_input(args.file).strip()
-    lines = []
-    with _in_file(args.file):
-        choice = _choice(args.file, text, args)
-        if choice is not None:
-            lines.append("format: response body")
-            p = rx.from_response(text, choice, **_hints(args))
-            if p is None:
-                print("\n".join([*lines, f"choice {choice}: no routing"]))
-                return 0
-        else:
-            lines.append(f"format: {rx.detect_format(text)}")
-            p = rx.decode(text, **_hints(args))
+    kind, detail, _ = _what(args.file, text)
+    p, how = _read_routing(args.file, text, args, kind, detail)
+    lines = [f"format: {how}"]
+    if p is None and args.allow_missing:
+        print("\n".join([*lines, f"choice {args.choice or 0}: no routing"]))
+        return 0
+    if p is None:
+        raise _no_routing(f"{args.file}: the response carries no routing (ask for it: vLLM's "
+                          "--enable-return-routed-experts, SGLang's return_routed_experts); "
+                          "--allow-missing reports it and exits 0")
     # Printed once the file has been read whole: an error leaves nothing half-said on stdout.
     print("\n".join(lines))
     print(f"shape: {p.shape} (tokens, layers, top_k)")
@@ -190,16 +206,21 @@ def print_load(load: rx.ExpertLoad) -> None:
 
 
 def _routing(path: str, args: argparse.Namespace) -> RoutedExperts:
-    """The routing in a file: a routing value in any format, or one choice of a body."""
+    """The routing in a file: a routing value in any format, a raw `.npy`, or one choice of a
+    body."""
     data = _read_input(path).strip()
-    choice = _choice(path, data, args)
-    with _in_file(path):
-        if choice is None:
-            return rx.decode(data, **_hints(args))
-        found = rx.from_response(data, choice, **_hints(args))
+    kind, detail, _ = _what(path, data)
+    found, _ = _read_routing(path, data, args, kind, detail)
     if found is None:
-        raise RoutedExpertsError(f"{path}: the response body has no routing for choice {choice}")
+        raise _no_routing(f"{path}: the response carries no routing (ask the server for it)")
     return found
+
+
+def _no_routing(message: str) -> rx.PayloadError:
+    """The error of a response without routing where routing was expected: exit code 3."""
+    e = rx.PayloadError(message)
+    e.exit_code = 3  # type: ignore[attr-defined]
+    return e
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -220,7 +241,28 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+# What `plot -o` writes, by the file's suffix (matplotlib's own names for them).
+PLOT_FORMATS = ("png", "pdf", "svg")
+
+
+def _plot_output(path: str) -> str:
+    """`plot -o`: a file whose suffix is a format it writes, in a folder that exists (checked
+    before anything is read, so a mistake costs nothing)."""
+    out = Path(path)
+    allowed = ", ".join(f".{f}" for f in PLOT_FORMATS)
+    if out.is_dir():
+        raise rx.ConfigError(f"-o {path}: a folder; name the file to write ({allowed})")
+    suffix = out.suffix.lower().lstrip(".")
+    if suffix not in PLOT_FORMATS:
+        said = f"the suffix .{suffix}" if suffix else "no suffix"
+        raise rx.ConfigError(f"-o {path}: {said}; the suffix says the format: {allowed}")
+    if not out.parent.is_dir():
+        raise rx.ConfigError(f"-o {path}: the folder {out.parent} does not exist")
+    return suffix
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
+    _plot_output(args.output)
     try:
         from routed_experts.plot import plot_routing
     except ImportError as e:
@@ -235,21 +277,36 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def cmd_merge(args: argparse.Namespace) -> int:
     prefill, decode = _read_input(args.prefill), _read_input(args.decode)
-    kinds = ["a response body" if _is_response_body(t.strip()) else "a routing value"
-             for t in (prefill, decode)]
+    seen = [_what(args.prefill, prefill), _what(args.decode, decode)]
+    kinds = ["a response body" if k == "response" else "a routing value" for k, _, _ in seen]
     if kinds[0] != kinds[1]:
         raise rx.MergeError(
             f"{args.prefill} is {kinds[0]} and {args.decode} is {kinds[1]}: merge two response "
             "bodies (the merged body is written) or two routing values (the merged value is)"
         )
+    generated = [g for _, _, g in seen]
+    if generated[0] is not None and generated[0] > 1 and generated[1] == 1:
+        # A prefill half generates one token (format.md §4): these are the other way round.
+        raise rx.MergeError(
+            f"the inputs look swapped: {args.prefill} counts {generated[0]} generated tokens and "
+            f"{args.decode} 1, as a prefill half does; run `routed-experts merge {args.decode} "
+            f"{args.prefill}`"
+        )
+    hints = _hints(args)
     if kinds[1] == "a response body":
-        out = rx.merge_response(prefill, decode, **_hints(args))
+        if not args.allow_missing and all(d == "no routing" for _, d, _ in seen):
+            raise _no_routing(f"neither {args.prefill} nor {args.decode} carries routing: the "
+                              "merged body would be decode's unchanged; --allow-missing writes "
+                              "it and exits 0")
+        if args.decode_start is not None:
+            hints["decode_start"] = args.decode_start
+        out = rx.merge_response(prefill, decode, require_routing=True, **hints)
     else:
-        hints = _hints(args)
-        with _in_file(args.prefill):
-            first = rx.decode(prefill, **hints)
-        with _in_file(args.decode):
-            second = rx.decode(decode, **hints)
+        first, _ = _read_routing(args.prefill, prefill, args, *seen[0][:2])
+        if args.decode_start is not None:
+            args.start = args.decode_start
+        second, _ = _read_routing(args.decode, decode, args, *seen[1][:2])
+        assert first is not None and second is not None  # routing values, not bodies
         merged = rx.merge(first, second)
         out = merged.to_json()
     _write_output(args.output, out)
@@ -426,7 +483,8 @@ def _add_hints(p: argparse.ArgumentParser) -> None:
 
 # The library names its hints as Python arguments; on the command line they are flags.
 # The flags that give what a format may not carry, by the field they set.
-_FLAGS = {"num_layers": "--num-layers", "top_k": "--top-k", "start": "--start"}
+_FLAGS = {"num_layers": "--num-layers", "top_k": "--top-k", "start": "--start",
+          "decode_start": "--decode-start"}
 
 
 def _as_flags(message: str, args: argparse.Namespace) -> str:
@@ -439,6 +497,8 @@ def _as_flags(message: str, args: argparse.Namespace) -> str:
                 f"`{field}`: expected {getattr(args, field)} (as given by {flag})",
             )
     message = message.replace("give num_layers and top_k", "give --num-layers and --top-k")
+    message = message.replace("pass decode_start (--decode-start)", "pass --decode-start")
+    message = message.replace("`choice`: expected", "--choice: expected")
     message = message.replace(
         "read its routing with from_response(body, choice), or merge two bodies with "
         "merge_response",
@@ -460,11 +520,16 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-    """Every (sub-)command's --help shows each option's default."""
+    """Every (sub-)command's --help shows each option's default; a mistake on the command line
+    is said first and in one line, then where the flags are (argparse prints the whole usage
+    first: some 30 lines for `proxy`, with the error below them)."""
 
     def __init__(self, **kw: Any) -> None:
         kw.setdefault("formatter_class", _HelpFormatter)
         super().__init__(**kw)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the flags)\n")
 
 
 def _add_proxy_limits(p: argparse.ArgumentParser) -> None:
@@ -559,6 +624,8 @@ COMMANDS: list[Command] = [
             arg("file", help="a routing value or response body file, or - for stdin"),
             arg("--choice", type=_count(0), help="choice index in a response body (default 0)"),
             arg("--stats", action="store_true", help="print per-layer expert load and imbalance"),
+            arg("--allow-missing", action="store_true",
+                help="a response without routing is reported and exits 0 (else exit 3)"),
             _add_num_experts,
             _add_hints,
         ],
@@ -596,6 +663,12 @@ COMMANDS: list[Command] = [
             arg("prefill", help="prefill sidecar or response body file, or - for stdin"),
             arg("decode", help="decode sidecar or response body file"),
             arg("-o", "--output", help="output file (default: stdout)"),
+            arg("--allow-missing", action="store_true",
+                help="bodies without routing are merged as they are (decode's body written "
+                "unchanged) and exit 0 (else exit 3)"),
+            arg("--decode-start", type=_count(0),
+                help="where decode's rows start (vLLM's P/D: the prompt's length - 1); default: "
+                "--start, else derived from the decode body's token counts (format.md §4)"),
             _add_hints,
         ],
     ),
@@ -770,7 +843,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except (RoutedExpertsError, OSError) as e:
         print(f"routed-experts: {type(e).__name__}: {_as_flags(str(e), args)}", file=sys.stderr)
-        return 2
+        return _exit_code(e)
+
+
+def _exit_code(e: BaseException) -> int:
+    """The command's exit codes, the same as `cargo run --example merge`'s (README, "The
+    command"): 1 parts that do not fit together (MergeError), 2 malformed input, a bad argument
+    or an unreadable file, 3 no routing where routing was expected."""
+    if getattr(e, "exit_code", None) == 3 or getattr(e, "kind", None) == "missing_routing":
+        return 3
+    return 1 if isinstance(e, rx.MergeError) else 2
 
 
 if __name__ == "__main__":

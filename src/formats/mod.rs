@@ -3,6 +3,7 @@
 
 mod declared;
 mod not_routing;
+pub(crate) use not_routing::describe as describe_not_routing;
 pub mod npy;
 mod places;
 pub mod sidecar;

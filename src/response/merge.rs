@@ -89,6 +89,10 @@ fn merge_pieces<'a>(
         });
     }
     let prefill = prefill_found()?;
+    let mut opts = opts;
+    if let Some(start) = super::decode_start::derive(&decode.values, &opts)? {
+        opts.decode_start = Some(start);
+    }
     if let Some(at) = prefill.weights.as_ref().or(decode.weights.as_ref()) {
         return Err(split::weights_error(at));
     }

@@ -5,6 +5,7 @@
 //! `.npy` by copying its text, `npy_text`); and merging one event of a
 //! stream as it passes (`streaming`, with prefill's rows held decoded in `prefill_rows`).
 
+mod decode_start;
 mod group;
 mod merge;
 mod npy_text;
@@ -188,10 +189,29 @@ mod tests {
                 .start(),
             2
         );
+        // None only for a response with no routing in any choice; a mistake is an error.
+        let read =
+            |b: &str, c| from_response(b.as_bytes(), c, &Hints::default(), DEFAULT_MAX_BYTES);
+        let kind = |r: crate::Result<Option<Payload>>| match r {
+            Ok(p) => format!("ok {p:?}"),
+            Err(e) => e.kind().name().to_string(),
+        };
+        assert_eq!(kind(read(b, 0)), "rows_lost");
+        let e = read(b, 5).unwrap_err().to_string();
         assert!(
-            from_response(b.as_bytes(), 0, &Hints::default(), DEFAULT_MAX_BYTES)
-                .unwrap()
-                .is_none()
+            e.contains("`choice`: expected one of the body's choices (0, 1), got 5"),
+            "{e}"
         );
+        let none = r#"{"choices":[{"index":0,"text":"a"},{"index":1,"text":"b"}]}"#;
+        assert!(read(none, 1).unwrap().is_none());
+        assert_eq!(kind(read(none, 2)), "field");
+        assert_eq!(kind(read("{}", 0)), "not_response");
+        assert_eq!(
+            kind(read(r#"{"error":{"message":"no"}}"#, 0)),
+            "not_response"
+        );
+        let sglang = r#"{"text":"a","meta_info":{"id":"x"}}"#;
+        assert!(read(sglang, 0).unwrap().is_none());
+        assert_eq!(kind(read(sglang, 1)), "field");
     }
 }

@@ -11,7 +11,7 @@ use crate::payload::Payload;
 use crate::body::coverage;
 use crate::body::shared_prompt;
 use crate::body::split;
-use crate::body::{read_body_decoding, Found};
+use crate::body::{read_body_decoding, BodyRouting, Found};
 use crate::formats::Rule;
 
 /// Decode one routing value, whatever its format, and check its rows against the token counts
@@ -85,7 +85,9 @@ pub fn routing_rows(f: &Found, hints: &Hints, max_bytes: usize) -> Result<usize>
     }
 }
 
-/// The routing of the choice whose index is `choice`, or `None` when it carries none. For
+/// The routing of the choice whose index is `choice`, or `None` when the body is a response
+/// whose choices carry no routing at all (a choice the body does not have, a choice without
+/// routing beside choices with it, and a body that is no response are errors). For
 /// vLLM 0.21's split shape and the shared-prompt answer (format.md §3.4, §4.1), the whole
 /// sequence: the prompt rows, then the choice's own.
 pub fn from_response(
@@ -105,9 +107,51 @@ pub fn from_response(
     }
     // The first value of the choice, as `BodyRouting::value` finds it.
     let Some(at) = found.values.iter().position(|f| f.index == choice) else {
-        return Ok(None);
+        return without_value(body, &found, choice);
     };
     decode_owned(found.values.swap_remove(at), hints, max_bytes)
         .map(|(_, p)| Some(p))
         .map_err(in_choice)
+}
+
+/// Why `found` has no value for `choice`: `None` only for a response that has the choice and
+/// no routing in any choice; a choice it does not have is a `Field` error on `choice`, a choice
+/// without routing beside choices with it `RowsLost`, a body that is no response `NotResponse`.
+fn without_value(body: &[u8], found: &BodyRouting, choice: u64) -> Result<Option<Payload>> {
+    let mut indexes: Vec<u64> = found.choices.iter().map(|(i, _)| *i).collect();
+    indexes.extend(found.values.iter().map(|f| f.index));
+    indexes.sort_unstable();
+    indexes.dedup();
+    let out_of_range = |indexes: &[u64]| {
+        let mut list: Vec<String> = indexes.iter().take(8).map(u64::to_string).collect();
+        if indexes.len() > 8 {
+            list.push(format!("... {} in all", indexes.len()));
+        }
+        Error::field(
+            "choice",
+            format!("one of the body's choices ({})", list.join(", ")),
+            choice,
+        )
+    };
+    if let Some(routed) = found.values.first() {
+        if found.choices.iter().any(|(i, _)| *i == choice) {
+            return Err(Error::new(
+                ErrorKind::RowsLost,
+                format!(
+                    "choice {choice} carries no routing beside choices that do (choice {}): its \
+                     rows are lost",
+                    routed.index
+                ),
+            ));
+        }
+        return Err(out_of_range(&indexes));
+    }
+    crate::body::check_response(body)?;
+    if indexes.contains(&choice) || (indexes.is_empty() && choice == 0) {
+        return Ok(None);
+    }
+    Err(match indexes.is_empty() {
+        false => out_of_range(&indexes),
+        true => Error::field("choice", "0 (the body holds one result)", choice),
+    })
 }

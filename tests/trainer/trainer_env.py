@@ -35,6 +35,10 @@ def main() -> None:
     env = CACHE / f"trainer-{hashlib.sha256(pins).hexdigest()[:12]}"
     python = env / "bin" / "python"
     if not (env / ".ready").exists():
+        # On stderr: stdout's last line is the python the Makefile reads.
+        print(f"make: making the trainer environment in {env} (torch, megatron-core, "
+              "transformers: about 2.8 GB to download, 1-3 minutes; once per machine)",
+              file=sys.stderr, flush=True)  # fmt: skip
         shutil.rmtree(env, ignore_errors=True)
         subprocess.run([python312(), "-m", "venv", str(env)], check=True)
         pip = [str(python), "-m", "pip", "--disable-pip-version-check", "-q"]

@@ -237,7 +237,7 @@ pub fn status_fault(side: Side, url: &str, status: u16, body: &[u8]) -> Fault {
     let head = &body[..body.len().min(2000)];
     // Escaped before it reaches the log: a newline or an escape sequence in a server's answer
     // must not be able to forge a log line.
-    let logged: String = String::from_utf8_lossy(head).escape_debug().collect();
+    let logged = one_line(&String::from_utf8_lossy(head));
     let s = side.name();
     log::warn!(target: "routed_experts::proxy", "{s} server {url} answered {status}: {logged}");
     let code = if status < 500 { status } else { 502 };
@@ -270,10 +270,25 @@ fn upstream_message(body: &[u8]) -> String {
     clip(String::from_utf8_lossy(&body[..body.len().min(2000)]).trim())
 }
 
+/// `text` for a log line: control characters escaped (`\n`, `\u{1b}`), so an upstream's text
+/// cannot forge a line or move the cursor; quotes and everything else as written (a message
+/// reads `server's`, not `server\'s`).
+pub(crate) fn one_line(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_control() {
+            out.extend(c.escape_debug());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// A reply in a content coding the proxy cannot merge (it asks for identity).
 pub fn encoded_fault(side: Side, url: &str, encoding: String) -> Fault {
     let s = side.name();
-    let shown = encoding.escape_debug().take(40).collect::<String>();
+    let shown: String = one_line(&encoding).chars().take(40).collect();
     log::warn!(target: "routed_experts::proxy", "{s} server {url} answered in Content-Encoding {shown}");
     Fault::new(
         side.into(),
@@ -287,6 +302,15 @@ pub fn encoded_fault(side: Side, url: &str, encoding: String) -> Fault {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_logged_text_keeps_its_quotes_and_escapes_its_controls() {
+        let said = "the prefill server's \"reply\"\nFAKE LINE\u{1b}[2J";
+        assert_eq!(
+            one_line(said),
+            "the prefill server's \"reply\"\\nFAKE LINE\\u{1b}[2J"
+        );
+    }
+
     use super::*;
 
     #[test]

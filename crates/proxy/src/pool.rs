@@ -413,6 +413,15 @@ impl Pool {
         Ok(changed)
     }
 
+    /// Its servers, in order.
+    pub fn upstreams(&self) -> Vec<Arc<Upstream>> {
+        self.lock()
+            .members
+            .iter()
+            .map(|m| Arc::clone(&m.upstream))
+            .collect()
+    }
+
     /// Its servers' URLs, in order.
     pub fn urls(&self) -> Vec<String> {
         self.lock()

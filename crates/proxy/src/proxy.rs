@@ -156,6 +156,45 @@ impl Proxy {
         (tokio::time::Instant::now() + self.config.read_timeout).min(deadline)
     }
 
+    /// Each server's `/health` asked once as the proxy starts, and the answer logged: a server
+    /// that is not listening is said at once (a typo in a URL, a server still loading), not at
+    /// the first request. Nothing is taken out of rotation: a server that starts later serves.
+    pub(crate) fn probe_at_start(self: Arc<Self>) {
+        for side in [Side::Prefill, Side::Decode] {
+            for u in self.pool(side).upstreams() {
+                let proxy = Arc::clone(&self);
+                tokio::spawn(async move {
+                    let s = side.name();
+                    let call = proxy.upstreams.call(
+                        Method::GET,
+                        u.target.uri("/health"),
+                        &[],
+                        Bytes::new(),
+                        Some(proxy.config.connect_timeout.min(PROBE_TIMEOUT)),
+                    );
+                    match call.await {
+                        Ok(r) if r.status() == StatusCode::OK => log::info!(
+                            target: "routed_experts::proxy",
+                            "{s} server {} answers /health", u.url),
+                        Ok(r) => log::warn!(target: "routed_experts::proxy",
+                            "{s} server {} answered /health with {} at start; requests still go \
+                             to it", u.url, r.status().as_u16()),
+                        Err(e) => {
+                            let why = match e {
+                                CallError::Connect(why) | CallError::Broken(why) => why,
+                                CallError::Timeout => "no answer in time".to_string(),
+                                _ => "a reply past the limits".to_string(),
+                            };
+                            log::warn!(target: "routed_experts::proxy",
+                                "{s} server {} does not answer /health at start ({}): requests \
+                                 to it fail over until it does", u.url, crate::fault::one_line(&why))
+                        }
+                    }
+                });
+            }
+        }
+    }
+
     /// The next server of `side`; when every one is out of rotation, the one due first is
     /// probed and serves the request if it answers. Else 503 + Retry-After.
     pub(crate) async fn lease(&self, side: Side, session: Option<u64>) -> Result<Lease, Fault> {

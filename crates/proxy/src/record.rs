@@ -64,7 +64,7 @@ impl Exchange {
     pub(crate) fn fail(&mut self, fault: Fault) -> Response<Body> {
         // Escaped: a message may quote an upstream's text, which must not forge a log line.
         log::warn!(target: "routed_experts::proxy", "{} {} {}: {}",
-            self.request_id, self.endpoint, fault.side, fault.message.escape_debug());
+            self.request_id, self.endpoint, fault.side, crate::fault::one_line(&fault.message));
         self.status(fault.status, Some(fault.side));
         let mut r = fault_response(&fault);
         self.bytes_out = fault.body().len();

@@ -157,6 +157,7 @@ impl Server {
             ));
         }
         tokio::spawn(give_back_memory(Arc::clone(&proxy)));
+        Arc::clone(&proxy).probe_at_start();
         let mut stopped = stop.subscribe();
         let admin_on = admin.is_some();
         let accept_main = accept_loop(

@@ -67,8 +67,12 @@ fn hints(
     })
 }
 
-/// The routing of the choice whose `index` is `choice` in a response body, or None when that
-/// choice carries none. Only the routing value is decoded; the rest of the body is skipped.
+/// The routing of the choice whose `index` is `choice` in a response body, or None when the body
+/// is a response none of whose choices carries routing. A choice the body does not have (a
+/// PayloadError of kind "field" naming `choice`), a choice without routing beside choices with
+/// it ("rows_lost"), and a body that is no response (`{}`, an error reply, whose message is
+/// quoted: "not_response") are errors. Only the routing value is decoded; the rest of the body
+/// is skipped.
 /// Routing is found where each producer puts it (format.md §3.2: `choices[i].routed_experts`,
 /// `choices[i].message`, `choices[i].meta_info`, `sglext`, `meta_info`, `nvext`), in the formats
 /// written there; for vLLM 0.21's split shape, the whole sequence (top-level
@@ -603,6 +607,32 @@ pub fn shard<'py>(
         None => None,
     };
     Ok((share, cu_out, mask_out))
+}
+
+/// What a file's bytes are, before they are read as routing (format.md §3.2; the command's
+/// messages): `(kind, detail, generated)`, kind one of "empty", "npy", "binary", "routing",
+/// "response", "error_reply", "json", "text"; detail the format's name (routing), "routed" or
+/// "no routing" (response), the quoted message (error_reply), what it looks like (binary, json,
+/// text), or None; generated the tokens a response's choices generated, when it counts them
+/// and they agree. Reads no routing.
+#[pyfunction]
+pub fn _sniff(data: &Bound<'_, PyAny>) -> PyResult<(&'static str, Option<String>, Option<u64>)> {
+    use routed_experts::body::Sniffed;
+    let text = convert::body_arg(data, "data")?;
+    let found = data.py().detach(|| routed_experts::body::sniff(&text));
+    let (detail, generated) = match &found {
+        Sniffed::Empty | Sniffed::RawNpy => (None, None),
+        Sniffed::Routing(format) => (Some(format.name().to_string()), None),
+        Sniffed::Response { routed, generated } => {
+            let said = if *routed { "routed" } else { "no routing" };
+            (Some(said.to_string()), *generated)
+        }
+        Sniffed::Binary(what)
+        | Sniffed::ErrorReply(what)
+        | Sniffed::OtherJson(what)
+        | Sniffed::Text(what) => (Some(what.clone()), None),
+    };
+    Ok((found.name(), detail, generated))
 }
 
 /// What the proxy reads from a prefill body before it calls decode, in one walk (GIL released):

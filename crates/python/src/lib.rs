@@ -168,8 +168,8 @@ mod _core {
     use crate::errors::{ConfigError, MergeError, PayloadError, RoutedExpertsError};
     #[pymodule_export]
     use crate::functions::{
-        _read_prefill, decode, detect_format, encode, from_response, group_from_response, merge,
-        merge_response, pack, pack_shard, shard,
+        _read_prefill, _sniff, decode, detect_format, encode, from_response, group_from_response,
+        merge, merge_response, pack, pack_shard, shard,
     };
     #[pymodule_export]
     use crate::payload::{_from_raw, RoutedExperts};
