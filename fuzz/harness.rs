@@ -140,8 +140,9 @@ pub fn response(data: &[u8]) {
         return;
     };
     let read = body::read_prefill(body);
-    // The proxy's read of a body whose base64 runs were found as it arrived, in pieces of a
-    // size the flags choose: the same read.
+    let sniffed = response::sniff(body); // any bytes: never a panic
+                                         // The proxy's read of a body whose base64 runs were found as it arrived, in pieces of a
+                                         // size the flags choose: the same read.
     let mut runs = body::Base64Runs::new();
     let piece = 1 + usize::from(flags >> 4) * 3;
     for end in (piece..body.len()).step_by(piece).chain([body.len()]) {
@@ -161,6 +162,25 @@ pub fn response(data: &[u8]) {
     };
     group_reads_as_its_choices(body, flags);
     let split = body::read_body(body).is_ok_and(|r| r.prompt.is_some());
+    // None means a response without routing, never a mistake read as one.
+    let choice = u64::from(flags & 3);
+    if let (false, Ok(None)) = (
+        split,
+        response::from_response(body, choice, &hints(flags), LIMIT),
+    ) {
+        assert!(
+            found.is_empty(),
+            "from_response answered None for a body with routing"
+        );
+    }
+    // What a file is, said for any bytes; a response it finds no routing in reads none.
+    if let response::Sniffed::Response { routed: false, .. } = sniffed {
+        let read = response::from_response(body.trim_ascii(), choice, &hints(flags), LIMIT);
+        assert!(
+            !matches!(read, Ok(Some(_))),
+            "sniff found no routing where from_response did"
+        );
+    }
     for (i, f) in found.iter().enumerate() {
         assert_eq!(&body[f.span.clone()], f.text);
         let got = response::from_response(body, f.index, &hints(flags), LIMIT);

@@ -350,8 +350,9 @@ def test_merge_takes_decode_start_for_a_body_that_does_not_fix_it(
     truth = (np.arange(7 * 2 * 2).reshape(7, 2, 2) % 9).astype(np.uint8)
     text = {k: rx.encode(rx.RoutedExperts.from_array(a, start=s), "vllm_npy")
             for k, (a, s) in {"p": (truth[:5], 0), "d": (truth[4:], 4)}.items()}
-    pre = write(tmp_path, "p.json", json.dumps({"choices": [{"index": 0, "routed_experts": text["p"]}]}))
-    dec = write(tmp_path, "d.json", json.dumps({"choices": [{"index": 0, "routed_experts": text["d"]}]}))
+    pre, dec = (write(tmp_path, f"{k}.json",
+                      json.dumps({"choices": [{"index": 0, "routed_experts": text[k]}]}))
+                for k in ("p", "d"))  # fmt: skip
     rc, out, _ = _run(["merge", pre, dec, "--decode-start", "4"], capsys)
     assert rc == 0
     np.testing.assert_array_equal(rx.from_response(out).array, truth)
@@ -361,7 +362,8 @@ def test_merge_takes_decode_start_for_a_body_that_does_not_fix_it(
 
 @pytest.mark.parametrize(("name", "data", "said"), [
     ("empty.json", b"", "empty, no routing value or response body in it"),
-    ("img.png", b"\x89PNG\r\n\x1a\n\x00\x00", "a PNG image, not a routing value or a response body"),
+    ("img.png", b"\x89PNG\r\n\x1a\n\x00\x00",
+     "a PNG image, not a routing value or a response body"),
     ("error.json", b'{"error": {"message": "max_tokens is too large", "code": 400}}',
      'the server\'s error reply, not a response: "max_tokens is too large"'),
     ("request.json", b'{"model": "m", "prompt": "hi"}',

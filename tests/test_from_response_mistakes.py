@@ -28,10 +28,13 @@ def response(routed: list[bool]) -> bytes:
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.booleans(), min_size=1, max_size=6), st.integers(0, 9))
-def test_none_means_no_routing_in_a_response_and_nothing_else(routed: list[bool], choice: int) -> None:
+def test_none_means_no_routing_in_a_response_and_nothing_else(
+    routed: list[bool], choice: int
+) -> None:
     body = response(routed)
     if choice >= len(routed):
-        with pytest.raises(rx.PayloadError, match="`choice`: expected one of the body's choices") as e:
+        said = "`choice`: expected one of the body's choices"
+        with pytest.raises(rx.PayloadError, match=said) as e:
             rx.from_response(body, choice)
         assert e.value.kind == "field" and e.value.details["field"] == "choice"
     elif routed[choice]:

@@ -72,7 +72,8 @@ _Routing: TypeAlias = RoutedExperts | npt.ArrayLike
 # Which rule an error broke: the core's `ErrorKind` by name (docs/format.md §8).
 _ErrorKind: TypeAlias = Literal[
     "field", "json", "counts", "row", "id", "rows_lost", "too_large", "unplaced", "offloaded",
-    "unpadded", "not_response", "malformed", "gap", "shape", "missing_routing", "overlap", "inconsistent",
+    "unpadded", "not_response", "malformed", "gap", "shape", "missing_routing", "overlap",
+    "inconsistent",
 ]
 _ERROR_KINDS: tuple[_ErrorKind, ...]
 

@@ -10,10 +10,10 @@ import json
 import os
 import re
 import sys
-from pathlib import Path
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
@@ -146,7 +146,7 @@ def _read_routing(path: str, data: bytes, args: argparse.Namespace,
     choice = _choice(path, kind, args)
     with _in_file(path):
         if kind == "response":
-            return rx.from_response(data, choice, **_hints(args)), "response body"
+            return rx.from_response(data, choice or 0, **_hints(args)), "response body"
         if kind == "npy":
             return _from_npy(data, args), "raw .npy (np.save)"
         return rx.decode(data, **_hints(args)), str(detail)

@@ -3,14 +3,12 @@
 //! rows are checked against (§3.3), and any routing-like key at a place no producer uses.
 
 pub(crate) mod coverage;
-mod not_response;
+pub(crate) mod not_response;
 pub(crate) mod shared_prompt;
-mod sniff;
 pub(crate) mod split;
 
 pub use crate::kernels::runs::Base64Runs;
 pub(crate) use not_response::check_response;
-pub use sniff::{sniff, Sniffed};
 
 use std::ops::Range;
 

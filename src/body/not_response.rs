@@ -11,7 +11,7 @@ use crate::error::{Error, ErrorKind, Result};
 
 /// Keys only responses have at their top level (OpenAI-compatible servers, vLLM's generate
 /// endpoint, SGLang, NVIDIA Dynamo, vLLM 0.21's split rows); not `model`, which requests have.
-pub(super) const RESPONSE_KEYS: &[&str] = &[
+pub(crate) const RESPONSE_KEYS: &[&str] = &[
     "choices",
     "meta_info",
     "text",
@@ -86,7 +86,7 @@ pub(crate) fn check_response(body: &[u8]) -> Result<()> {
 
 /// An error reply's message, quoted, for a body whose top-level `keys` were read: the body is
 /// parsed for it only when its keys say it is one (error replies are small).
-pub(super) fn error_reply(body: &[u8], keys: &BTreeMap<String, IgnoredAny>) -> Option<String> {
+pub(crate) fn error_reply(body: &[u8], keys: &BTreeMap<String, IgnoredAny>) -> Option<String> {
     let maybe =
         keys.contains_key("error") || keys.contains_key("object") || keys.contains_key("detail");
     if !maybe || body.len() > CLASSIFIED_BYTES {

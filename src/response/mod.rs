@@ -2,8 +2,11 @@
 //! merge prefill and decode bodies by replacing only the routing values' bytes (format.md §4).
 //! Three jobs, a file each: reading (`read`), sampling rows for a broken engine's marks
 //! (`suspects`), and merging (`merge`, into the pieces of `spliced`; vLLM's `.npy` kept as
-//! `.npy` by copying its text, `npy_text`); and merging one event of a
-//! stream as it passes (`streaming`, with prefill's rows held decoded in `prefill_rows`).
+//! `.npy` by copying its text, `npy_text`; decode's start derived from the body's counts when
+//! none is given, `decode_start`); and merging one event of a stream as it passes
+//! (`streaming`, with prefill's rows held decoded in `prefill_rows`). Beside them: a group read
+//! once (`group`), the shared-prompt answer (`shared_prompt`), and what a whole file handed to
+//! a tool is (`sniff`).
 
 mod decode_start;
 mod group;
@@ -13,6 +16,7 @@ mod options;
 mod prefill_rows;
 mod read;
 mod shared_prompt;
+mod sniff;
 mod spliced;
 mod streaming;
 #[cfg(test)]
@@ -24,6 +28,7 @@ pub use merge::{merge_response, merge_response_found, merge_response_pieces};
 pub use options::MergeOptions;
 pub use prefill_rows::PrefillRows;
 pub use read::{decode_found, from_response, routing_rows};
+pub use sniff::{sniff, Sniffed};
 pub use spliced::{Part, Recoded, Spliced};
 pub use streaming::{DataFirst, EventMerge, Step, StreamOptions};
 pub use suspects::{merge_suspects, suspect_rows};

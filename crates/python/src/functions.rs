@@ -617,9 +617,9 @@ pub fn shard<'py>(
 /// and they agree. Reads no routing.
 #[pyfunction]
 pub fn _sniff(data: &Bound<'_, PyAny>) -> PyResult<(&'static str, Option<String>, Option<u64>)> {
-    use routed_experts::body::Sniffed;
+    use routed_experts::response::Sniffed;
     let text = convert::body_arg(data, "data")?;
-    let found = data.py().detach(|| routed_experts::body::sniff(&text));
+    let found = data.py().detach(|| routed_experts::response::sniff(&text));
     let (detail, generated) = match &found {
         Sniffed::Empty | Sniffed::RawNpy => (None, None),
         Sniffed::Routing(format) => (Some(format.name().to_string()), None),

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use serde::de::IgnoredAny;
 
-use super::not_response::{error_reply, RESPONSE_KEYS};
+use crate::body::not_response::{error_reply, RESPONSE_KEYS};
 use crate::formats::{self, Format};
 
 /// What [`sniff`] found.
@@ -69,7 +69,7 @@ pub fn sniff(text: &[u8]) -> Sniffed {
     if !printable {
         return Sniffed::Binary(formats::describe_not_routing(t));
     }
-    let response = || match super::read_body(t) {
+    let response = || match crate::body::read_body(t) {
         Ok(r) => {
             let mut counts = r.choices.iter().map(|(_, c)| c.generated.map(|(g, _)| g));
             let first = counts.next().flatten();
@@ -108,7 +108,7 @@ pub fn sniff(text: &[u8]) -> Sniffed {
         },
         // SGLang's batch of results (objects), or nested lists of ids.
         b'[' if t[1..].trim_ascii_start().first() == Some(&b'{') => {
-            match super::check_response(t) {
+            match crate::body::check_response(t) {
                 Ok(()) => response(),
                 Err(_) => {
                     Sniffed::OtherJson("a JSON array of objects that are not responses".into())
