@@ -38,6 +38,8 @@ decode_body = vllm_body(truth[decode_start:], completion_tokens=GENERATED)
 # A .npy value carries no start: the router passes the one it asked decode for. The result is
 # decode's body, every byte the same but its routing: a compact sidecar of rows [0, P + G - 1).
 body = rx.merge_response(prefill_body, decode_body, decode_start=decode_start)
+# Without it, the decode body's token counts fix it (P + G - 1 - rows: format.md §4).
+assert rx.merge_response(prefill_body, decode_body) == body
 merged = rx.from_response(body)
 assert merged is not None and (merged.array == truth).all()
 print(f"merged: {len(body)} bytes, rows [{merged.start}, {merged.stop}), shape {merged.shape}")
@@ -58,8 +60,8 @@ broken = {
     # prefill's engine returned no routing: decode's own prompt rows are not to be trusted
     "no prefill routing": (json.dumps({"choices": [{"index": 0, "text": ""}]}), decode_body,
                            decode_start),
-    # the router forgot the start it asked for: the rows contradict the body's token counts
-    "no start": (prefill_body, decode_body, None),
+    # decode's rows start where no router asks (by its counts, at 2): refused, never guessed
+    "a start no router asks": (prefill_body, vllm_body(truth[2:], GENERATED), None),
 }
 for what, (pre, dec, start) in broken.items():
     try:

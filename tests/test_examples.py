@@ -20,7 +20,7 @@ EXPECTED = {
         "a gap: MergeError: ",
         "mismatched halves: MergeError: ",
         "no prefill routing: MergeError: ",
-        "no start: PayloadError: ",
+        "a start no router asks: PayloadError: ",
     ],
     "orchestrator.py": [
         "rows [0, 13) -> trajectory [0, 13)",

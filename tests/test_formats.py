@@ -322,7 +322,9 @@ def test_sglang_meta_info_names_its_dtype_and_batches_are_lists() -> None:
     assert p is not None and p.dtype == "uint16" and p.array.tolist() == arr.tolist()
     batch = json.dumps([json.loads(body), {"text": "y", "meta_info": {}}, json.loads(body)])
     assert rx.from_response(batch, choice=2, num_layers=3, top_k=2) == p
-    assert rx.from_response(batch, choice=1, num_layers=3, top_k=2) is None
+    with pytest.raises(rx.PayloadError, match="choice 1 carries no routing beside") as e:
+        rx.from_response(batch, choice=1, num_layers=3, top_k=2)
+    assert e.value.kind == "rows_lost"
 
 
 def test_vllm_npy_delta_decode_needs_its_start() -> None:

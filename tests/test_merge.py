@@ -132,8 +132,11 @@ def test_response_choices_match_by_index_and_unrouted_choices_stay() -> None:
     merged = rx.merge_response(json.dumps(prefill), json.dumps(decode))
     assert rx.from_response(merged, 0).array.tolist() == truth.tolist()  # type: ignore[union-attr]
     assert rx.from_response(merged, 1).array.tolist() == (truth + 100).tolist()  # type: ignore[union-attr]
-    assert rx.from_response(merged, 2) is None
+    # Decode's choice 2 had none: it stays as it was, and reading it says its rows are lost.
     assert json.loads(merged)["choices"][2] == {"index": 2, "text": "c"}
+    with pytest.raises(rx.PayloadError, match="choice 2 carries no routing beside") as e:
+        rx.from_response(merged, 2)
+    assert e.value.kind == "rows_lost"
 
 
 def test_two_prefill_choices_without_a_match_is_an_error() -> None:

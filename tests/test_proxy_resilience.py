@@ -171,6 +171,8 @@ def test_the_last_decode_server_is_probed_not_shut_out_and_no_prefill_runs_witho
     # Once it is back, the next request probes it and is served, long before eject-seconds.
     prefill, decode = Engine(), Engine(fail="500")
     with stack([prefill], [decode], eject_after=2, eject_seconds=300) as url:
+        wait_for(lambda: decode.health_checks == 1)  # the proxy's probe at start
+        decode.health_checks = 0
         assert [post(url).status_code for _ in range(2)] == [502, 502]
         prefills = len(prefill.requests)
         r = post(url)

@@ -72,7 +72,8 @@ def test_an_empty_file_is_refused_by_inspect(
     f.write_bytes(b"")
     assert main(["inspect", str(f), "--num-layers", "48", "--top-k", "8"]) == 2
     out = capsys.readouterr()
-    assert "empty input" in out.err and out.out == ""
+    assert "empty.txt: empty, no routing value or response body in it" in out.err
+    assert out.out == ""
 
 
 @pytest.mark.parametrize("fmt", ["vllm_npy", "nemo", "sglang"])

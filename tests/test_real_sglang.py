@@ -126,13 +126,16 @@ def test_a_real_reply_reads_as_the_models_own_routing(release: Path, case: dict[
     doc = json.loads(text)
     assert n_results(doc) == len(case["truth"])
     for i, truth in enumerate(case["truth"]):
+        if routed and rec["endpoint"] != GEN and i > 0:
+            # The OpenAI endpoints send choice 0's routing alone (`sglext`): the others' rows
+            # are lost, and reading one says so (format.md §3.2), never None.
+            with pytest.raises(rx.PayloadError, match=f"choice {i} carries no routing") as e:
+                rx.from_response(text, choice=i, start=start or None, **shape(release))
+            assert e.value.kind == "rows_lost" and "sglext" in str(e.value)
+            continue
         p = rx.from_response(text, choice=i, start=start or None, **shape(release))
         if not routed:
             assert p is None, "routing where this release sends none"
-            continue
-        if rec["endpoint"] != GEN and i > 0:
-            # The OpenAI endpoints send choice 0's routing alone (`sglext`): the others have none.
-            assert p is None
             continue
         assert p is not None, f"result {i} has no routing"
         assert p.start == start and p.dtype == np.int32

@@ -138,9 +138,14 @@ fn without_value(body: &[u8], found: &BodyRouting, choice: u64) -> Result<Option
             return Err(Error::new(
                 ErrorKind::RowsLost,
                 format!(
-                    "choice {choice} carries no routing beside choices that do (choice {}): its \
-                     rows are lost",
-                    routed.index
+                    "choice {choice} carries no routing beside choices that do (choice {}, at \
+                     {}): its rows are lost{}",
+                    routed.index,
+                    routed.path,
+                    match routed.path.starts_with("$.choices") {
+                        true => "",
+                        false => " (SGLang's OpenAI endpoints send choice 0's alone, there)",
+                    }
                 ),
             ));
         }

@@ -178,6 +178,11 @@ async fn serve_engine(
                 let service = service_fn(move |req: Request<Incoming>| {
                     let (on_request, mut gate) = (Arc::clone(&on_request), gate.clone());
                     async move {
+                        if req.uri().path() == "/health" {
+                            // The proxy's probe at start, as a real engine answers it; not a
+                            // request served.
+                            return Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())));
+                        }
                         let body = req.into_body().collect().await.unwrap().to_bytes();
                         on_request(&body);
                         if let Some(gate) = gate.as_mut() {
