@@ -171,6 +171,7 @@ def test_the_last_decode_server_is_probed_not_shut_out_and_no_prefill_runs_witho
     # Once it is back, the next request probes it and is served, long before eject-seconds.
     prefill, decode = Engine(), Engine(fail="500")
     with stack([prefill], [decode], eject_after=2, eject_seconds=300) as url:
+        httpx.get(url + "/health", timeout=10)  # started (an ASGI app starts at its first)
         wait_for(lambda: decode.health_checks == 1)  # the proxy's probe at start
         decode.health_checks = 0
         assert [post(url).status_code for _ in range(2)] == [502, 502]
