@@ -207,31 +207,14 @@ pub fn pack_parts_into<D: Element>(
     let row = first.num_layers() * first.top_k();
     // A Rust caller may pass buffers or samples other than the layout's: refused, never a
     // slice out of bounds.
-    let want = layout.rows.checked_mul(row);
-    if want != Some(dst.len()) {
-        let rows = layout.rows;
-        let expected = format!("the layout's {rows} rows of {row} values");
-        return Err(Error::field(
-            "dst",
-            expected,
-            format!("{} values", dst.len()),
-        ));
-    }
-    if let Some(m) = mask.as_deref().filter(|m| m.len() != layout.rows) {
-        let expected = format!("one entry per row of the layout ({})", layout.rows);
-        return Err(Error::field(
-            "mask",
-            expected,
-            format!("{} entries", m.len()),
-        ));
-    }
-    if samples.len() != layout.places.len() {
-        let expected = format!(
-            "the {} samples the layout was made for",
-            layout.places.len()
-        );
-        return Err(Error::field("samples", expected, samples.len()));
-    }
+    check_buffers(
+        samples.len(),
+        layout,
+        "layout",
+        (layout.rows, row),
+        dst.len(),
+        mask.as_deref(),
+    )?;
     for (i, (parts, &place)) in samples.iter().zip(&layout.places).enumerate() {
         let (s_start, _) = parts_span(i, parts, first)?;
         for s in parts.iter() {
@@ -239,6 +222,39 @@ pub fn pack_parts_into<D: Element>(
             let at = place + (s.start() - s_start) as usize;
             write_part(i, s, at, row, dst, mask.as_deref_mut())?;
         }
+    }
+    Ok(())
+}
+
+/// A write's buffers and samples held to what it writes (a Rust caller may pass others:
+/// refused, never a slice out of bounds): `dst` of `rows x width` values, `mask` of one entry
+/// per row (`of`: "layout" or "plan", whose rows they are), the samples the layout was made for.
+fn check_buffers(
+    samples: usize,
+    layout: &Layout,
+    of: &str,
+    (rows, width): (usize, usize),
+    dst: usize,
+    mask: Option<&[bool]>,
+) -> Result<()> {
+    if rows.checked_mul(width) != Some(dst) {
+        let expected = format!("the {of}'s {rows} rows of {width} values");
+        return Err(Error::field("dst", expected, format!("{dst} values")));
+    }
+    if let Some(m) = mask.filter(|m| m.len() != rows) {
+        let expected = format!("one entry per row of the {of} ({rows})");
+        return Err(Error::field(
+            "mask",
+            expected,
+            format!("{} entries", m.len()),
+        ));
+    }
+    if samples != layout.places.len() {
+        let expected = format!(
+            "the {} samples the layout was made for",
+            layout.places.len()
+        );
+        return Err(Error::field("samples", expected, samples));
     }
     Ok(())
 }
@@ -356,29 +372,14 @@ pub fn pack_share_into<D: Element>(
     }
     let width = plan.layers.len() * top_k;
     let rows = plan.num_rows();
-    if rows.checked_mul(width) != Some(dst.len()) {
-        let expected = format!("the plan's {rows} rows of {width} values");
-        return Err(Error::field(
-            "dst",
-            expected,
-            format!("{} values", dst.len()),
-        ));
-    }
-    if let Some(m) = mask.as_deref().filter(|m| m.len() != rows) {
-        let expected = format!("one entry per row of the plan ({rows})");
-        return Err(Error::field(
-            "mask",
-            expected,
-            format!("{} entries", m.len()),
-        ));
-    }
-    if samples.len() != layout.places.len() {
-        let expected = format!(
-            "the {} samples the layout was made for",
-            layout.places.len()
-        );
-        return Err(Error::field("samples", expected, samples.len()));
-    }
+    check_buffers(
+        samples.len(),
+        layout,
+        "plan",
+        (rows, width),
+        dst.len(),
+        mask.as_deref(),
+    )?;
     // Every part's first batch row: ascending, the parts disjoint (samples follow each other,
     // a sample's parts are consecutive positions).
     let mut spans: Vec<(usize, usize, &Payload)> = Vec::new();
