@@ -393,6 +393,9 @@ def test_a_raw_npy_file_is_read_as_its_array(
     assert rc == 0 and "format: raw .npy (np.save)" in out and "positions: [5, 9)" in out, out
     rc, out, _ = _run(["convert", str(path), "--to", "lists"], capsys)
     assert rc == 0 and json.loads(out) == a.tolist()
+    cut = write(tmp_path, "cut.npy", path.read_bytes()[:100])
+    rc, out, err = _run(["inspect", cut], capsys)
+    assert (rc, out) == (2, "") and f"{cut}: a .npy file numpy cannot read" in err, err
 
 
 def test_swapped_pd_inputs_are_said_to_be_swapped(

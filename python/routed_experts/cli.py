@@ -134,7 +134,7 @@ def _from_npy(data: bytes, args: argparse.Namespace) -> RoutedExperts:
     """A raw `np.save` file (vLLM's rows before base64): its array, from `--start` (0)."""
     try:
         array = np.load(io.BytesIO(data), allow_pickle=False)
-    except ValueError as e:
+    except (ValueError, EOFError) as e:  # a cut or malformed file
         raise rx.PayloadError(f"a .npy file numpy cannot read: {e}") from None
     return RoutedExperts.from_array(array, start=args.start or 0)
 
