@@ -17,7 +17,7 @@ use crate::body::{coverage, Found};
 use crate::formats::{npy, sidecar, Format, Hints, Rule};
 use crate::kernels::b64;
 use crate::kernels::b64_pieces::B64Out;
-use crate::payload::{merge, Header};
+use crate::payload::{merge, Header, Shape};
 
 /// One half's `.npy` text, its header read and checked as the decoding path checks it.
 struct NpyText<'a> {
@@ -109,6 +109,36 @@ pub(super) fn rows_as_compact<'a>(
         side.header,
         sidecar::wrap_base64(&side.header, join.finish()),
     ))
+}
+
+/// A decode value's rows after the prompt's (a shared-prompt answer's choice, format.md §4.1),
+/// vLLM's `.npy` text, as the pieces of a compact sidecar: its text copied where it lies on the
+/// sidecar's grid, else re-encoded a block at a time or as it is sent (`defer_recode`), never
+/// held decoded. `None` for anything the decoding path is left to read or refuse (a value that
+/// does not join the prompt's rows among them, with its own error there).
+pub(super) fn own_rows_as_compact<'a>(
+    f: &Found<'a>,
+    prompt: &Header,
+    opts: &MergeOptions,
+) -> Option<Vec<Piece<'a>>> {
+    let side = read_side(f, opts.decode_start.or(opts.hints.start), opts)?;
+    merge::plan(prompt, &side.header).ok()?;
+    // The plan held: decode starts at or before the prompt's end and stops at or after it.
+    let skip = usize::try_from(prompt.stop().checked_sub(side.header.start)?).ok()?;
+    let tokens = side.header.shape.tokens.checked_sub(skip)?;
+    let shape = Shape {
+        tokens,
+        ..side.header.shape
+    };
+    let own = Header::new(prompt.stop(), shape, side.header.dtype).ok()?;
+    let row = side.header.row_bytes();
+    let rows = side.data_offset + skip * row..side.data_offset + side.header.shape.tokens * row;
+    let mut join = TextJoin {
+        defer_recode: opts.defer_recode,
+        ..TextJoin::default()
+    };
+    join.text_range(&side, rows, "decode").ok()?;
+    Some(sidecar::wrap_base64(&own, join.finish()))
 }
 
 /// `f` as `.npy` text whose header, length and counts pass every check the decoding path makes

@@ -55,7 +55,7 @@ pub(super) fn answer<'a>(
         let own =
             own_rows(&header, d, opts).map_err(|e| e.context(format!("choice {}", d.index)))?;
         pieces.push(Piece::Copy(Cow::Borrowed(&decode_body[at..d.span.start])));
-        pieces.push(Piece::Copy(Cow::Owned(own)));
+        pieces.extend(own);
         at = d.span.end;
     }
     pieces.push(Piece::Copy(Cow::Borrowed(&decode_body[at..])));
@@ -107,16 +107,22 @@ fn prompt_rows<'a>(p: &Found<'a>, opts: &MergeOptions) -> Result<(Header, Vec<Pi
     Ok((payload.header(), vec![Piece::Copy(Cow::Owned(text))]))
 }
 
-/// A decode value's rows after the prompt's, as a compact sidecar, once it is checked to
-/// join the prompt's rows as a merge would (format.md §4: no gap, no earlier end, one row
-/// shape); the rows both hold are the prompt's.
-fn own_rows(prompt: &Header, d: &Found, opts: &MergeOptions) -> Result<Vec<u8>> {
+/// A decode value's rows after the prompt's, as the pieces of a compact sidecar, once it is
+/// checked to join the prompt's rows as a merge would (format.md §4: no gap, no earlier end,
+/// one row shape); the rows both hold are the prompt's. vLLM's `.npy` text goes through on its
+/// text (as the prompt's does); anything else is decoded and encoded.
+fn own_rows<'a>(prompt: &Header, d: &Found<'a>, opts: &MergeOptions) -> Result<Vec<Piece<'a>>> {
+    if opts.splice {
+        if let Some(pieces) = super::npy_text::own_rows_as_compact(d, prompt, opts) {
+            return Ok(pieces);
+        }
+    }
     let start = opts.decode_start.or(opts.hints.start);
     let (_, rows) = decode_found(d, &side_hints(d, start, opts), opts.max_bytes)
         .map_err(|e| e.context("decode"))?;
     merge::plan(prompt, &rows.header())?;
     let own = rows.slice(prompt.stop(), rows.stop())?;
-    Ok(sidecar::encode(&own))
+    Ok(vec![Piece::Copy(Cow::Owned(sidecar::encode(&own)))])
 }
 
 #[cfg(test)]
@@ -223,6 +229,12 @@ mod tests {
             let (p, d) = (prefill.as_bytes(), decode.as_bytes());
             let shared = merge_response(p, d, o).unwrap();
             assert_eq!(sent(p, d, o), shared, "defer_recode writes the same bytes");
+            let decoded = MergeOptions { splice: false, ..o };
+            assert_eq!(
+                merge_response(p, d, decoded).unwrap(),
+                shared,
+                "the text's path and decoding's agree"
+            );
             // Each choice reads as the per-choice answer's does, with the prompt once.
             let per_choice = merge_response(
                 p,
