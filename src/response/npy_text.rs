@@ -53,14 +53,7 @@ pub(super) fn merge_npy_text<'a>(
     // Decode's rows that follow prefill's: bytes `[kept, end)` of its file.
     let end = decode.data_offset + decode.header.shape.tokens * row_bytes;
     let kept = decode.data_offset + plan.skip * row_bytes;
-    // Decode's text that nothing below decodes or copies is checked here (as the decoding path
-    // would read it): its header's groups are decoded, its rows before `kept` dropped.
-    let dropped = if kept < end {
-        &decode.text[..(kept / 3 * 4).min(decode.text.len())]
-    } else {
-        decode.text
-    };
-    if !groups_valid(dropped, dropped.len() == decode.text.len(), decode.base64) {
+    if !dropped_text_valid(&decode, kept, end) {
         return None;
     }
     let header = match opts.keep_format {
@@ -133,12 +126,27 @@ pub(super) fn own_rows_as_compact<'a>(
     let own = Header::new(prompt.stop(), shape, side.header.dtype).ok()?;
     let row = side.header.row_bytes();
     let rows = side.data_offset + skip * row..side.data_offset + side.header.shape.tokens * row;
+    if !dropped_text_valid(&side, rows.start, rows.end) {
+        return None;
+    }
     let mut join = TextJoin {
         defer_recode: opts.defer_recode,
         ..TextJoin::default()
     };
     join.text_range(&side, rows, "decode").ok()?;
     Some(sidecar::wrap_base64(&own, join.finish()))
+}
+
+/// Whether the text of `half` that nothing copies or decodes (its file's bytes before `kept`, of
+/// rows `[kept, end)` taken; all of it when none are) reads as the decoding path would read it:
+/// a value is refused alike whichever path merges it.
+fn dropped_text_valid(half: &NpyText, kept: usize, end: usize) -> bool {
+    let dropped = if kept < end {
+        &half.text[..(kept / 3 * 4).min(half.text.len())]
+    } else {
+        half.text
+    };
+    groups_valid(dropped, dropped.len() == half.text.len(), half.base64)
 }
 
 /// `f` as `.npy` text whose header, length and counts pass every check the decoding path makes

@@ -280,6 +280,32 @@ mod tests {
     }
 
     #[test]
+    fn bad_text_in_rows_the_answer_drops_is_refused_as_decoding_refuses_it() {
+        // Decode's first row (the prompt's last, which the answer takes from prefill) has a
+        // character that is not base64: refused whichever path writes the choice's own rows.
+        let (prompt, generated) = (20u64, 6u64);
+        let prefill = body(
+            &[value(&rows(0, prompt, prompt, 0, 128), Format::VllmNpy)],
+            prompt,
+            1,
+        );
+        let mut own = value(
+            &rows(prompt - 1, prompt + generated - 1, prompt, 1, 128),
+            Format::VllmNpy,
+        );
+        own.replace_range(174..175, "!"); // row P - 1 (bytes 128-133; the header is 172 chars)
+        let decode = body(&[own], prompt, generated);
+        for splice in [true, false] {
+            let o = MergeOptions {
+                splice,
+                ..opts(prompt - 1)
+            };
+            let got = merge_response(prefill.as_bytes(), decode.as_bytes(), o);
+            assert!(got.is_err(), "splice {splice}: {got:?}");
+        }
+    }
+
+    #[test]
     fn what_does_not_join_is_refused_by_name() {
         let compact = |p: &Payload| value(p, Format::Compact);
         let prefill = body(&[compact(&rows(0, 10, 10, 0, 64))], 10, 1);
