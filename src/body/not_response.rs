@@ -11,7 +11,7 @@ use crate::error::{Error, ErrorKind, Result};
 
 /// Keys only responses have at their top level (OpenAI-compatible servers, vLLM's generate
 /// endpoint, SGLang, NVIDIA Dynamo, vLLM 0.21's split rows); not `model`, which requests have.
-pub(crate) const RESPONSE_KEYS: &[&str] = &[
+const RESPONSE_KEYS: &[&str] = &[
     "choices",
     "meta_info",
     "text",
@@ -26,6 +26,11 @@ pub(crate) const RESPONSE_KEYS: &[&str] = &[
     "prompt_routed_experts",
     "routed_experts",
 ];
+
+/// Whether any of a JSON object's top-level `keys` is one only responses have.
+pub(crate) fn has_response_key<'k>(mut keys: impl Iterator<Item = &'k String>) -> bool {
+    keys.any(|k| RESPONSE_KEYS.contains(&k.as_str()))
+}
 
 /// Bodies past this size are not classified: error replies and stray JSON are small, and a
 /// body this large with no choices is a response whose routing is absent.
@@ -54,7 +59,7 @@ pub(crate) fn check_response(body: &[u8]) -> Result<()> {
                      the request; no routing was made)"
                 ));
             }
-            if map.keys().any(|k| RESPONSE_KEYS.contains(&k.as_str())) {
+            if has_response_key(map.keys()) {
                 return Ok(());
             }
             let keys: Vec<String> = map.keys().take(6).map(|k| format!("{k:?}")).collect();
@@ -69,10 +74,9 @@ pub(crate) fn check_response(body: &[u8]) -> Result<()> {
         }
         Value::Array(items)
             if !items.is_empty()
-                && items.iter().all(|i| {
-                    i.as_object()
-                        .is_some_and(|m| m.keys().any(|k| RESPONSE_KEYS.contains(&k.as_str())))
-                }) =>
+                && items
+                    .iter()
+                    .all(|i| i.as_object().is_some_and(|m| has_response_key(m.keys()))) =>
         {
             Ok(()) // SGLang's batch of results
         }
@@ -116,7 +120,7 @@ fn error_message(map: &serde_json::Map<String, Value>) -> Option<String> {
     if map.get("object").and_then(Value::as_str) == Some("error") {
         return Some(quote(map.get("message").unwrap_or(&Value::Null)));
     }
-    let bare = !map.keys().any(|k| RESPONSE_KEYS.contains(&k.as_str()));
+    let bare = !has_response_key(map.keys());
     map.get("detail").filter(|_| bare).map(quote)
 }
 

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use serde::de::IgnoredAny;
 
-use crate::body::not_response::{error_reply, RESPONSE_KEYS};
+use crate::body::not_response::{error_reply, has_response_key};
 use crate::formats::{self, Format};
 
 /// What [`sniff`] found.
@@ -93,7 +93,7 @@ pub fn sniff(text: &[u8]) -> Sniffed {
                 if let Some(message) = error_reply(t, &keys) {
                     return Sniffed::ErrorReply(message);
                 }
-                if keys.keys().any(|k| RESPONSE_KEYS.contains(&k.as_str())) {
+                if has_response_key(keys.keys()) {
                     return response();
                 }
                 if keys.contains_key("data") || keys.contains_key("shape") {
