@@ -195,12 +195,16 @@ def test_the_last_decode_server_is_probed_not_shut_out_and_no_prefill_runs_witho
         assert httpx.get(url + "/health", timeout=10).status_code == 200  # back in rotation
 
 
-def _drip(url: str, body: bytes, seconds_per_byte: float, stop: threading.Event) -> int:
-    """POST `body` one byte at a time (a slow client); the status it gets, 0 for none."""
+def _drip(url: str, body: bytes, seconds_per_byte: float, stop: threading.Event,
+          sent_head: threading.Event | None = None) -> int:
+    """POST `body` one byte at a time (a slow client); the status it gets, 0 for none. Once the
+    head is sent, `sent_head` is set; once `stop` is set, it sends no more and waits."""
     host, port = url.rsplit("/", 1)[1].split(":")
     with socket.create_connection((host, int(port)), timeout=30) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                   b"\r\nContent-Length: %d\r\n\r\n" % len(body))
+        if sent_head is not None:
+            sent_head.set()
         for byte in body:
             if stop.is_set():
                 break
@@ -217,28 +221,34 @@ def _drip(url: str, body: bytes, seconds_per_byte: float, stop: threading.Event)
 
 
 def test_slow_bodies_hold_no_completion_slot_and_are_timed_out() -> None:
-    # Two slow clients dripping a body at 20 bytes/s, with one completion slot: real requests
-    # are still served while they drip, and the slow ones get 408 at --body-timeout.
+    # Two slow clients dripping a body at 20 bytes/s (8 s for this body), with one completion
+    # slot: real requests are still served while they drip, and the slow ones get 408 at
+    # --body-timeout. The timeout leaves seconds for the scrape and the requests to run while
+    # both drip, even under qemu (at 1 s, the aarch64 wheel check once saw both timed out
+    # before its first scrape answered).
     import json
 
     body = json.dumps(COMPLETION).encode()
     stop = threading.Event()
-    with stack([Engine()], [Engine()], max_in_flight=1, body_timeout=1.0) as url:
+    heads = [threading.Event(), threading.Event()]
+    with stack([Engine()], [Engine()], max_in_flight=1, body_timeout=4.0) as url:
         results: list[int] = []
-        drips = [threading.Thread(target=lambda: results.append(_drip(url, body, 0.05, stop)))
-                 for _ in range(2)]
+        drips = [threading.Thread(
+            target=lambda h=h: results.append(_drip(url, body, 0.05, stop, h))) for h in heads]
         for t in drips:
             t.start()
-        # Both slow clients connected (with the scrape itself: three connections open).
-        wait_for(lambda: _gauge(url, "routed_experts_proxy_connections") >= 3)
         try:
+            assert all(h.wait(10) for h in heads)
+            # Both slow clients connected (with the scrape itself: three connections open).
+            wait_for(lambda: _gauge(url, "routed_experts_proxy_connections") >= 3)
             for _ in range(3):
                 r = post(url)
                 assert r.status_code == 200, r.text
         finally:
+            # They send no more; the proxy answers each at its body timeout.
+            stop.set()
             for t in drips:
                 t.join(timeout=10)
-            stop.set()
         assert results == [408, 408]
         metrics = httpx.get(url + "/metrics", timeout=10).text
         assert 'routed_experts_proxy_rejected_total{reason="body_timeout"} 2.0' in metrics
