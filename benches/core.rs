@@ -1,7 +1,7 @@
 //! Criterion benches of the pure-Rust core on real payload sizes (Qwen3-235B-A22B, 32k tokens:
 //! 94 MoE layers, top_k 8, uint8), beside a copy of the same bytes (the floor any decode pays),
 //! and the phases of the two-pass read that the one-pass read replaced (BENCHMARKS.md; the
-//! before figures are in the CHANGELOG's benchmark history).
+//! before figures are in docs/benchmark-history.md).
 
 use std::hint::black_box;
 

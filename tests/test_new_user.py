@@ -233,7 +233,8 @@ def test_install_hints_name_the_packages_of_each_extra_as_pyproject_declares_the
 @pytest.mark.parametrize(
     "doc",
     ["README.md", "BENCHMARKS.md", "CHANGELOG.md", "docs/format.md", "docs/usage.md",
-     "docs/proxy.md", "docs/development.md", "docs/architecture.md"],
+     "docs/proxy.md", "docs/development.md", "docs/architecture.md",
+     "docs/benchmark-history.md"],
 )
 def test_markdown_tables_render_as_tables(doc: str) -> None:
     # A table row not joined to its table (no blank line before it, a row after a paragraph)

@@ -28,7 +28,6 @@ __all__ = [
     "_proxy_protocol",
     "_proxy_settings",
     "_proxy_text_settings",
-    "_read_prefill",
     "_replay_ids",
     "_sniff",
     "_trajectory_from_payload",
@@ -402,7 +401,3 @@ class _ProxyServer:
     def admin_port(self) -> int | None: ...
     def serve(self, signals: bool = False) -> None: ...
     def stop(self, now: bool = False) -> None: ...
-
-def _read_prefill(
-    body: _Body | dict[str, Any] | list[Any], *, start: int | None = None, count_rows: bool = True
-) -> tuple[bytes | None, list[int]]: ...

@@ -2,8 +2,8 @@
 //! on HTTP/1.1 connections of its own: the reply's head is parsed by httparse, and a body with
 //! a Content-Length is read from the socket straight into one buffer of that length. Through
 //! hyper's client every piece was first read into its buffer, then copied out and joined: 15%
-//! of the proxy's CPU on vLLM's 4 MB prefill replies (the CHANGELOG's benchmark history, issue
-//! 39). Streams stay on hyper.
+//! of the proxy's CPU on vLLM's 4 MB prefill replies (docs/benchmark-history.md, issue 39).
+//! Streams stay on hyper.
 //!
 //! The framing rules are RFC 9112's for a client: chunked when the last transfer coding is
 //! chunked; else a Content-Length (every value the same number); else the body runs to the

@@ -697,7 +697,6 @@ named_args!(
     require_routing,
     shared_prompt,
     mask,
-    count_rows,
     writable,
     duplicates,
     zero_rows,

@@ -94,7 +94,7 @@ pub fn from_response(
 ) -> PyResult<Option<RoutedExperts>> {
     let text = convert::body_arg(body, "body")?;
     let hints = hints(start, num_layers, top_k, dtype)?;
-    let limit = max_bytes.unwrap_or_else(crate::max_bytes);
+    let limit = max_bytes.unwrap_or_else(crate::limits::max_bytes);
     let found = py.detach(|| response::from_response(&text, choice, &hints, limit))?;
     Ok(found.map(RoutedExperts::new))
 }
@@ -121,7 +121,7 @@ pub fn group_from_response<'py>(
 ) -> PyResult<Vec<Bound<'py, PyTuple>>> {
     let text = convert::body_arg(body, "body")?;
     let hints = hints(start, num_layers, top_k, dtype)?;
-    let limit = max_bytes.unwrap_or_else(crate::max_bytes);
+    let limit = max_bytes.unwrap_or_else(crate::limits::max_bytes);
     let mut group = py.detach(|| response::group_from_response(&text, &hints, limit))?;
     group.choices.sort_by_key(|c| c.index);
     let shared = group
@@ -176,7 +176,7 @@ pub fn merge_response<'py>(
         convert::body_arg(decode_body, "decode_body")?,
     );
     let opts = MergeOptions {
-        max_bytes: max_bytes.unwrap_or_else(crate::max_bytes),
+        max_bytes: max_bytes.unwrap_or_else(crate::limits::max_bytes),
         splice,
         hints: hints(start, num_layers, top_k, dtype)?,
         decode_start,
@@ -188,7 +188,7 @@ pub fn merge_response<'py>(
     };
     let spliced = py.detach(|| response::merge_response_pieces(&p, &d, opts))?;
     // One copy: the pieces (mostly slices of the inputs) go straight into the result bytes.
-    super::bytes_filled(py, spliced.len(), |out| spliced.write_into(out))
+    crate::bytes_out::bytes_filled(py, spliced.len(), |out| spliced.write_into(out))
 }
 
 /// Any routing format of the wild, detected, as a payload: a dict or JSON text of a compact
@@ -225,7 +225,7 @@ pub fn decode_any(
     hints: &Hints,
     max_bytes: Option<usize>,
 ) -> PyResult<(Format, Payload)> {
-    let limit = max_bytes.unwrap_or_else(crate::max_bytes);
+    let limit = max_bytes.unwrap_or_else(crate::limits::max_bytes);
     if let Ok(p) = value.cast::<RoutedExperts>() {
         let p = p.get().inner.clone();
         formats::check_hints(Format::Compact, &p.header(), hints)?;
@@ -261,7 +261,7 @@ pub fn encode<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     let p = &payload_ref(payload, "payload")?.get().inner;
     if format == Format::Lists {
-        check_list_objects(p, crate::max_bytes())?;
+        check_list_objects(p, crate::limits::max_bytes())?;
     }
     let text = py.detach(|| formats::encode(p, format))?;
     // base64, the nemo envelope and JSON digits are ASCII.
@@ -356,7 +356,7 @@ pub fn pack<'py>(
     let dims = (layout.rows, first.num_layers(), first.top_k());
     let mut rows_mask = vec![false; if mask { layout.rows } else { 0 }];
     let batch = routed_experts::dtype::with_element!(dtype, D => {
-        super::numpy_filled::<D>(py, dims, |dst| {
+        crate::numpy_out::numpy_filled::<D>(py, dims, |dst| {
             let m = mask.then_some(&mut rows_mask[..]);
             routed_experts::pack::pack_parts_into(&parts, &layout, dst, m)
         })?
@@ -403,7 +403,8 @@ fn packing<'a>(
         pad_each_to_multiple,
         pad_to_multiple,
     };
-    let layout = routed_experts::pack::layout_parts(parts, &opts, dtype, crate::max_bytes())?;
+    let layout =
+        routed_experts::pack::layout_parts(parts, &opts, dtype, crate::limits::max_bytes())?;
     Ok((dtype, layout, first))
 }
 
@@ -461,7 +462,7 @@ pub fn pack_shard<'py>(
             routed_experts::pack::pack_share_into(&parts, &layout, &plan, dst, m)
         };
         match out {
-            None => super::numpy_filled::<D>(py, dims, write)?,
+            None => crate::numpy_out::numpy_filled::<D>(py, dims, write)?,
             Some(out) => convert::fill_out::<D>(out, dims, write)?,
         }
     });
@@ -633,38 +634,4 @@ pub fn _sniff(data: &Bound<'_, PyAny>) -> PyResult<(&'static str, Option<String>
         | Sniffed::Text(what) => (Some(what.clone()), None),
     };
     Ok((found.name(), detail, generated))
-}
-
-/// What the proxy reads from a prefill body before it calls decode, in one walk (GIL released):
-/// the raw JSON text of top-level `kv_transfer_params` (None when absent or null), and, with
-/// `count_rows`, the number of rows of each routing value (what the proxy's check of
-/// `routed_experts_prompt_start` needs; none decoded where the format carries its shape).
-#[pyfunction]
-#[pyo3(signature = (body, *, start = None, count_rows = true))]
-pub fn _read_prefill<'py>(
-    py: Python<'py>,
-    body: &Bound<'py, PyAny>,
-    #[pyo3(from_py_with = crate::convert::opt::start)] start: Option<u64>,
-    #[pyo3(from_py_with = crate::convert::flag::count_rows)] count_rows: bool,
-) -> PyResult<(Option<Bound<'py, PyBytes>>, Vec<usize>)> {
-    let text = convert::body_arg(body, "body")?;
-    let hints = hints(start, None, None, None)?;
-    let limit = crate::max_bytes();
-    let (kv, rows) = py.detach(|| -> routed_experts::Result<_> {
-        let read = routed_experts::body::read_prefill(&text)?;
-        let rows = if count_rows {
-            read.routing
-                .values
-                .iter()
-                .map(|f| {
-                    response::routing_rows(f, &hints, limit)
-                        .map_err(|e| e.context(format!("choice {}", f.index)))
-                })
-                .collect::<routed_experts::Result<Vec<_>>>()?
-        } else {
-            Vec::new()
-        };
-        Ok((read.kv_transfer_params.map(|t| t.to_vec()), rows))
-    })?;
-    Ok((kv.map(|t| PyBytes::new(py, &t)), rows))
 }

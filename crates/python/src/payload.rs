@@ -48,7 +48,7 @@ pub fn decode_sidecar_obj(
     max_bytes: Option<usize>,
 ) -> PyResult<Payload> {
     let py = value.py();
-    let limit = max_bytes.unwrap_or_else(crate::max_bytes);
+    let limit = max_bytes.unwrap_or_else(crate::limits::max_bytes);
     if let Ok(d) = value.cast::<PyDict>() {
         return convert::decode_dict(d, &Default::default(), limit);
     }
@@ -148,7 +148,7 @@ impl RoutedExperts {
     /// and `p.dtype == "uint8"` hold).
     #[getter]
     fn dtype<'py>(&self, py: Python<'py>) -> Bound<'py, numpy::PyArrayDescr> {
-        super::numpy_dtype(py, self.inner.dtype())
+        crate::numpy_out::numpy_dtype(py, self.inner.dtype())
     }
     #[getter]
     fn shape(&self) -> (usize, usize, usize) {
@@ -168,7 +168,7 @@ impl RoutedExperts {
     /// Canonical compact sidecar as JSON bytes: key order data, shape, start, dtype; no spaces.
     fn to_json<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
         let p = &self.inner;
-        super::bytes_filled(py, sidecar::encoded_len(p), |out| {
+        crate::bytes_out::bytes_filled(py, sidecar::encoded_len(p), |out| {
             sidecar::encode_into(p, out);
             Ok(())
         })
@@ -427,7 +427,7 @@ pub fn _from_raw(
 ) -> PyResult<RoutedExperts> {
     let dtype = DType::parse(dtype)?;
     let shape = Shape::new(shape.0, shape.1, shape.2);
-    limits::check_shape(shape, dtype, crate::max_bytes())?;
+    limits::check_shape(shape, dtype, crate::limits::max_bytes())?;
     let want = shape.nbytes(dtype)?;
     let arr = bytes_of_buffer(py, data)?;
     if arr.len() != want {
@@ -511,7 +511,7 @@ fn readonly_view<'py>(slf: &Bound<'py, RoutedExperts>) -> PyResult<Bound<'py, Py
         // SAFETY: a payload's buffer holds exactly tokens * layers * top_k values of its dtype,
         // 8-aligned (AlignedBytes); the payload is frozen, so never mutated or freed while `slf`,
         // the view's base, lives.
-        unsafe { super::readonly_array::<T>(slf.as_any(), (s.tokens, s.layers, s.top_k), values.as_ptr()) }
+        unsafe { crate::numpy_out::readonly_array::<T>(slf.as_any(), (s.tokens, s.layers, s.top_k), values.as_ptr()) }
     })
 }
 
@@ -520,6 +520,6 @@ fn readonly_view<'py>(slf: &Bound<'py, RoutedExperts>) -> PyResult<Bound<'py, Py
 pub fn new_numpy<'py>(py: Python<'py>, p: &Payload, dtype: DType) -> PyResult<Bound<'py, PyAny>> {
     let s = p.shape();
     with_element!(dtype, D => {
-        super::numpy_filled::<D>(py, (s.tokens, s.layers, s.top_k), |dst| p.write_as(dst))
+        crate::numpy_out::numpy_filled::<D>(py, (s.tokens, s.layers, s.top_k), |dst| p.write_as(dst))
     })
 }

@@ -299,9 +299,9 @@ impl StreamMerger {
                 start,
                 ..routed_experts::Hints::default()
             },
-            ..routed_experts::MergeOptions::new(crate::max_bytes())
+            ..routed_experts::MergeOptions::new(crate::limits::max_bytes())
         };
-        let max_line = max_line_bytes.unwrap_or_else(crate::max_bytes);
+        let max_line = max_line_bytes.unwrap_or_else(crate::limits::max_bytes);
         Ok(StreamMerger {
             inner: Mutex::new(routed_experts_proxy::StreamMerger::owned(
                 prefill, opts, max_line,

@@ -327,7 +327,7 @@ pub fn expert_load(
     let layers = first.get().num_layers();
     let payloads: Vec<&Payload> = routings.iter().map(Routing::get).collect();
     let inner = py.detach(|| {
-        let mut load = CoreExpertLoad::new(layers, num_experts, crate::max_bytes())?;
+        let mut load = CoreExpertLoad::new(layers, num_experts, crate::limits::max_bytes())?;
         for p in payloads {
             load.add(p)?;
         }

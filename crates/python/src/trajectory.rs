@@ -58,7 +58,7 @@ impl Trajectory {
         payload: &Bound<'_, PyAny>,
         #[pyo3(from_py_with = crate::convert::word::overlap)] overlap: Overlap,
     ) -> PyResult<()> {
-        let limit = crate::max_bytes();
+        let limit = crate::limits::max_bytes();
         if let Ok(p) = payload.cast::<RoutedExperts>() {
             let p = &p.get().inner;
             return Ok(self.locked(py, |t| t.append(p, overlap, limit))?);
@@ -96,7 +96,7 @@ impl Trajectory {
     #[getter]
     fn dtype<'py>(&self, py: Python<'py>) -> Option<Bound<'py, numpy::PyArrayDescr>> {
         self.locked(py, |t| t.dtype())
-            .map(|d| super::numpy_dtype(py, d))
+            .map(|d| crate::numpy_out::numpy_dtype(py, d))
     }
 
     fn __len__(&self, py: Python<'_>) -> usize {
@@ -169,7 +169,7 @@ impl Trajectory {
             routed_experts::DType,
         >,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let limit = crate::max_bytes();
+        let limit = crate::limits::max_bytes();
         let (aligned, real) = self.locked(py, |t| {
             let real = t.len().min(num_tokens);
             t.to_training(num_tokens, pad, max_missing, limit)

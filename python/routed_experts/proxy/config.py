@@ -9,41 +9,70 @@ from typing import Any, NamedTuple
 
 from routed_experts._core import _check_proxy_settings, _proxy_settings, _proxy_text_settings
 
-MiB = 1024 * 1024
+_NUMBERS = {name: (unit, default) for name, unit, default, _, _ in _proxy_settings()}
+_TEXTS = {name: default for name, default, _ in _proxy_text_settings()}
+
+
+def _seconds(name: str) -> float:
+    """The default Rust declares for a setting in seconds."""
+    unit, default = _NUMBERS[name]
+    assert unit == "seconds", (name, unit)
+    return float(default)
+
+
+def _count(name: str) -> int:
+    """The default Rust declares for a setting counted in requests, bytes or servers."""
+    unit, default = _NUMBERS[name]
+    assert unit in ("count", "bytes"), (name, unit)
+    return int(default)
+
+
+def _word(name: str) -> str:
+    """The default Rust declares for a text setting that has one."""
+    default = _TEXTS[name]
+    assert default is not None, name
+    return default
+
+
+def _unset(name: str) -> str | None:
+    """The default of a text setting that Rust declares unset."""
+    default = _TEXTS[name]
+    assert default is None, (name, default)
+    return default
 
 
 @dataclass(frozen=True)
 class ProxyConfig:
     """Everything an operator sets (the `routed-experts proxy` flags). Each setting is declared
     once, in Rust (`routed_experts_proxy::config`, listed by `settings_declared()` with its
-    unit, bound and help); these fields carry the same names and defaults, which a test holds
-    to that declaration, and the declaration's check refuses what cannot serve (a
-    `ConfigError`, a `ValueError`, naming the setting)."""
+    unit, bound and help); each field takes its default from that declaration (none is
+    restated here; a test holds the names to it), and the declaration's check refuses what
+    cannot serve (a `ConfigError`, a `ValueError`, naming the setting)."""
 
-    read_timeout: float = 600.0
-    connect_timeout: float = 10.0
-    max_in_flight: int = 256
-    max_request_bytes: int = 64 * MiB
-    body_timeout: float = 60.0
-    max_buffered_bytes: int = 1024 * MiB
-    max_upstream_bytes: int = 256 * MiB
-    eject_after: int = 3
-    eject_seconds: float = 10.0
-    upstream_api_key: str | None = None  # sent as `Authorization: Bearer` instead of the client's
-    prefill_policy: str = "session"  # round_robin, least_load or session
-    decode_policy: str = "least_load"
-    session_header: str | None = None  # e.g. "X-Session-Id"; else the body's session_id
-    upstreams_file: str | None = None  # `prefill URL` / `decode URL` lines, re-read on SIGHUP
-    routing_format: str = "engine"  # the decode engine's own format (vLLM's .npy), or "compact"
-    stream_routing: str = "buffered"  # completions/chat streams from a plain decode, or "relay"
-    prompt_routing: str = "per_choice"  # or "shared": a plain answer's prompt rows once
-    header_timeout: float = 30.0
-    max_header_bytes: int = 64 * 1024
-    max_connections: int = 4096
-    request_timeout: float = 3600.0
-    write_timeout: float = 60.0
-    shutdown_timeout: float = 30.0
-    max_merge_bytes: int = 1024 * MiB
+    read_timeout: float = _seconds("read_timeout")
+    connect_timeout: float = _seconds("connect_timeout")
+    max_in_flight: int = _count("max_in_flight")
+    max_request_bytes: int = _count("max_request_bytes")
+    body_timeout: float = _seconds("body_timeout")
+    max_buffered_bytes: int = _count("max_buffered_bytes")
+    max_upstream_bytes: int = _count("max_upstream_bytes")
+    eject_after: int = _count("eject_after")
+    eject_seconds: float = _seconds("eject_seconds")
+    upstream_api_key: str | None = _unset("upstream_api_key")
+    prefill_policy: str = _word("prefill_policy")
+    decode_policy: str = _word("decode_policy")
+    session_header: str | None = _unset("session_header")
+    upstreams_file: str | None = _unset("upstreams_file")
+    routing_format: str = _word("routing_format")
+    stream_routing: str = _word("stream_routing")
+    prompt_routing: str = _word("prompt_routing")
+    header_timeout: float = _seconds("header_timeout")
+    max_header_bytes: int = _count("max_header_bytes")
+    max_connections: int = _count("max_connections")
+    request_timeout: float = _seconds("request_timeout")
+    write_timeout: float = _seconds("write_timeout")
+    shutdown_timeout: float = _seconds("shutdown_timeout")
+    max_merge_bytes: int = _count("max_merge_bytes")
 
     def __post_init__(self) -> None:
         _check_proxy_settings(asdict(self))
