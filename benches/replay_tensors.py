@@ -108,6 +108,7 @@ def measure_device(
     """Best ms from text to every router's ids on `device`: rx, before, floor."""
     import routed_experts as rx
     from routed_experts.replay import _device
+    from routed_experts.replay._rows import RouterRows
 
     tokens, layers, top_k = batch.shape
     text = rx.encode(rx.RoutedExperts.from_array(batch, num_experts=experts), "vllm_npy")
@@ -122,7 +123,8 @@ def measure_device(
 
     def rx_path() -> object:
         rows_ = rx.decode(text, start=0).to_numpy()
-        return done(_device.ids_on(rows_, range(layers), mask, experts, names, device=device))
+        described = RouterRows(rows_, range(layers), mask, experts, names)
+        return done(_device.ids_on(described, device=device))
 
     def before() -> object:
         rows_ = rx.decode(text, start=0).to_numpy()

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import routed_experts as rx
 from routed_experts.replay import _device, replay_ids
+from routed_experts.replay._rows import RouterRows
 
 
 @st.composite
@@ -54,16 +55,16 @@ def test_the_device_path_makes_and_refuses_what_the_host_does(case: dict[str, An
     rows, layers, experts, valid = case["rows"], case["layers"], case["experts"], case["valid"]
     places = [f"router {i}" for i in range(len(layers))]
     np_index = np.int64 if case["index"] == torch.int64 else np.int32
+    described = RouterRows(rows, layers, valid, experts, places,
+                           name_rows=lambda: case["origin"])  # fmt: skip
     try:
         want = replay_ids(rows, layers, valid, experts, places, np_index, origin=case["origin"])
     except rx.PayloadError as e:
         with pytest.raises(rx.PayloadError) as got:
-            _device.ids_on(rows, layers, valid, experts, places, device="cpu",
-                           dtype=case["index"], origin=case["origin"])  # fmt: skip
+            _device.ids_on(described, device="cpu", dtype=case["index"])
         assert str(got.value) == str(e)
         return
-    ids, replayed = _device.ids_on(rows, layers, valid, experts, places, device="cpu",
-                                   dtype=case["index"], origin=case["origin"])  # fmt: skip
+    ids, replayed = _device.ids_on(described, device="cpu", dtype=case["index"])
     assert ids.dtype == case["index"] and ids.is_contiguous()
     np.testing.assert_array_equal(ids.numpy(), want[0])
     np.testing.assert_array_equal(replayed.numpy(), want[1])
@@ -74,14 +75,14 @@ def test_the_layer_checks_run_where_the_rows_are() -> None:
     rows = np.zeros((4, 3, 2), dtype=np.int16)
     rows[:, 1:] = [0, 1]
     rows[3] = -1  # no routing: on a dense layer as anywhere else
-    _device.ids_on(rows, [1, 2], None, 8, ["a", "b"], device="cpu", pattern=pattern)
+    _device.ids_on(RouterRows(rows, [1, 2], None, 8, ["a", "b"], pattern), device="cpu")
     rows[2, 0] = [1, 2]
     with pytest.raises(rx.PayloadError, match="decoder layer 0 is dense"):
-        _device.ids_on(rows, [1, 2], None, 8, ["a", "b"], device="cpu", pattern=pattern)
+        _device.ids_on(RouterRows(rows, [1, 2], None, 8, ["a", "b"], pattern), device="cpu")
     rows[2, 0] = 0
     rows[:3, 2] = 0
     with pytest.raises(rx.PayloadError, match="payload layer 2: .* all zero"):
-        _device.ids_on(rows, [1, 2], None, 8, ["a", "b"], device="cpu", pattern=pattern)
+        _device.ids_on(RouterRows(rows, [1, 2], None, 8, ["a", "b"], pattern), device="cpu")
 
 
 def test_a_ranks_share_is_written_into_a_host_tensor_reused_from_step_to_step() -> None:
@@ -101,3 +102,29 @@ def test_a_ranks_share_is_written_into_a_host_tensor_reused_from_step_to_step() 
         np.testing.assert_array_equal(got, want)
         torch.testing.assert_close(buf[: want.size].view(want.shape), torch.from_numpy(want))
         assert buf.is_pinned() == pin
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_rows_are_named_only_when_one_is_refused(on_device: bool) -> None:
+    # A rank's cut of its batch into (sample, position) is made for the error alone: a step
+    # whose rows all pass never makes it, on the host's path or the device's.
+    rows = np.array([[1, 2], [3, 4], [5, 6]], dtype=np.uint8)[:, None, :]
+    asked: list[int] = []
+
+    def name_rows() -> np.ndarray:
+        asked.append(1)
+        return np.array([[0, 5], [1, 0], [1, 1]])
+
+    def run(r: np.ndarray) -> Any:
+        described = RouterRows(r, [0], None, 8, ["r"], name_rows=name_rows)
+        if on_device:
+            return _device.ids_on(described, device="cpu")
+        return _device.router_tensors(described, device=torch.device("cpu"), dtype=torch.int64,
+                                      pin_memory=False)  # fmt: skip
+
+    run(rows)
+    assert asked == []
+    rows[2] = [7, 7]
+    with pytest.raises(rx.PayloadError, match="^r, sample 1, position 1: .*distinct"):
+        run(rows)
+    assert asked

@@ -14,16 +14,19 @@ GPU, the decoded rows copied once and checked there). `stats()` counts, while th
 open, how often each router's own pick differs from the engine's (the router flip rate).
 
 The frameworks' modules are private (`_megatron`, `_hf`): `rx.replay.megatron` and
-`rx.replay.hf` are the functions.
+`rx.replay.hf` are their contexts (`MegatronReplay`, `HfReplay`), both a `ReplayContext`
+(docs/architecture.md, "Adding a trainer framework").
 """
 
 from __future__ import annotations
 
+from ._context import ReplayContext
 from ._hf import HfReplay, hf
 from ._hf import gates as hf_gates
 from ._megatron import MegatronReplay, local_rows, megatron
 from ._megatron import routers as megatron_routers
 from ._rows import (
+    RouterRows,
     check_layers,
     cp_sp_positions,
     fill_ids,
@@ -37,7 +40,9 @@ __all__ = [
     "HfReplay",
     "LayerStats",
     "MegatronReplay",
+    "ReplayContext",
     "ReplayStats",
+    "RouterRows",
     "check_layers",
     "cp_sp_positions",
     "fill_ids",

@@ -11,12 +11,12 @@ Runs on any torch device, CPU included, so the tests here run the code a GPU run
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from ._rows import check_layers, refuse_layers, replay_ids
+from .._core import RoutedExpertsError
+from ._rows import RouterRows, check_layers, refuse_layers, replay_ids
 
 # The dtypes torch copies as they are; uint16 travels as int16 bits and is widened on the
 # device. uint32 and uint64 (no engine sends them) stay on the host path.
@@ -35,32 +35,28 @@ def wanted(device: Any, rows: np.ndarray) -> bool:
 
 
 def router_tensors(
-    rows: np.ndarray,
-    layers: Sequence[int],
-    valid: np.ndarray | None,
-    num_experts: int,
-    places: Sequence[str],
-    *,
-    device: Any,
-    dtype: Any,
-    pattern: Sequence[bool],
-    origin: np.ndarray | None,
-    pin_memory: bool,
+    r: RouterRows, *, device: Any, dtype: Any, pin_memory: bool
 ) -> tuple[Any, Any]:
-    """What both replay contexts hand their routers: every router's ids (`[routers, tokens,
+    """What every replay context hands its routers: every router's ids (`[routers, tokens,
     top_k]`, each router's part contiguous) and the rows replayed (`[routers, tokens]`), as
-    torch tensors on `device`, the layers checked against the model's `pattern`. Made there
-    where `wanted` says (`ids_on`); else by the host's Rust pass (`replay_ids`, each router's
-    part handed to torch without a copy), moved to `device` when it is not the CPU."""
+    torch tensors on `device`, the layers checked against `r.pattern`. Made there where `wanted`
+    says (`ids_on`); else by the host's Rust pass (`replay_ids`, each router's part handed to
+    torch without a copy), moved to `device` when it is not the CPU."""
     import torch
 
-    if wanted(device, rows):
-        return ids_on(rows, layers, valid, num_experts, places, device=device, dtype=dtype,
-                      pattern=pattern, origin=origin, pin_memory=pin_memory)  # fmt: skip
-    check_layers(rows, pattern, valid)
+    if wanted(device, r.rows):
+        return ids_on(r, device=device, dtype=dtype, pin_memory=pin_memory)
+    if r.pattern is not None:
+        check_layers(r.rows, r.pattern, r.valid)
     np_dtype = np.int32 if dtype == torch.int32 else np.int64
-    host_ids, host_replayed = replay_ids(rows, layers, valid, num_experts, places, np_dtype,
-                                         origin=origin)  # fmt: skip
+    try:
+        host_ids, host_replayed = replay_ids(r.rows, r.layers, r.valid, r.num_experts, r.places,
+                                             np_dtype)  # fmt: skip
+    except RoutedExpertsError:
+        # Again with the rows named (made only now): the same error, saying which sample.
+        replay_ids(r.rows, r.layers, r.valid, r.num_experts, r.places, np_dtype,
+                   origin=r.name_rows())  # fmt: skip
+        raise
     ids, replayed = torch.from_numpy(host_ids), torch.from_numpy(host_replayed)
     if device.type != "cpu":  # rows of a dtype the device path does not take
         ids, replayed = ids.to(device), replayed.to(device)
@@ -68,35 +64,27 @@ def router_tensors(
 
 
 def ids_on(
-    rows: np.ndarray,
-    layers: Sequence[int],
-    valid: np.ndarray | None,
-    num_experts: int,
-    places: Sequence[str],
-    *,
-    device: Any,
-    dtype: Any = None,
-    pattern: Sequence[bool] | None = None,
-    origin: np.ndarray | None = None,
-    pin_memory: bool = True,
+    r: RouterRows, *, device: Any, dtype: Any = None, pin_memory: bool = True
 ) -> tuple[Any, Any]:
     """`replay_ids` on `device`: each router's `[tokens, top_k]` ids (one `[routers, tokens,
     top_k]` tensor, each router's part contiguous) and `[routers, tokens]` bool, the rows
-    replayed, both on `device`. With `pattern` (the model's MoE layers), `check_layers` runs
+    replayed, both on `device`. With `r.pattern` (the model's MoE layers), `check_layers` runs
     there too. `pin_memory`: stage the copy in page-locked memory (a GPU only)."""
     import torch
 
     dtype = torch.int64 if dtype is None else dtype
     device = torch.device(device)
-    batch = np.ascontiguousarray(rows)
+    batch = np.ascontiguousarray(r.rows)
+    layers, valid, num_experts = r.layers, r.valid, r.num_experts
     if not supported(batch):
         raise ValueError(f"ids_on: rows of dtype {batch.dtype} stay on the host path")
     # The arguments (layers, num_experts against top_k and the index dtype, the mask's length)
-    # checked by the host's own pass over no rows: the same errors as the host path.
+    # checked once by the host's own pass, over no rows unless the mask's length is wrong: the
+    # same errors as the host path.
     np_dtype = np.int64 if dtype == torch.int64 else np.int32
-    replay_ids(batch[:0], layers, None, num_experts, places, np_dtype)
     if valid is not None and len(valid) != batch.shape[0]:
-        replay_ids(batch, layers, valid, num_experts, places, np_dtype)  # raises: the mask
+        replay_ids(batch, layers, valid, num_experts, r.places, np_dtype)  # raises: the mask
+    replay_ids(batch[:0], layers, None, num_experts, r.places, np_dtype)
     wide_from_u16 = batch.dtype == np.uint16
     with warnings.catch_warnings():  # a decoded payload's rows are read-only; never written
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -112,6 +100,7 @@ def ids_on(
     if valid is not None:
         keep = torch.from_numpy(np.ascontiguousarray(valid, dtype=bool)).to(device)
     answers = []
+    pattern = r.pattern
     if pattern is not None and width == len(pattern):
         seen = narrow if keep is None else narrow[keep]
         if signed:
@@ -139,31 +128,24 @@ def ids_on(
     if pattern is not None and width == len(pattern):
         refuse_layers(marks[:width].tolist(), marks[width : 2 * width].tolist(), pattern, top_k)
     if bool(marks[-1]):
-        _refuse_first(bad, batch, layers, valid, num_experts, places, origin)
+        _refuse_first(bad, batch, r)
     spread = torch.arange(tokens * top_k, device=device, dtype=torch.int64).reshape(tokens, top_k)
     spread = (spread % num_experts).to(dtype)
     out = torch.where(routed.unsqueeze(2), ids.to(dtype), spread).contiguous()
     return out, routed
 
 
-def _refuse_first(
-    bad: Any,
-    batch: np.ndarray,
-    layers: Sequence[int],
-    valid: np.ndarray | None,
-    num_experts: int,
-    places: Sequence[str],
-    origin: np.ndarray | None,
-) -> None:
+def _refuse_first(bad: Any, batch: np.ndarray, r: RouterRows) -> None:
     """Raise the host's error for the first bad row (rows in order, then routers)."""
     routers = bad.shape[0]
     first = int(bad.transpose(0, 1).reshape(-1).nonzero()[0])
     row, router = divmod(first, routers)
+    origin = r.name_rows()
     named = np.array([[-1, row]]) if origin is None else np.asarray(origin)[row : row + 1]
-    one_valid = None if valid is None else np.asarray(valid, dtype=bool)[row : row + 1]
-    replay_ids(batch[row : row + 1], [layers[router]], one_valid, num_experts, [places[router]],
-               origin=named)  # fmt: skip
+    one_valid = None if r.valid is None else np.asarray(r.valid, dtype=bool)[row : row + 1]
+    replay_ids(batch[row : row + 1], [r.layers[router]], one_valid, r.num_experts,
+               [r.places[router]], origin=named)  # fmt: skip
     raise RuntimeError(  # pragma: no cover - the two checks are held to each other in tests
-        f"routed_experts: the device check refused {places[router]}, row {row}, and the host "
+        f"routed_experts: the device check refused {r.places[router]}, row {row}, and the host "
         "check passed it; please report this"
     )

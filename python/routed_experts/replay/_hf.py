@@ -19,9 +19,8 @@ from typing import Any
 import numpy as np
 
 from .._core import ConfigError
-from . import _device
-from ._rows import payload_layer
-from ._stats import Counter, ReplayStats
+from ._context import ReplayContext
+from ._rows import RouterRows, payload_layer
 
 
 def _softmax_rule(gate: Any, logits: Any, ids: Any) -> Any:
@@ -99,10 +98,13 @@ def _device_of(gate: Any) -> Any:
     return next(gate.parameters()).device
 
 
-class HfReplay:
-    """Replay set on `model`'s gates while the context is open (see the module's doc).
-    `.replayed[layer]`: the rows replayed (0-based decoder layers); `stats()`: what replay
-    changed in the forwards run so far (`ReplayStats`: the router flip rate, per layer)."""
+class HfReplay(ReplayContext):
+    """Replay `routing` on a transformers MoE model's gates, set while the context is open
+    (see the module's doc). `device`: where the ids are made and checked (default: the gates'
+    own device; on a GPU the decoded rows are copied there once, from pinned memory unless
+    `pin_memory=False`). `.replayed[layer]`: the rows replayed (0-based decoder layers);
+    `stats()`: what replay changed in the forwards run so far (`ReplayStats`: the router flip
+    rate, per layer)."""
 
     def __init__(
         self, model: Any, routing: Any, mask: Any = None, *, device: Any = None,
@@ -121,44 +123,40 @@ class HfReplay:
         if batch.ndim != 4:
             raise ConfigError(f"`routing`: expected [B, S, layers, top_k], got shape {batch.shape}")
         b, s, layers, top_k = batch.shape
-        rows = batch.reshape(b * s, layers, top_k)  # transformers flattens batch-first
         valid = None
         if mask is not None:
             m = np.asarray(mask, dtype=bool)
             if m.shape != (b, s):
                 raise ConfigError(f"`mask`: expected shape {(b, s)}, got {m.shape}")
             valid = m.reshape(-1)
-        routed = [(i, gate) for i, gate in enumerate(found) if gate is not None]
-        for i, gate in routed:
+        routed = [(gate, i) for i, gate in enumerate(found) if gate is not None]
+        for gate, i in routed:
             if top_k != gate.top_k:
                 raise ConfigError(
                     f"gate of decoder layer {i}: top_k {gate.top_k}, but the payload has {top_k}"
                 )
-        experts = sorted({gate.num_experts for _, gate in routed})
+        experts = sorted({gate.num_experts for gate, _ in routed})
         if len(experts) != 1:
             raise ConfigError(f"`model`: its gates have different expert counts {experts}")
-        # Errors name a row by its sample and position ([B, S] flattened batch-first).
-        origin = np.stack([np.repeat(np.arange(b), s), np.tile(np.arange(s), b)], axis=1)
-        target = torch.device(_device_of(routed[0][1]) if device is None else device)
-        places = [f"gate of decoder layer {i}" for i, _ in routed]
-        picked = [payload_layer(i, layers, pattern) for i, _ in routed]
-        ids, replayed = _device.router_tensors(
-            rows, picked, valid, experts[0], places, device=target, dtype=torch.int64,
-            pattern=pattern, origin=origin, pin_memory=pin_memory,
-        )  # fmt: skip
-        self.replayed: dict[int, Any] = {}
-        self._targets: list[tuple[Any, Any, Any, int]] = []
-        for k, (i, gate) in enumerate(routed):
-            self.replayed[i] = replayed[k]
-            # Moved once, here: the hook hands the gate what is already on its device.
-            self._targets.append((gate, ids[k], ids[k].sort(dim=-1).values, i))
-        self._counter = Counter(self.replayed)
-        self._hooks: list[Any] = []
 
-    def __enter__(self) -> HfReplay:
-        for gate, ids, ordered, i in self._targets:
-            self._hooks.append(gate.register_forward_hook(self._replay(ids, ordered, i)))
-        return self
+        def name_rows() -> np.ndarray:  # each row's sample and position ([B, S] batch-first)
+            return np.stack([np.repeat(np.arange(b), s), np.tile(np.arange(s), b)], axis=1)
+
+        rows = RouterRows(
+            rows=batch.reshape(b * s, layers, top_k),  # transformers flattens batch-first
+            layers=[payload_layer(i, layers, pattern) for _, i in routed],
+            valid=valid,
+            num_experts=experts[0],
+            places=[f"gate of decoder layer {i}" for _, i in routed],
+            pattern=pattern,
+            name_rows=name_rows,
+        )
+        target = torch.device(_device_of(routed[0][0]) if device is None else device)
+        super().__init__(routed, rows, device=target, dtype=torch.int64, pin_memory=pin_memory)
+
+    def _arm(self) -> None:
+        for t in self._targets:
+            self._hook(t.router.register_forward_hook(self._replay(t.ids, t.ordered, t.layer)))
 
     def _replay(self, ids: Any, ordered: Any, layer: int) -> Any:
         counter = self._counter
@@ -177,27 +175,6 @@ class HfReplay:
 
         return hook
 
-    def stats(self) -> ReplayStats:
-        """Per router and overall, over the forwards run inside the context since it was
-        entered (or `reset_stats`): rows replayed and filled, and the router flip rate (the
-        share of replayed rows whose own top-k differs from the engine's ids). One small copy
-        from the device."""
-        return self._counter.read()
 
-    def reset_stats(self) -> None:
-        """Start counting again (each training step, say)."""
-        self._counter.reset()
-
-    def __exit__(self, *exc: object) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-
-
-def hf(
-    model: Any, routing: Any, mask: Any = None, *, device: Any = None, pin_memory: bool = True
-) -> HfReplay:
-    """Replay `routing` on a transformers MoE model's gates: see `HfReplay`. `device`: where the
-    ids are made and checked (default: the gates' own device; on a GPU the decoded rows are
-    copied there once, from pinned memory unless `pin_memory=False`)."""
-    return HfReplay(model, routing, mask, device=device, pin_memory=pin_memory)
+# `rx.replay.hf(...)`: the context itself, so its signature is the one typed above.
+hf = HfReplay

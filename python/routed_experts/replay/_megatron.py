@@ -21,11 +21,11 @@ from typing import Any, Literal
 import numpy as np
 
 from .._core import ConfigError, shard
-from . import _device
-from ._rows import cp_sp_positions, moe_pattern, payload_layer
-from ._stats import Counter, ReplayStats
+from ._context import ReplayContext
+from ._rows import RouterRows, cp_sp_positions, moe_pattern, payload_layer
 
 Layout = Literal["thd", "bshd", "rank"]
+CpSplit = Literal["zigzag", "contiguous"]
 
 
 def _megatron() -> tuple[Any, Any]:
@@ -114,7 +114,7 @@ def local_rows(
     mask: Any = None,
     *,
     layout: Layout = "thd",
-    cp_split: Literal["zigzag", "contiguous"] = "zigzag",
+    cp_split: CpSplit = "zigzag",
     cp_size: int = 1,
     cp_rank: int = 0,
     tp_size: int = 1,
@@ -182,10 +182,14 @@ def _origin(
     return np.ascontiguousarray(rows[:, 0, :])
 
 
-class MegatronReplay:
-    """Replay set on `model`'s routers while the context is open (see the module's doc).
-    `.replayed[layer]`: the rows replayed, by 0-based decoder layer; `stats()`: what replay
-    changed in the forwards run so far (`ReplayStats`: the router flip rate, per layer)."""
+class MegatronReplay(ReplayContext):
+    """Replay `routing` on `model`'s routers for one step, set while the context is open (see
+    the module's doc). `layout`: how `routing` is laid out (`local_rows`); `rank`: this rank's
+    `cp_size`, `cp_rank`, `tp_size`, `tp_rank` (default: Megatron's parallel state); `dtype`:
+    the ids' (torch.int64 or torch.int32); `device`: where they are made (default: the
+    routers'). `.replayed[layer]`: the rows replayed, by 0-based decoder layer; `stats()`: what
+    replay changed in the forwards run so far (`ReplayStats`: the router flip rate, per
+    layer)."""
 
     def __init__(
         self,
@@ -195,7 +199,7 @@ class MegatronReplay:
         mask: Any = None,
         *,
         layout: Layout = "thd",
-        cp_split: Literal["zigzag", "contiguous"] = "zigzag",
+        cp_split: CpSplit = "zigzag",
         rank: dict[str, int] | None = None,
         dtype: Any = None,
         device: Any = None,
@@ -235,37 +239,32 @@ class MegatronReplay:
                     f"{rows.shape[2]}"
                 )
             replaying.append((router, number - 1))
-        origin = _origin(routing, cu_seqlens, layout, cp_split, place)
         target = torch.device(
             next(replaying[0][0].parameters()).device if device is None and replaying
             else device or "cpu"
         )  # fmt: skip
-        layers = [payload_layer(layer, rows.shape[1], pattern) for _, layer in replaying]
-        places = [f"router of decoder layer {layer}" for _, layer in replaying]
-        ids, replayed = _device.router_tensors(
-            rows, layers, valid, config.num_moe_experts, places, device=target, dtype=dtype,
-            pattern=pattern, origin=origin, pin_memory=pin_memory,
-        )  # fmt: skip
-        self.replayed: dict[int, Any] = {}
-        self._targets: list[tuple[Any, Any, Any, int]] = []
-        for i, (router, layer) in enumerate(replaying):
-            self.replayed[layer] = replayed[i]
-            self._targets.append((router, ids[i], ids[i].sort(dim=-1).values, layer))
-        self._counter = Counter(self.replayed)
-        self._hooks: list[Any] = []
-
-    def __enter__(self) -> MegatronReplay:
+        described = RouterRows(
+            rows=rows,
+            layers=[payload_layer(layer, rows.shape[1], pattern) for _, layer in replaying],
+            valid=valid,
+            num_experts=config.num_moe_experts,
+            places=[f"router of decoder layer {layer}" for _, layer in replaying],
+            pattern=pattern,
+            name_rows=lambda: _origin(routing, cu_seqlens, layout, cp_split, place),
+        )
+        super().__init__(replaying, described, device=target, dtype=dtype, pin_memory=pin_memory)
         self._saved: list[tuple[Any, Any]] = []
-        for router, target, ordered, layer in self._targets:
-            replay = router.router_replay
+
+    def _arm(self) -> None:
+        for t in self._targets:
+            replay = t.router.router_replay
             replay.clear_indices()
-            replay.set_target_indices(target)
+            replay.set_target_indices(t.ids)
             replay.set_router_replay_action(self._action.REPLAY_FORWARD)
             self._saved.append((replay, replay.__dict__.get("get_replay_topk")))
-            replay.get_replay_topk = self._counted(replay, ordered, layer)
-            check = self._check(target.shape[0], layer, self._layout)
-            self._hooks.append(router.register_forward_pre_hook(check))
-        return self
+            replay.get_replay_topk = self._counted(replay, t.ordered, t.layer)
+            self._hook(t.router.register_forward_pre_hook(
+                self._check(t.ids.shape[0], t.layer, self._layout)))
 
     def _counted(self, replay: Any, ordered: Any, layer: int) -> Any:
         # RouterReplay's own get_replay_topk, and the router's own pick beside it from the same
@@ -311,38 +310,22 @@ class MegatronReplay:
 
         return hook
 
-    def stats(self) -> ReplayStats:
-        """Per router and overall, over the forwards run inside the context since it was
-        entered (or `reset_stats`): rows replayed and filled, and the router flip rate (the
-        share of replayed rows whose own top-k, from the same live scores, differs from the
-        engine's ids). One small copy from the device."""
-        return self._counter.read()
-
-    def reset_stats(self) -> None:
-        """Start counting again (each training step, say)."""
-        self._counter.reset()
-
     def backward(self) -> None:
         """Replay the same ids in the forward that activation recompute runs during backward."""
-        for router, _, _, _ in self._targets:
-            router.router_replay.set_router_replay_action(self._action.REPLAY_BACKWARD)
+        for t in self._targets:
+            t.router.router_replay.set_router_replay_action(self._action.REPLAY_BACKWARD)
 
-    def __exit__(self, *exc: object) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        for replay, before in getattr(self, "_saved", []):
+    def _disarm(self) -> None:
+        for replay, before in self._saved:
             if before is None:
                 replay.__dict__.pop("get_replay_topk", None)
             else:
                 replay.get_replay_topk = before
         self._saved = []
-        for router, _, _, _ in self._targets:
-            router.router_replay.clear_indices()
-            router.router_replay.clear_router_replay_action()
+        for t in self._targets:
+            t.router.router_replay.clear_indices()
+            t.router.router_replay.clear_router_replay_action()
 
 
-def megatron(model: Any, routing: Any, cu_seqlens: Any = None, mask: Any = None, **kwargs: Any
-             ) -> MegatronReplay:
-    """Replay `routing` on `model`'s routers for one step: see `MegatronReplay`."""
-    return MegatronReplay(model, routing, cu_seqlens, mask, **kwargs)
+# `rx.replay.megatron(...)`: the context itself, so its signature is the one typed above.
+megatron = MegatronReplay

@@ -4,7 +4,8 @@ completed (format.md §6.2). numpy only: the frameworks' own modules wrap these.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 import numpy as np
@@ -157,3 +158,29 @@ def cp_sp_positions(
         )
     share = local.size // tp_size
     return local[tp_rank * share : (tp_rank + 1) * share]
+
+
+def _no_names() -> np.ndarray | None:
+    return None
+
+
+@dataclass(frozen=True)
+class RouterRows:
+    """The rows a model's routers replay, and how to read and check them."""
+
+    rows: np.ndarray
+    """`[tokens, payload layers, top_k]`: this rank's, in the order its routers see tokens."""
+    layers: Sequence[int]
+    """The payload layer each router reads (`payload_layer`), in the routers' order."""
+    valid: np.ndarray | None
+    """`[tokens]` bool: the rows that hold routing (None: all)."""
+    num_experts: int
+    """Every router's expert count: ids must lie in [0, num_experts)."""
+    places: Sequence[str]
+    """Each router's name in errors (`"router of decoder layer 3"`)."""
+    pattern: Sequence[bool] | None = None
+    """Which of the model's decoder layers have a router: a payload of every hidden layer is
+    checked against it (`check_layers`). None: not checked."""
+    name_rows: Callable[[], np.ndarray | None] = _no_names
+    """Each row's (sample, position), `[tokens, 2]`, for the error that names a bad row: called
+    only when one is refused (a rank's cut of its batch is not made for every step)."""
