@@ -244,13 +244,13 @@ impl Error {
     }
 
     /// Malformed input of a kind with no fields of its own ([`ErrorKind::Malformed`]).
-    pub fn payload(msg: impl Into<String>) -> Self {
+    pub fn malformed(msg: impl Into<String>) -> Self {
         Error::new(ErrorKind::Malformed, msg)
     }
 
     /// Parts that do not fit together, of a kind with no fields of its own
     /// ([`ErrorKind::Inconsistent`]).
-    pub fn merge(msg: impl Into<String>) -> Self {
+    pub fn inconsistent(msg: impl Into<String>) -> Self {
         Error::new(ErrorKind::Inconsistent, msg)
     }
 
@@ -293,7 +293,7 @@ mod tests {
         );
         assert!(e.kind().is_malformed_input());
         for merge in [
-            Error::merge("x"),
+            Error::inconsistent("x"),
             Error::missing_routing(Half::Decode, "x"),
             Error::new(ErrorKind::Gap { stop: 3, start: 5 }, "x"),
             Error::new(
@@ -306,7 +306,7 @@ mod tests {
         ] {
             assert!(!merge.kind().is_malformed_input(), "{merge:?}");
         }
-        assert!(Error::payload("x").kind().is_malformed_input());
+        assert!(Error::malformed("x").kind().is_malformed_input());
     }
 
     /// One of each kind; the match fails to compile until a new kind is listed here.

@@ -25,7 +25,7 @@ pub fn check_shape(shape: Shape, dtype: DType, limit: usize) -> crate::error::Re
             ),
         )),
         // No limit holds it: saying to raise one would send the reader the wrong way.
-        None => Err(crate::error::Error::payload(format!(
+        None => Err(crate::error::Error::malformed(format!(
             "`shape`: {shape} of {dtype} declares more than 2**64 bytes (the product of its \
              non-zero dimensions and the item size overflows): no routing is that large, so \
              the shape is wrong"

@@ -763,7 +763,7 @@ fn artifact_receipt(s: &mut Scanner) -> Result<()> {
         return Ok(());
     }
     let receipt: serde_json::Value = serde_json::from_slice(text)
-        .map_err(|e| Error::payload(format!("{path}: a generation artifact receipt: {e}")))?;
+        .map_err(|e| Error::malformed(format!("{path}: a generation artifact receipt: {e}")))?;
     let field = |k: &str| {
         receipt.get(k).map_or_else(
             || "?".to_string(),

@@ -65,7 +65,7 @@ pub fn check_follows(prompt: &Payload, own: &Payload) -> Result<()> {
         };
         Error::new(kind, message)
     } else {
-        Error::payload(message)
+        Error::malformed(message)
     })
 }
 

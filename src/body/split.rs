@@ -35,7 +35,7 @@ fn decode_lists(f: &Found, hints: &Hints, start: u64, max_bytes: usize) -> Resul
     };
     match formats::decode_json_value(f.text, &hints, max_bytes)? {
         (Format::Lists, p) => Ok(p),
-        (other, _) => Err(Error::payload(format!(
+        (other, _) => Err(Error::malformed(format!(
             "{WHO}: expected nested lists, got a {} value",
             other.name()
         ))
@@ -53,7 +53,7 @@ fn prompt_rows(
     let p = decode_lists(prompt, hints, 0, max_bytes)?;
     if let Some((n, at)) = counts.prompt {
         if p.num_tokens() as u64 != n {
-            return Err(Error::payload(format!(
+            return Err(Error::malformed(format!(
                 "{WHO}: prompt_routed_experts holds {} rows but the body counts {n} prompt \
                  tokens ({at}); vLLM 0.21 returns one row per prompt token (and, for a batch of \
                  prompts, only the first prompt's rows, which no choice can be matched to)",
@@ -127,7 +127,7 @@ pub fn sequence(
 /// sampled token never ran; as many with speculative decoding).
 fn check_generated(generated: &Payload, counts: &Counts) -> Result<()> {
     match counts.generated {
-        Some((g, at)) if generated.num_tokens() as u64 > g => Err(Error::payload(format!(
+        Some((g, at)) if generated.num_tokens() as u64 > g => Err(Error::malformed(format!(
             "{WHO}: a choice's routed_experts holds {} rows but the body counts {g} generated \
              tokens ({at}); vLLM 0.21 returns at most one row per generated token",
             generated.num_tokens()
@@ -181,7 +181,7 @@ pub fn merge_plan(
 ) -> Result<Rewrite> {
     for (side, body) in [("prefill", prefill), ("decode", decode)] {
         if body.prompt.as_ref().is_some_and(|p| p.fields.is_some()) {
-            return Err(Error::merge(format!(
+            return Err(Error::inconsistent(format!(
                 "the {side} body is a shared-prompt answer (a compact prompt_routed_experts,                  format.md §4.1): a merged answer, not a half to merge"
             )));
         }
@@ -192,7 +192,7 @@ pub fn merge_plan(
             Some(_) => ("prefill", "decode"),
             None => ("decode", "prefill"),
         };
-        return Err(Error::merge(format!(
+        return Err(Error::inconsistent(format!(
             "the {split} body is {WHO} (top-level prompt_routed_experts) and the {other} body is \
              not: the two servers run different releases, and their rows cannot be joined by \
              position"
@@ -207,7 +207,7 @@ pub fn merge_plan(
         prompt_rows(dp, &decode.counts(0), hints, max_bytes).map_err(|e| e.context("decode"))?;
     merge::check_same_rows(p.shape(), d.shape(), "prefill's prompt rows", "decode's")?;
     if p.num_tokens() != d.num_tokens() {
-        return Err(Error::merge(format!(
+        return Err(Error::inconsistent(format!(
             "{WHO}: prefill returned {} prompt rows and decode {}: the halves are of different \
              prompts",
             p.num_tokens(),
@@ -235,7 +235,7 @@ pub fn merge_plan(
 /// A merge of bodies that carry `routed_expert_weights`: the ids would be merged and decode's
 /// weights passed on beside them unmerged, so it is refused.
 pub fn weights_error(at: &str) -> Error {
-    Error::merge(format!(
+    Error::inconsistent(format!(
         "a routed_expert_weights key at {at}: routing weights are not merged (no released \
          producer writes them; prime-rl's PR is open), and passing decode's on beside merged ids \
          would pair the prompt's ids with the wrong weights"

@@ -24,7 +24,7 @@ pub(super) const PRODUCER: Producer = Producer {
 
 fn decode(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Payload> {
     let err = |what: String| {
-        Error::payload(format!(
+        Error::malformed(format!(
             "lists: expected a rectangular 3-level nested list of integers, {what}"
         ))
     };

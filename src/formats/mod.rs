@@ -126,7 +126,7 @@ pub fn decode_text(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<(Form
 pub fn input_text(text: &[u8]) -> Result<Cow<'_, [u8]>> {
     let trimmed = text.trim_ascii();
     let empty = |what: &str| {
-        Err(Error::payload(format!(
+        Err(Error::malformed(format!(
             "empty input: {what}, not a routing value (a value holds at least its format's \
              header or text)"
         )))

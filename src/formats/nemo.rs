@@ -27,7 +27,7 @@ const PREFIX: &[u8] = b"nrlre1:";
 
 fn decode(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Payload> {
     let err = |what: String| {
-        Error::payload(format!(
+        Error::malformed(format!(
             "nemo: expected nrlre1:<dtype>:<T>x<L>x<K>:<base64>, {what}"
         ))
     };

@@ -19,7 +19,7 @@ pub struct NpyHeader {
 }
 
 fn err(msg: impl std::fmt::Display) -> Error {
-    Error::payload(format!("vllm_npy: {msg}"))
+    Error::malformed(format!("vllm_npy: {msg}"))
 }
 
 /// Whether `bytes` starts with the `.npy` magic.

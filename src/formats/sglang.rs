@@ -77,7 +77,7 @@ fn refuse_lmdeploy_reference(text: &[u8]) -> Result<()> {
 fn decode(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Payload> {
     refuse_lmdeploy_reference(text)?;
     let (Some(layers), Some(top_k)) = (hints.num_layers, hints.top_k) else {
-        return Err(Error::payload(
+        return Err(Error::malformed(
             "sglang: flat base64 values carry no shape: give num_layers and top_k".to_string(),
         ));
     };
@@ -95,7 +95,7 @@ fn decode(text: &[u8], hints: &Hints, max_bytes: usize) -> Result<Payload> {
         )
     })?;
     if bytes % row != 0 {
-        return Err(Error::payload(format!(
+        return Err(Error::malformed(format!(
             "sglang: {bytes} bytes is not a whole number of rows of {layers} layers x top_k {top_k} of {dtype} ({row} bytes)"
         )));
     }

@@ -67,7 +67,7 @@ pub(crate) fn extra_key_error(path: &str, key: &str) -> Error {
         "format_version" => "prime-rl's format version (PR #3523, open, beside its weights)",
         _ => "a key the library does not know",
     };
-    Error::merge(format!(
+    Error::inconsistent(format!(
         "the sidecar at {path} has a `{key}` key: {what}; a merge writes data, shape, start and \
          dtype only, and never drops a field of a sidecar"
     ))
@@ -126,7 +126,7 @@ fn read_with<'a>(s: &mut Scanner<'a>, decode_up_to: Option<usize>) -> Result<Sid
     let mut fields = SidecarFields::default();
     s.object(|s, key| {
         let duplicate = || {
-            Error::payload(format!(
+            Error::malformed(format!(
                 "sidecar: duplicate key `{}`",
                 String::from_utf8_lossy(key)
             ))
@@ -178,7 +178,7 @@ fn read_with<'a>(s: &mut Scanner<'a>, decode_up_to: Option<usize>) -> Result<Sid
         }
         let r = s.value()?;
         let v = serde_json::from_slice(&json[r])
-            .map_err(|e| Error::payload(format!("sidecar: invalid JSON: {e}")))?;
+            .map_err(|e| Error::malformed(format!("sidecar: invalid JSON: {e}")))?;
         *slot = Some(v);
         Ok(())
     })?;
@@ -239,7 +239,7 @@ const OMNI_NPU: &str = "the omni-npu vLLM plugin's routing object (routed_expert
      --routed-experts-serialization-mode base64 and convert it, or have it write a compact sidecar";
 
 fn body_given(key: &str) -> Error {
-    Error::payload(format!(
+    Error::malformed(format!(
         "sidecar: this is a response body (it has `{key}`), not a routing value: read its \
          routing with from_response(body, choice), or merge two bodies with merge_response"
     ))
@@ -311,7 +311,7 @@ pub fn validate(mut fields: SidecarFields<'_>, max_bytes: usize) -> Result<Sidec
             .iter()
             .find(|(k, _)| *k == key)
             .map_or("", |(_, w)| w);
-        return Err(Error::payload(format!(
+        return Err(Error::malformed(format!(
             "sidecar: a `{key}` key and no `data`: this is {what}"
         )));
     }

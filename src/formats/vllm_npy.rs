@@ -50,7 +50,7 @@ fn whole_file(text: &[u8], len: usize, hints: &Hints, max_bytes: usize) -> Resul
     let want = h.shape.nbytes(h.dtype)?;
     let have = len - h.data_offset;
     if have != want {
-        return Err(Error::payload(format!(
+        return Err(Error::malformed(format!(
             "vllm_npy: expected {want} data bytes for shape {} of {}, got {have}",
             h.shape, h.dtype
         )));

@@ -352,7 +352,7 @@ impl<'a> Scanner<'a> {
         }
         let quoted = &self.buf[s.content.start - 1..s.content.end + 1];
         let text: String = serde_json::from_slice(quoted)
-            .map_err(|e| Error::payload(format!("{}: invalid JSON string: {e}", self.what)))?;
+            .map_err(|e| Error::malformed(format!("{}: invalid JSON string: {e}", self.what)))?;
         Ok(Cow::Owned(text.into_bytes()))
     }
 

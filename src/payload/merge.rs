@@ -34,7 +34,7 @@ pub fn plan(prefill: &Header, decode: &Header) -> Result<Plan> {
         )));
     }
     if decode.stop() < prefill.stop() {
-        return Err(Error::merge(format!(
+        return Err(Error::inconsistent(format!(
             "inconsistent halves: decode covers positions [{}, {}), ending before prefill's end at {}",
             decode.start,
             decode.stop(),
@@ -48,7 +48,7 @@ pub fn plan(prefill: &Header, decode: &Header) -> Result<Plan> {
         .shape
         .tokens
         .checked_add(decode.shape.tokens - skip)
-        .ok_or_else(|| Error::merge("the merged payload has more than 2**64 rows"))?;
+        .ok_or_else(|| Error::inconsistent("the merged payload has more than 2**64 rows"))?;
     let shape = Shape {
         tokens,
         ..prefill.shape
@@ -91,7 +91,7 @@ pub fn merge(prefill: &Payload, decode: &Payload) -> Result<Payload> {
 /// dtype that holds every piece (never truncated). Pieces must agree on layers and top_k.
 pub fn concat(start: u64, pieces: &[(&Payload, usize, usize)]) -> Result<Payload> {
     let Some(&(first, _, _)) = pieces.first() else {
-        return Err(Error::merge("nothing to concatenate"));
+        return Err(Error::inconsistent("nothing to concatenate"));
     };
     let dtype = pieces
         .iter()
@@ -99,7 +99,7 @@ pub fn concat(start: u64, pieces: &[(&Payload, usize, usize)]) -> Result<Payload
     let tokens = pieces
         .iter()
         .try_fold(0usize, |n, (_, from, to)| n.checked_add(to - from))
-        .ok_or_else(|| Error::merge("the concatenation has more than 2**64 rows"))?;
+        .ok_or_else(|| Error::inconsistent("the concatenation has more than 2**64 rows"))?;
     let mut out = Payload::zeros(
         start,
         Shape {

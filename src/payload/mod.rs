@@ -284,7 +284,7 @@ impl Payload {
     /// Rows for absolute positions `[start, stop)`, which must lie inside this payload.
     pub fn slice(&self, start: u64, stop: u64) -> Result<Payload> {
         if start > stop || start < self.start || stop > self.stop() {
-            return Err(Error::payload(format!(
+            return Err(Error::malformed(format!(
                 "slice [{start}, {stop}) is not inside the payload's positions [{}, {})",
                 self.start,
                 self.stop()

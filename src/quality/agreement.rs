@@ -129,7 +129,7 @@ pub fn agreement(a: &Payload, b: &Payload) -> Result<Agreement> {
     let start = a.start().max(b.start());
     let stop = a.stop().min(b.stop());
     if start >= stop {
-        return Err(Error::payload(format!(
+        return Err(Error::malformed(format!(
             "expected routings that share positions, got [{}, {}) and [{}, {})",
             a.start(),
             a.stop(),

@@ -10,7 +10,7 @@
 use std::borrow::Cow;
 
 use super::options::MergeOptions;
-use super::spliced::{groups_valid, Piece, Recoded};
+use super::spliced::{groups_valid, CopiedBase64, Piece, Recoded};
 use super::suspects::checked_npy_header;
 
 use crate::body::{coverage, Found};
@@ -251,7 +251,7 @@ impl<'a> TextJoin<'a> {
             debug_assert_eq!(self.at % 3, 0);
             self.flush();
             let (a, b) = (first / 3 * 4, last / 3 * 4);
-            self.pieces.push(Piece::Base64 {
+            self.pieces.push(Piece::Base64(CopiedBase64 {
                 text: text
                     .get(a..b)
                     .ok_or_else(|| b64::error_in(text, "vllm_npy"))?,
@@ -260,7 +260,7 @@ impl<'a> TextJoin<'a> {
                 field: "vllm_npy",
                 context: side.to_string(),
                 scanned: half.base64,
-            });
+            }));
             self.at += last - first;
         }
         self.decoded(text, last, to)
@@ -390,7 +390,7 @@ mod tests {
         Some(
             pieces
                 .iter()
-                .filter(|p| matches!(p, Piece::Base64 { .. }))
+                .filter(|p| matches!(p, Piece::Base64(_)))
                 .count(),
         )
     }

@@ -9,8 +9,10 @@ use std::borrow::Cow;
 use serde_json::Value;
 
 use super::options::side_hints;
+use super::options::MergeOptions;
+use super::read::decode_found;
+use super::spliced::Recoded;
 use super::suspects::checked_npy_header;
-use super::{decode_found, MergeOptions};
 use crate::body::{split, BodyRouting, Found};
 use crate::error::{Error, Result};
 use crate::formats::sidecar::{self, DataField, SidecarFields};
@@ -19,7 +21,6 @@ use crate::kernels::b64;
 use crate::kernels::b64_pieces::B64Out;
 use crate::payload::dtype::DType;
 use crate::payload::{Header, Payload};
-use crate::response::Recoded;
 
 /// The prefill body's routing as every event of a stream merges with it, found by choice index
 /// as `merge_response` finds it. It borrows the body: `.npy` rows are read from its text.
@@ -240,7 +241,7 @@ impl<'b> PrefillValue<'b> {
         }
         let want = self.header.shape.nbytes(self.header.dtype)?;
         if sent != want {
-            return Err(Error::payload(format!(
+            return Err(Error::malformed(format!(
                 "expected {want} data bytes for shape {} of {}, got {sent}",
                 self.header.shape, self.header.dtype
             ))

@@ -32,13 +32,13 @@ pub(super) fn answer<'a>(
         .position(|b| !b.is_ascii_whitespace())
         .filter(|&i| decode_body[i] == b'{')
         .ok_or_else(|| {
-            Error::merge(
+            Error::inconsistent(
                 "a shared-prompt answer is written into a body that is one JSON object; this \
                  decode body is a list of results",
             )
         })?;
     if decode.prompt_key {
-        return Err(Error::merge(
+        return Err(Error::inconsistent(
             "the decode body already has a top-level prompt_routed_experts key: the shared \
              prompt's rows cannot be written beside it",
         ));
@@ -77,7 +77,7 @@ fn the_prompt<'f, 'a>(prefill: &'f [Found<'a>]) -> Result<&'f Found<'a>> {
         )
     })?;
     match prefill.iter().find(|f| f.text != first.text) {
-        Some(other) => Err(Error::merge(format!(
+        Some(other) => Err(Error::inconsistent(format!(
             "a shared prompt needs one prefill routing value, but the prefill body holds \
              different values at {} and {}",
             first.path, other.path

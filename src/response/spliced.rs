@@ -23,25 +23,59 @@ pub struct Spliced<'a> {
 pub(super) enum Piece<'a> {
     /// Bytes copied as they are.
     Copy(Cow<'a, [u8]>),
-    /// Whole base64 groups of a routing value, checked as they are copied: each chunk is checked
-    /// while the copy has it in cache, so the text is read once. `whole` is the value's entire
-    /// text and `context` where it sits, to report a bad character as the decoding path would.
-    Base64 {
-        text: &'a [u8],
-        last: bool,
-        whole: &'a [u8],
-        /// The value's field, as the decoding path names it in an error (`data` of a compact
-        /// sidecar, `vllm_npy` for vLLM's text).
-        field: &'static str,
-        context: String,
-        /// `whole` was found to be base64 characters by the scan that read it
-        /// (`SidecarFields::data_base64`): only lengths and padding are left to check.
-        scanned: bool,
-    },
+    /// Whole base64 groups of a routing value, checked as they are copied.
+    Base64(CopiedBase64<'a>),
     /// The base64 text of bytes `[from, to)` of the file `text` encodes, a multiple of 3 bytes
     /// from groups before `text`'s last, all of whose characters the scan found to be base64
     /// characters: text that decodes whatever it holds, so it can be written when it is sent.
     Recode(Recoded<'a>),
+}
+
+/// Whole base64 groups of a routing value, copied as they are and checked as they are copied:
+/// each chunk is checked while the copy has it in cache, so the text is read once.
+#[derive(Debug)]
+pub(super) struct CopiedBase64<'a> {
+    /// The groups.
+    pub(super) text: &'a [u8],
+    /// They end the value (so may end in padding).
+    pub(super) last: bool,
+    /// The value's entire text, to report a bad character as the decoding path would.
+    pub(super) whole: &'a [u8],
+    /// The value's field, as the decoding path names it in an error (`data` of a compact
+    /// sidecar, `vllm_npy` for vLLM's text).
+    pub(super) field: &'static str,
+    /// Where the value sits (`prefill`, `choice 1: decode`), before the error's message.
+    pub(super) context: String,
+    /// `whole` was found to be base64 characters by the scan that read it
+    /// (`SidecarFields::data_base64`): only lengths and padding are left to check.
+    pub(super) scanned: bool,
+}
+
+impl CopiedBase64<'_> {
+    /// Whether the groups hold only what base64 may (all of it, or only the length and the
+    /// padding where the scan checked the characters).
+    fn valid(&self) -> bool {
+        groups_valid(self.text, self.last, self.scanned)
+    }
+
+    /// The error the decoding path gives for the value.
+    fn error(&self) -> Error {
+        b64::error_in(self.whole, self.field).context(&self.context)
+    }
+
+    /// Copy into the start of `out`, checking on the way; return the rest of `out`.
+    fn write<'o>(&self, out: &'o mut [MaybeUninit<u8>]) -> Result<&'o mut [MaybeUninit<u8>]> {
+        let (head, rest) = out.split_at_mut(self.text.len());
+        let valid = if self.scanned {
+            b64::copy_scanned(self.text, head, self.last)
+        } else {
+            b64::copy_checked(self.text, head, self.last)
+        };
+        match valid {
+            true => Ok(rest),
+            false => Err(self.error()),
+        }
+    }
 }
 
 /// Base64 text re-encoded from other base64 text on another byte grid (vLLM's `.npy` rows,
@@ -194,43 +228,26 @@ impl Piece<'_> {
     fn len(&self) -> usize {
         match self {
             Piece::Copy(b) => b.len(),
-            Piece::Base64 { text, .. } => text.len(),
+            Piece::Base64(b) => b.text.len(),
             Piece::Recode(r) => r.len(),
         }
     }
 
     /// Say which choice the piece belongs to (for its error message).
     pub(super) fn in_choice(mut self, index: u64) -> Self {
-        if let Piece::Base64 { context, .. } = &mut self {
-            *context = format!("choice {index}: {context}");
+        if let Piece::Base64(b) = &mut self {
+            b.context = format!("choice {index}: {}", b.context);
         }
         self
     }
 
     /// Copy into the start of `out`, checking base64 on the way; return the rest of `out`.
     fn write<'o>(&self, out: &'o mut [MaybeUninit<u8>]) -> Result<&'o mut [MaybeUninit<u8>]> {
-        let (text, last, whole, field, context, scanned) = match self {
-            Piece::Copy(b) => return Ok(b64::write_uninit(out, b)),
-            Piece::Recode(r) => return Ok(b64::write_uninit(out, &r.encoded()?)),
-            Piece::Base64 {
-                text,
-                last,
-                whole,
-                field,
-                context,
-                scanned,
-            } => (*text, *last, *whole, *field, context, *scanned),
-        };
-        let (head, rest) = out.split_at_mut(text.len());
-        let valid = if scanned {
-            b64::copy_scanned(text, head, last)
-        } else {
-            b64::copy_checked(text, head, last)
-        };
-        if !valid {
-            return Err(b64::error_in(whole, field).context(context));
+        match self {
+            Piece::Copy(b) => Ok(b64::write_uninit(out, b)),
+            Piece::Recode(r) => Ok(b64::write_uninit(out, &r.encoded()?)),
+            Piece::Base64(b) => b.write(out),
         }
-        Ok(rest)
     }
 }
 
@@ -285,7 +302,7 @@ impl<'a> Spliced<'a> {
             .iter()
             .map(|piece| match piece {
                 Piece::Copy(b) => Ok(&b[..]),
-                Piece::Base64 { text, .. } => Ok(*text),
+                Piece::Base64(b) => Ok(b.text),
                 Piece::Recode(_) => Err(recoded_error()),
             })
             .collect()
@@ -314,7 +331,7 @@ impl<'a> Spliced<'a> {
             .into_iter()
             .map(|piece| match piece {
                 Piece::Copy(b) => Part::Bytes(b),
-                Piece::Base64 { text, .. } => Part::Bytes(Cow::Borrowed(text)),
+                Piece::Base64(b) => Part::Bytes(Cow::Borrowed(b.text)),
                 Piece::Recode(r) => Part::Recoded(r),
             })
             .collect())
@@ -323,17 +340,9 @@ impl<'a> Spliced<'a> {
     /// Check the base64 text the pieces copy as it is.
     fn check(&self) -> Result<()> {
         for piece in &self.pieces {
-            if let Piece::Base64 {
-                text,
-                last,
-                whole,
-                field,
-                context,
-                scanned,
-            } = piece
-            {
-                if !groups_valid(text, *last, *scanned) {
-                    return Err(b64::error_in(whole, field).context(context));
+            if let Piece::Base64(b) = piece {
+                if !b.valid() {
+                    return Err(b.error());
                 }
             }
         }
@@ -354,14 +363,14 @@ pub(super) fn checked_copy<'a>(
 ) -> Result<Piece<'a>> {
     let last = to == text.len();
     match text {
-        Cow::Borrowed(t) => Ok(Piece::Base64 {
+        Cow::Borrowed(t) => Ok(Piece::Base64(CopiedBase64 {
             text: &t[from..to],
             last,
             whole: t,
             field: "data",
             context: side.to_string(),
             scanned,
-        }),
+        })),
         Cow::Owned(t) => {
             if !b64::groups_valid(&t[from..to], last) {
                 return Err(b64::error_in(t, "data").context(side));

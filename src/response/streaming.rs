@@ -19,8 +19,9 @@ use std::ops::Range;
 
 use serde_json::Value;
 
+use super::options::MergeOptions;
 use super::prefill_rows::{PrefillRows, PrefillValue};
-use super::{MergeOptions, Recoded};
+use super::spliced::Recoded;
 use crate::body::coverage;
 use crate::body::{is_routing_key, read_body, split, Place, ROUTING_KEY};
 use crate::error::{Error, Result};
@@ -257,7 +258,7 @@ impl<'p> EventMerge<'p> {
     /// Feed the next piece of the event's text; what may be sent is appended to `out`.
     pub fn feed(&mut self, piece: &[u8], out: &mut Vec<u8>) -> Result<Step> {
         if self.failed {
-            return Err(Error::merge("the streaming merge already failed"));
+            return Err(Error::inconsistent("the streaming merge already failed"));
         }
         let mark = out.len();
         match self.run(piece, out) {
@@ -276,7 +277,7 @@ impl<'p> EventMerge<'p> {
     /// whole event, then the rest of the merged text.
     pub fn finish(mut self, out: &mut Vec<u8>) -> Result<Step> {
         if self.failed {
-            return Err(Error::merge("the streaming merge already failed"));
+            return Err(Error::inconsistent("the streaming merge already failed"));
         }
         if !self.emitted {
             return Ok(Step::Fallback(self.take_held(&[])));
@@ -297,7 +298,7 @@ impl<'p> EventMerge<'p> {
             Stop::Fallback => {
                 self.failed = true;
                 self.deferred.clear();
-                Err(Error::merge(
+                Err(Error::inconsistent(
                     "the event cannot be merged as it streams (unusual text after its routing \
                      was sent; see docs): the stream ends here",
                 ))
@@ -829,7 +830,7 @@ impl<'p> EventMerge<'p> {
                         header.dtype,
                         cur.dec.decoded
                     );
-                    return Err(Error::payload(e).context("decode").into());
+                    return Err(Error::malformed(e).context("decode").into());
                 }
                 self.end_value(&plan, Some(header), out);
                 self.value_read(self.skel.len() - 2)
@@ -876,14 +877,14 @@ impl<'p> EventMerge<'p> {
                 }
             };
             if slot.is_some() {
-                return Err(Error::payload("sidecar: duplicate key").into());
+                return Err(Error::malformed("sidecar: duplicate key").into());
             }
             let v = serde_json::from_slice(&self.skel[r.clone()])
-                .map_err(|e| Error::payload(format!("sidecar: invalid JSON: {e}")))?;
+                .map_err(|e| Error::malformed(format!("sidecar: invalid JSON: {e}")))?;
             *slot = Some(v);
         }
         if f.members.iter().filter(|(k, _)| k == b"data").count() > 1 {
-            return Err(Error::payload("sidecar: duplicate key `data`").into());
+            return Err(Error::malformed("sidecar: duplicate key `data`").into());
         }
         let [shape, start, dtype] = fields;
         let shape = parse_shape(shape.as_ref())?;
@@ -914,7 +915,7 @@ impl<'p> EventMerge<'p> {
         merge::check_same_rows(p.shape, shape, "prefill", "decode")?;
         let plan = merge::plan(&p, &header)?;
         if start != cur.start || dtype != cur.dtype {
-            return Err(Error::merge(format!(
+            return Err(Error::inconsistent(format!(
                 "decode's sidecar states start {start} and dtype {dtype}, but its data came first \
                  and was merged as from start {} in {} (the start the stream expected): not \
                  merged as it streams",
@@ -930,14 +931,14 @@ impl<'p> EventMerge<'p> {
     fn check_whole(&mut self) -> Result<Vec<u64>> {
         self.failed = true; // whatever happens, the event is over
         if self.lex != Lex::Ws || self.cur.is_some() {
-            return Err(Error::payload("the event ended inside its routing value"));
+            return Err(Error::malformed("the event ended inside its routing value"));
         }
         let body = read_body(&self.skel)?;
         if let Some(at) = &body.weights {
             return Err(split::weights_error(at));
         }
         if let Some(p) = &body.prompt {
-            return Err(Error::payload(format!(
+            return Err(Error::malformed(format!(
                 "{}: split routing is not streamed",
                 p.path
             )));
@@ -953,7 +954,7 @@ impl<'p> EventMerge<'p> {
                 .values
                 .iter()
                 .find(|f| !self.done.iter().any(|d| d.at == f.span.start));
-            return Err(Error::merge(format!(
+            return Err(Error::inconsistent(format!(
                 "routing at {} beside the routing that streamed: not merged as it streams",
                 at.map_or("?", |f| &f.path)
             )));
@@ -962,7 +963,9 @@ impl<'p> EventMerge<'p> {
         let start_given = o.decode_start.or(o.hints.start).is_some();
         for (f, d) in body.values.iter().zip(&self.done) {
             if d.by_index && f.index != d.index {
-                return Err(Error::merge("a choice's index changed after its routing"));
+                return Err(Error::inconsistent(
+                    "a choice's index changed after its routing",
+                ));
             }
             if let Some(h) = &d.npy_header {
                 let rule = Rule::of(Format::VllmNpy, f.place);

@@ -42,7 +42,7 @@ fn multiple_of(name: &str, n: usize, m: Option<usize>) -> Result<usize> {
         None => Ok(n),
         Some(0) => Err(Error::field(name, "a positive integer", 0)),
         Some(m) => n.div_ceil(m).checked_mul(m).ok_or_else(|| {
-            Error::payload(format!("{n} rows padded to a multiple of {m} overflow"))
+            Error::malformed(format!("{n} rows padded to a multiple of {m} overflow"))
         }),
     }
 }
@@ -84,12 +84,12 @@ fn parts_span(i: usize, parts: &[&Payload], first: &Payload) -> Result<(u64, usi
             return Err(if start > stop {
                 Error::new(ErrorKind::Gap { stop, start }, message)
             } else {
-                Error::payload(message)
+                Error::malformed(message)
             });
         }
         rows = rows
             .checked_add(part.num_tokens())
-            .ok_or_else(|| Error::payload(format!("sample {i}: more than 2**64 rows")))?;
+            .ok_or_else(|| Error::malformed(format!("sample {i}: more than 2**64 rows")))?;
     }
     Ok((head.start(), rows))
 }
@@ -128,11 +128,11 @@ pub fn layout_parts(
         let (len, offset) = match &opts.num_tokens {
             None => {
                 let start = usize::try_from(s_start).map_err(|_| {
-                    Error::payload(format!("sample {i}: a start of {s_start} positions"))
+                    Error::malformed(format!("sample {i}: a start of {s_start} positions"))
                 })?;
                 let stop = start
                     .checked_add(s_rows)
-                    .ok_or_else(|| Error::payload(format!("sample {i}: positions past 2**64")))?;
+                    .ok_or_else(|| Error::malformed(format!("sample {i}: positions past 2**64")))?;
                 (stop, start)
             }
             Some(counts) => {
@@ -140,7 +140,7 @@ pub fn layout_parts(
                 let start = usize::try_from(s_start).unwrap_or(usize::MAX);
                 let stop = start.saturating_add(s_rows);
                 if stop > n {
-                    return Err(Error::payload(format!(
+                    return Err(Error::malformed(format!(
                         "sample {i}: routing covers positions {start}..{stop}, past its \
                          num_tokens of {n} (routing covers at most every token)"
                     )));
@@ -152,7 +152,7 @@ pub fn layout_parts(
         places.push(rows + offset);
         rows = rows
             .checked_add(len)
-            .ok_or_else(|| Error::payload("pack: more than 2**64 rows in all"))?;
+            .ok_or_else(|| Error::malformed("pack: more than 2**64 rows in all"))?;
         cu.push(rows);
     }
     let samples_rows = rows;

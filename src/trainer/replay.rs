@@ -125,14 +125,14 @@ pub fn router_ids<T: BatchId, O: IndexId>(
     let cells = tokens
         .checked_mul(width)
         .and_then(|n| n.checked_mul(top_k))
-        .ok_or_else(|| Error::payload("the batch's shape overflows"))?;
+        .ok_or_else(|| Error::malformed("the batch's shape overflows"))?;
     let per_router = tokens * top_k; // at most `cells`, which fits
     if batch.len() != cells
         || Some(out.len()) != per_router.checked_mul(routers)
         || Some(replayed.len()) != tokens.checked_mul(routers)
         || places.len() != routers
     {
-        return Err(Error::payload(format!(
+        return Err(Error::malformed(format!(
             "a batch of {tokens} x {width} x {top_k} for {routers} routers needs {cells} ids, \
              {routers} x {per_router} out, {routers} x {tokens} flags and {routers} places; got \
              {}, {}, {} and {}",

@@ -116,7 +116,7 @@ impl Trajectory {
         };
         check_same_rows(held.shape(), p.shape(), "the trajectory", "the payload")?;
         if p.start() < held.start() {
-            return Err(Error::merge(format!(
+            return Err(Error::inconsistent(format!(
                 "payload starts at position {} before the trajectory's start {}",
                 p.start(),
                 held.start()
@@ -167,10 +167,10 @@ impl Trajectory {
     /// Drop every row at position `stop` and after (for rollouts that branch).
     pub fn truncate(&mut self, stop: u64) -> Result<()> {
         let Some(held) = self.rows.as_mut() else {
-            return Err(Error::merge("cannot truncate an empty trajectory"));
+            return Err(Error::inconsistent("cannot truncate an empty trajectory"));
         };
         if stop < held.start() || stop > held.stop() {
-            return Err(Error::merge(format!(
+            return Err(Error::inconsistent(format!(
                 "truncate at {stop} is outside the trajectory's positions [{}, {}]",
                 held.start(),
                 held.stop()
@@ -191,10 +191,12 @@ impl Trajectory {
         max_bytes: usize,
     ) -> Result<Payload> {
         let Some(held) = self.rows.as_ref() else {
-            return Err(Error::merge("the trajectory is empty: nothing to train on"));
+            return Err(Error::inconsistent(
+                "the trajectory is empty: nothing to train on",
+            ));
         };
         if held.start() != 0 {
-            return Err(Error::merge(format!(
+            return Err(Error::inconsistent(format!(
                 "the trajectory starts at position {}: training needs rows from position 0",
                 held.start()
             )));
@@ -211,13 +213,13 @@ impl Trajectory {
         }
         let missing = num_tokens - have;
         if missing > max_missing {
-            return Err(Error::merge(format!(
+            return Err(Error::inconsistent(format!(
                 "the sample has {num_tokens} tokens but the trajectory only {have} rows: {missing} missing, \
                  more than max_missing={max_missing}"
             )));
         }
         if pad == Pad::Repeat && have == 0 {
-            return Err(Error::merge(
+            return Err(Error::inconsistent(
                 "cannot repeat the last row of a trajectory with no rows",
             ));
         }

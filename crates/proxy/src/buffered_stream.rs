@@ -55,33 +55,38 @@ pub(crate) fn events_from_body(
         let index = choice
             .get("index")
             .map_or(position.to_string(), |v| v.get().into());
-        let mut content = format!("{{\"index\":{index},");
-        let mut finishing = content.clone();
+        let (mut content, mut finishing) = (Object::new(), Object::new());
+        content.field("index", &index);
+        finishing.field("index", &index);
         if chat {
             let message = choice
                 .get("message")
                 .ok_or_else(|| bad("a choice has no message"))?;
-            content.push_str("\"delta\":");
-            content.push_str(&as_delta(message).map_err(|_| bad("a message is not an object"))?);
-            finishing.push_str("\"delta\":{}");
+            let delta = as_delta(message).map_err(|_| bad("a message is not an object"))?;
+            content.field("delta", &delta);
+            finishing.field("delta", "{}");
         } else {
-            let text = choice.get("text").map_or("\"\"", |v| v.get());
-            content.push_str("\"text\":");
-            content.push_str(text);
-            finishing.push_str("\"text\":\"\"");
+            content.field("text", choice.get("text").map_or("\"\"", |v| v.get()));
+            finishing.field("text", "\"\"");
         }
-        content.push_str(",\"logprobs\":");
-        content.push_str(choice.get("logprobs").map_or("null", |v| v.get()));
-        content.push_str(",\"finish_reason\":null}");
-        finishing.push_str(",\"logprobs\":null,\"finish_reason\":");
-        finishing.push_str(choice.get("finish_reason").map_or("null", |v| v.get()));
-        push_fields(
-            &mut finishing,
-            choice
-                .iter()
-                .filter(|(k, _)| !CONTENT.contains(&k.as_str())),
-        );
-        finishing.push('}');
+        content
+            .field(
+                "logprobs",
+                choice.get("logprobs").map_or("null", |v| v.get()),
+            )
+            .field("finish_reason", "null");
+        finishing
+            .field("logprobs", "null")
+            .field(
+                "finish_reason",
+                choice.get("finish_reason").map_or("null", |v| v.get()),
+            )
+            .fields(
+                choice
+                    .iter()
+                    .filter(|(k, _)| !CONTENT.contains(&k.as_str())),
+            );
+        let (content, finishing) = (content.close(), finishing.close());
         for part in [content, finishing] {
             write_chunk(&mut out, &top, object, &part, std::iter::empty());
         }
@@ -151,45 +156,75 @@ fn write_chunk<'a>(
     choices: &str,
     extra: impl Iterator<Item = (&'a String, &'a &'a RawValue)>,
 ) {
-    let mut text = String::from("data: {");
-    let mut first = true;
+    let mut chunk = Object::new();
     for key in HEAD {
         if let Some(v) = top.get(key) {
-            if !first {
-                text.push(',');
-            }
-            first = false;
-            push_json_string(&mut text, key);
-            text.push(':');
-            text.push_str(v.get());
+            chunk.field(key, v.get());
         }
     }
-    if !first {
-        text.push(',');
-    }
-    text.push_str("\"object\":\"");
-    text.push_str(object);
-    text.push_str("\",\"choices\":[");
-    text.push_str(choices);
-    text.push(']');
-    push_fields(&mut text, extra);
-    text.push('}');
+    chunk.field("object", &format!("\"{object}\""));
+    let list = chunk.key("choices");
+    list.push('[');
+    list.push_str(choices);
+    list.push(']');
+    chunk.fields(extra);
+    let mut text = chunk.close();
     // A line break in valid JSON text is white space between tokens (inside a string it would
     // be escaped): a space in its place keeps the value and the event on one `data:` line.
     if text.contains(['\n', '\r']) {
         text = text.replace(['\n', '\r'], " ");
     }
-    text.push_str("\n\n");
+    out.extend_from_slice(b"data: ");
     out.extend_from_slice(text.as_bytes());
+    out.extend_from_slice(b"\n\n");
 }
 
-/// `,"key":value` for each field.
-fn push_fields<'a>(out: &mut String, fields: impl Iterator<Item = (&'a String, &'a &'a RawValue)>) {
-    for (k, v) in fields {
-        out.push(',');
-        push_json_string(out, k);
-        out.push(':');
-        out.push_str(v.get());
+/// A JSON object written a field at a time, each value as its JSON text (never read or
+/// rewritten): the commas between fields are placed here, once.
+struct Object {
+    text: String,
+    empty: bool,
+}
+
+impl Object {
+    fn new() -> Object {
+        Object {
+            text: String::from("{"),
+            empty: true,
+        }
+    }
+
+    /// Start the field `key`: the text its value is to be written to.
+    fn key(&mut self, key: &str) -> &mut String {
+        if !self.empty {
+            self.text.push(',');
+        }
+        self.empty = false;
+        push_json_string(&mut self.text, key);
+        self.text.push(':');
+        &mut self.text
+    }
+
+    /// The field `key` with the JSON text `value`.
+    fn field(&mut self, key: &str, value: &str) -> &mut Object {
+        self.key(key).push_str(value);
+        self
+    }
+
+    /// Each of `fields` as it is.
+    fn fields<'a>(
+        &mut self,
+        fields: impl Iterator<Item = (&'a String, &'a &'a RawValue)>,
+    ) -> &mut Object {
+        for (k, v) in fields {
+            self.field(k, v.get());
+        }
+        self
+    }
+
+    fn close(mut self) -> String {
+        self.text.push('}');
+        self.text
     }
 }
 
@@ -204,40 +239,28 @@ fn as_delta(message: &RawValue) -> Result<String, serde_json::Error> {
     let Some(calls) = calls.filter(|c| !c.is_empty()) else {
         return Ok(message.get().to_string());
     };
-    let mut out = String::from("{");
-    for (i, (k, v)) in fields.iter().enumerate() {
-        if i > 0 {
-            out.push(',');
-        }
-        push_json_string(&mut out, k);
-        out.push(':');
+    let mut delta = Object::new();
+    for (k, v) in &fields {
         if k != "tool_calls" {
-            out.push_str(v.get());
+            delta.field(k, v.get());
             continue;
         }
-        out.push('[');
-        for (n, call) in calls.iter().enumerate() {
-            if n > 0 {
-                out.push(',');
-            }
-            out.push('{');
-            let mut rest = call
-                .iter()
-                .filter(|(k, _)| k.as_str() != "index")
-                .peekable();
-            out.push_str(&format!(
-                "\"index\":{}",
-                call.get("index").map_or(n.to_string(), |v| v.get().into())
-            ));
-            if rest.peek().is_some() {
-                push_fields(&mut out, rest);
-            }
-            out.push('}');
-        }
-        out.push(']');
+        let with_index: Vec<String> = calls
+            .iter()
+            .enumerate()
+            .map(|(n, call)| {
+                let mut one = Object::new();
+                one.field(
+                    "index",
+                    &call.get("index").map_or(n.to_string(), |v| v.get().into()),
+                )
+                .fields(call.iter().filter(|(k, _)| k.as_str() != "index"));
+                one.close()
+            })
+            .collect();
+        delta.field(k, &format!("[{}]", with_index.join(",")));
     }
-    out.push('}');
-    Ok(out)
+    Ok(delta.close())
 }
 
 #[cfg(test)]

@@ -224,9 +224,9 @@ impl<'a> StreamMerger<'a> {
             }
             Err(e) => {
                 self.pending.clear();
-                Err(StreamError::Merge(routed_experts::Error::merge(format!(
-                    "prefill's routing could not be encoded as it was sent ({e})"
-                ))))
+                Err(StreamError::Merge(routed_experts::Error::inconsistent(
+                    format!("prefill's routing could not be encoded as it was sent ({e})"),
+                )))
             }
         })
     }
@@ -429,10 +429,12 @@ impl<'a> StreamMerger<'a> {
             Step::Streaming(choices) => {
                 // Checked before the event's last bytes go: without them it is not JSON.
                 if let Some(c) = choices.iter().find(|c| self.merged_choices.contains(c)) {
-                    return Err(StreamError::Merge(routed_experts::Error::merge(format!(
-                        "a second routing event for choice {c}: a stream carries each \
+                    return Err(StreamError::Merge(routed_experts::Error::inconsistent(
+                        format!(
+                            "a second routing event for choice {c}: a stream carries each \
                          choice's routing once"
-                    ))));
+                        ),
+                    )));
                 }
                 self.merged_choices.extend(choices);
                 self.merged = true;
@@ -646,11 +648,13 @@ impl<'a> StreamMerger<'a> {
             // A choice's routing comes once; a second event for it would merge it twice.
             for f in spliced.decode_values() {
                 if self.merged_choices.contains(&f.index) {
-                    return Err(StreamError::Merge(routed_experts::Error::merge(format!(
-                        "a second routing event for choice {} (at {}): a stream carries each \
+                    return Err(StreamError::Merge(routed_experts::Error::inconsistent(
+                        format!(
+                            "a second routing event for choice {} (at {}): a stream carries each \
                          choice's routing once",
-                        f.index, f.path
-                    ))));
+                            f.index, f.path
+                        ),
+                    )));
                 }
             }
             self.merged_choices

@@ -17,7 +17,7 @@ pub fn bytes_filled<'py>(
     fill: impl FnOnce(&mut [MaybeUninit<u8>]) -> routed_experts::Result<()> + Send,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let size = ffi::Py_ssize_t::try_from(len)
-        .map_err(|_| routed_experts::Error::payload("output too large"))?;
+        .map_err(|_| routed_experts::Error::malformed("output too large"))?;
     // SAFETY: PyBytes_FromStringAndSize(NULL, n) returns a new bytes object (or NULL with an
     // exception set) whose n-byte buffer is ours to fill until it is shared; it is shared only
     // after `fill` has written every byte.

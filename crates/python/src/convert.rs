@@ -459,7 +459,7 @@ pub fn shard_array<'py>(
                 let ro = a.readonly();
                 // SAFETY: `out` was just created here, C-contiguous; nothing else sees it yet.
                 let dst = unsafe { out.as_slice_mut() }
-                    .map_err(|_| routed_experts::Error::payload("a new numpy array is not contiguous"))?;
+                    .map_err(|_| routed_experts::Error::malformed("a new numpy array is not contiguous"))?;
                 routed_experts::buffer::prefault(dst.as_mut_ptr().cast(), std::mem::size_of_val(dst));
                 match ro.as_slice() {
                     Ok(src) => py.detach(|| routed_experts::shard::gather(src, layers, top_k, &plan, dst)),
@@ -505,7 +505,7 @@ pub fn fill_out<'py, D: routed_experts::Element + numpy::Element>(
     let n = rows
         .checked_mul(layers)
         .and_then(|v| v.checked_mul(top_k))
-        .ok_or_else(|| routed_experts::Error::payload(format!("a share of {dims:?} values")))?;
+        .ok_or_else(|| routed_experts::Error::malformed(format!("a share of {dims:?} values")))?;
     if !untyped.is_c_contiguous() {
         return Err(field(
             "a C-contiguous array".into(),

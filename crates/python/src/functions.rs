@@ -292,7 +292,7 @@ fn check_list_objects(p: &Payload, limit: usize) -> PyResult<()> {
         .and_then(|n| n.checked_add(s.elems().ok()?.checked_mul(8)?));
     match bytes {
         Some(n) if n <= limit => Ok(()),
-        _ => Err(routed_experts::Error::payload(format!(
+        _ => Err(routed_experts::Error::malformed(format!(
             "`format`: \"lists\" of shape {} would build {} Python lists and values, over the \
              limit of {limit} bytes (raise it with routed_experts.set_max_bytes)",
             s,

@@ -92,7 +92,7 @@ pub fn numpy_filled<'py, D: routed_experts::Element + numpy::Element>(
     let arr = new_zeros::<D>(py, dims)?;
     // SAFETY: the array was just created here, C-contiguous; nothing else can see it yet.
     let dst = unsafe { arr.as_slice_mut() }
-        .map_err(|_| routed_experts::Error::payload("a new numpy array is not contiguous"))?;
+        .map_err(|_| routed_experts::Error::malformed("a new numpy array is not contiguous"))?;
     routed_experts::buffer::prefault(dst.as_mut_ptr().cast(), std::mem::size_of_val(dst));
     py.detach(|| fill(dst))?;
     Ok(arr.into_any())

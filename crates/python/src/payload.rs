@@ -450,7 +450,7 @@ pub fn _from_raw(
         // memory never changes. `owner` keeps the array alive: valid and unchanged while
         // `owner` lives, which is from_shared's contract. Non-null and 8-aligned, checked above.
         unsafe { AlignedBytes::from_shared(ptr, want, owner) }
-            .ok_or_else(|| routed_experts::Error::payload("a shared buffer is not 8-aligned"))?
+            .ok_or_else(|| routed_experts::Error::malformed("a shared buffer is not 8-aligned"))?
     } else {
         let mut copy = AlignedBytes::zeroed(want);
         // SAFETY: the array's `want` bytes at `ptr` are contiguous (numpy.frombuffer only makes

@@ -261,11 +261,11 @@ impl StreamMerger {
         });
         let out = out.map_err(|e| -> crate::errors::Failure {
             match e {
-                StreamError::NoDone => {
-                    routed_experts::Error::merge("the decode stream ended without data: [DONE]")
-                        .into()
-                }
-                StreamError::LineTooLong(n) => routed_experts::Error::payload(format!(
+                StreamError::NoDone => routed_experts::Error::inconsistent(
+                    "the decode stream ended without data: [DONE]",
+                )
+                .into(),
+                StreamError::LineTooLong(n) => routed_experts::Error::malformed(format!(
                     "decode stream: a line of more than {n} bytes (the limit on one event)"
                 ))
                 .into(),

@@ -115,9 +115,9 @@ fn fill<'py, T: BatchId + numpy::Element, O: IndexId + numpy::Element>(
     // SAFETY: both arrays were just created here, C-contiguous; nothing else sees them yet.
     let (out, replayed) = unsafe { (ids.as_slice_mut(), flags.as_slice_mut()) };
     let (out, replayed) = (
-        out.map_err(|_| routed_experts::Error::payload("a new numpy array is not contiguous"))?,
+        out.map_err(|_| routed_experts::Error::malformed("a new numpy array is not contiguous"))?,
         replayed
-            .map_err(|_| routed_experts::Error::payload("a new numpy array is not contiguous"))?,
+            .map_err(|_| routed_experts::Error::malformed("a new numpy array is not contiguous"))?,
     );
     py.detach(|| {
         router_ids(
