@@ -14,21 +14,33 @@ use tokio::sync::{mpsc, oneshot};
 
 use routed_experts::body::{read_prefill_scanned, Base64Runs, PrefillBody};
 use routed_experts::response::{merge_response_found, merge_suspects, suspect_rows, MergeOptions};
+use routed_experts::validate::Suspect;
 use routed_experts::Hints;
 
+use super::answer::Answer;
+use super::blocking::{blocking_if, BLOCKING_BYTES};
 use super::budget::Share;
 use super::buffered_stream::merged_events;
-use super::config::{PromptRouting, RoutingFormat, StreamRouting};
+use super::config::RoutingFormat;
 use super::fault::{encoded_fault, merge_fault, status_fault, Blame, Fault};
 use super::metrics::Phase;
 use super::parts::{shared_parts, Held, Part, PartsBody};
 use super::pool::{Lease, Outcome, Side};
-use super::proxy::{blocking_if, Proxy, Slot, BLOCKING_BYTES};
+use super::proxy::{Proxy, Slot};
 use super::record::Exchange;
 use super::relay::{AbortOnDrop, ChannelBody, Head, Relay, STREAM_QUEUE};
-use super::request::{decode_start, Api, ClientBody, PROMPT_ROUTING};
+use super::request::{decode_start, ClientBody};
 use super::responses::Body;
 use super::stream_merger::{StreamMerger, SAMPLE_ROWS};
+
+/// What [`Call::merge`] merges.
+struct Merge<'a> {
+    answer: Answer,
+    body: &'a ClientBody,
+    prefill: (&'a Bytes, &'a PrefillBody<'a>),
+    decode: &'a Bytes,
+    decode_start: Option<u64>,
+}
 
 /// The upstream side of one completion request.
 pub(crate) struct Call {
@@ -54,123 +66,109 @@ impl Call {
         body: ClientBody,
         slot: Slot,
     ) -> Result<Response<Body>, Fault> {
-        let proxy = Arc::clone(&self.proxy);
-        // The shared-prompt answer is a plain answer's shape: a stream's choices end one at a
-        // time, each with its own routing (format.md §4.1).
-        if ex.stream && body.prompt_routing == Some(PromptRouting::Shared) {
-            return Err(Fault::bad_field(
-                PROMPT_ROUTING,
-                format!(
-                    "{PROMPT_ROUTING}=\"shared\" is for plain requests: a stream's choices each \
-                     end with their whole routing (ask without stream, or leave the field out)"
-                ),
-            ));
-        }
-        let shared = !ex.stream
-            && body.prompt_routing.unwrap_or(proxy.config.prompt_routing) == PromptRouting::Shared;
+        let answer = Answer::of(ex.stream, &body, &self.proxy.config)?;
         // A decode server first: with none to take the request, it is refused before a prefill
         // server computes a KV cache that no decode would ever fetch.
-        let lease = proxy.lease(Side::Decode, body.session).await?;
-        let mut lease = LeaseGuard {
-            proxy: Arc::clone(&proxy),
+        let lease = self.proxy.lease(Side::Decode, body.session).await?;
+        let lease = LeaseGuard {
+            proxy: Arc::clone(&self.proxy),
             lease: Some(lease),
         };
         let prefill_json = body.prefill_request();
-        let (prefill, mut prefill_share) = self.prefill(ex, prefill_json, body.session).await?;
-        // A completions or chat stream whose routing the engine would not stream is asked
-        // plainly and answered as a stream (`stream_routing` buffered).
-        let as_events = ex.stream
-            && body.api() != Api::Generate
-            && proxy.config.stream_routing == StreamRouting::Buffered;
-        if ex.stream && !as_events {
-            return self
-                .stream(ex, body, lease, (prefill, prefill_share), slot)
-                .await;
+        let prefill = self.prefill(ex, prefill_json, body.session).await?;
+        match answer {
+            Answer::Relay => self.stream(ex, body, lease, prefill, slot).await,
+            Answer::Plain { .. } | Answer::EventsFromPlain => {
+                self.plain(ex, answer, body, lease, prefill, slot).await
+            }
         }
-        let ReplyBody {
-            body: prefill_body,
-            runs,
-        } = prefill;
-        let (read, decode_start) = self.read_prefill(&prefill_body, runs.as_ref(), body.start)?;
-        let decode_json = if as_events {
-            body.plain_decode_request(read.kv_transfer_params, decode_start)
-        } else {
-            body.decode_request(read.kv_transfer_params, decode_start)
+    }
+
+    /// A request answered from decode's plain answer: decode called from prefill's reply, the
+    /// two merged, the answer sent as slices of the two bodies (only the rewritten parts are
+    /// new bytes), with the slot and both bodies' budget held until the last part is written.
+    async fn plain(
+        &self,
+        ex: &mut Exchange,
+        answer: Answer,
+        body: ClientBody,
+        mut lease: LeaseGuard,
+        (prefill, mut prefill_share): (ReplyBody, Share),
+        slot: Slot,
+    ) -> Result<Response<Body>, Fault> {
+        let (read, decode_start) =
+            self.read_prefill(&prefill.body, prefill.runs.as_ref(), body.start)?;
+        let decode_json = match answer {
+            Answer::EventsFromPlain => {
+                body.plain_decode_request(read.kv_transfer_params, decode_start)
+            }
+            _ => body.decode_request(read.kv_transfer_params, decode_start),
         };
         let lease = lease.take();
         ex.decode = lease.upstream.url.clone();
-        let (
-            ReplyBody {
-                body: decode_body, ..
-            },
-            decode_share,
-        ) = self
-            .fetch(
-                ex,
-                Side::Decode,
-                lease,
-                decode_json.into(),
-                prefill_share.take_reserve().beside(prefill_share.held()),
-            )
+        let reserve = prefill_share.take_reserve().beside(prefill_share.held());
+        let (decode, decode_share) = self
+            .fetch(ex, Side::Decode, lease, decode_json.into(), reserve)
             .await?;
         let began = Instant::now();
-        // The merged body goes out as slices of the two bodies (only the rewritten parts are
-        // new bytes): nothing is assembled, and the bodies' budget is held until it is sent. A
-        // stream written from it (`as_events`) is assembled once, then written as events.
+        let merge = Merge {
+            answer,
+            body: &body,
+            prefill: (&prefill.body, &read),
+            decode: &decode.body,
+            decode_start,
+        };
         let (parts, (prefill_seen, decode_seen)) =
-            blocking_if(decode_body.len() >= BLOCKING_BYTES, || {
-                // Text encoded again from text on another grid (vLLM's rows in a compact
-                // sidecar) is written as it is sent, a piece at a time while it is in cache.
-                let opts = MergeOptions {
-                    require_routing: true,
-                    defer_recode: true,
-                    shared_prompt: shared,
-                    ..self.merge_options(body.start, decode_start)
-                };
-                let mut spliced =
-                    merge_response_found(&prefill_body, &read.routing, &decode_body, opts)
-                        .map_err(merge_fault)?;
-                let seen = merge_suspects(
-                    &read.routing.values,
-                    spliced.decode_values(),
-                    &opts,
-                    SAMPLE_ROWS,
-                );
-                let parts = if as_events {
-                    // Checked whole (the text it would copy too), then written event by event.
-                    spliced.take_checked_recoded_parts().map_err(merge_fault)?;
-                    let prefill = (&prefill_body, &read.routing);
-                    merged_events(&decode_body, body.api(), body.include_usage, prefill, opts)?
-                } else {
-                    shared_parts(&mut spliced, &[&prefill_body, &decode_body])
-                        .map_err(merge_fault)?
-                };
-                Ok::<_, Fault>((parts, seen))
-            })?;
-        proxy
-            .metrics
-            .routing_rows(Side::Prefill, &ex.prefill, prefill_seen);
-        proxy
-            .metrics
-            .routing_rows(Side::Decode, &ex.decode, decode_seen);
+            blocking_if(decode.body.len() >= BLOCKING_BYTES, || self.merge(merge))?;
+        let metrics = &self.proxy.metrics;
+        metrics.routing_rows(Side::Prefill, &ex.prefill, prefill_seen);
+        metrics.routing_rows(Side::Decode, &ex.decode, decode_seen);
         ex.seconds[Phase::Merge as usize] = began.elapsed().as_secs_f64();
         let len = parts.iter().map(Part::len).sum();
-        proxy.metrics.merged(len);
+        metrics.merged(len);
         ex.status(200, None);
         ex.bytes_out = len;
-        // The slot and both bodies' budget stay held until the last part is written.
         let held: Held = Arc::new((slot, prefill_share, decode_share));
-        let body = PartsBody::new(parts, held);
-        let mut r = Response::new(BodyExt::boxed(body));
-        let mime = if as_events {
-            "text/event-stream"
-        } else {
-            "application/json"
-        };
+        let mut r = Response::new(BodyExt::boxed(PartsBody::new(parts, held)));
         r.headers_mut()
-            .insert(CONTENT_TYPE, HeaderValue::from_static(mime));
+            .insert(CONTENT_TYPE, HeaderValue::from_static(answer.mime()));
         ex.tag(&mut r);
         Ok(r)
+    }
+
+    /// The merged answer as parts, and the rows each side's routing was sampled at (for the
+    /// suspect-row metrics). A stream written from it is checked whole (the text it would copy
+    /// too), then written event by event.
+    fn merge(&self, m: Merge<'_>) -> Result<(Vec<Part>, (Suspect, Suspect)), Fault> {
+        // Text encoded again from text on another grid (vLLM's rows in a compact sidecar) is
+        // written as it is sent, a piece at a time while it is in cache.
+        let opts = MergeOptions {
+            require_routing: true,
+            defer_recode: true,
+            shared_prompt: m.answer
+                == Answer::Plain {
+                    shared_prompt: true,
+                },
+            ..self.merge_options(m.body.start, m.decode_start)
+        };
+        let (prefill_body, read) = m.prefill;
+        let mut spliced = merge_response_found(prefill_body, &read.routing, m.decode, opts)
+            .map_err(merge_fault)?;
+        let seen = merge_suspects(
+            &read.routing.values,
+            spliced.decode_values(),
+            &opts,
+            SAMPLE_ROWS,
+        );
+        let parts = match m.answer {
+            Answer::EventsFromPlain => {
+                spliced.take_checked_recoded_parts().map_err(merge_fault)?;
+                let (api, usage) = (m.body.api(), m.body.include_usage);
+                merged_events(m.decode, api, usage, (prefill_body, &read.routing), opts)?
+            }
+            _ => shared_parts(&mut spliced, &[prefill_body, m.decode]).map_err(merge_fault)?,
+        };
+        Ok((parts, seen))
     }
 
     /// `start`: the client's prompt start, for prefill's values; `decode_start`: where decode

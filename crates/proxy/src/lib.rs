@@ -23,6 +23,8 @@
 //! (502), clients that stop reading (the connection is closed), requests and streams that never
 //! end (504 or a last error event).
 
+mod answer;
+mod blocking;
 mod budget;
 mod buffered_stream;
 mod call;

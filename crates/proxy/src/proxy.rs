@@ -20,9 +20,6 @@ use super::metrics::Metrics;
 use super::pool::{Lease, Outcome, Pool, Side, Upstream};
 use super::upstream::{CallError, Upstreams};
 
-/// Bodies at least this large are read or merged with the runtime told the thread blocks
-/// (`block_in_place`), so other connections move to the other workers meanwhile.
-pub(crate) const BLOCKING_BYTES: usize = 8 << 20;
 /// When every server of a side is out of rotation, one is probed before a request is refused:
 /// at most once a second, answered within two seconds (or the connect timeout, if shorter).
 pub(crate) const PROBE_INTERVAL: Duration = Duration::from_secs(1);
@@ -304,15 +301,6 @@ impl Proxy {
                 .retry_after(1)
             }
         }
-    }
-}
-
-/// Run `f` telling the runtime this thread blocks, when the work is large.
-pub(crate) fn blocking_if<T>(large: bool, f: impl FnOnce() -> T) -> T {
-    if large {
-        tokio::task::block_in_place(f)
-    } else {
-        f()
     }
 }
 

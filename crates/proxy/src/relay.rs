@@ -11,12 +11,13 @@ use hyper::body::{Frame, Incoming};
 use hyper::Response;
 use tokio::sync::{mpsc, oneshot};
 
+use super::blocking::{blocking_if, BLOCKING_BYTES};
 use super::budget::Share;
 use super::fault::{stream_fault, Fault};
 use super::metrics::Phase;
 use super::parts::{Held, Outgoing};
 use super::pool::{Lease, Outcome, Side};
-use super::proxy::{blocking_if, Proxy, BLOCKING_BYTES};
+use super::proxy::Proxy;
 use super::record::Exchange;
 use super::responses::Body;
 use super::stream_merger::StreamMerger;
