@@ -1,6 +1,8 @@
-//! [`Policy`]: which server of a side serves a request, among those in rotation. A new policy
-//! is a variant here and an arm of [`Policy::choose`]; the pool (`pool.rs`) decides which
-//! servers are in rotation and gives the chosen one its lease.
+//! [`Policy`]: which server of a side serves a request, among those in rotation; the pool
+//! (`pool.rs`) decides which servers are in rotation and gives the chosen one its lease. A new
+//! policy is a variant, its name in [`Policy::name`], its place in [`Policy::ALL`] and its arm
+//! of [`Policy::choose`], then its flag's help in `config.rs` (docs/architecture.md, "Adding a
+//! proxy policy", lists every place).
 
 use std::collections::HashMap;
 
