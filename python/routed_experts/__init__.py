@@ -5,62 +5,14 @@ per-token, per-layer top-k expert ids that router replay needs. This package doe
 Rust (GIL released) and hands numpy arrays over without copies.
 """
 
-from routed_experts._core import (
-    FORMATS,
-    Agreement,
-    ConfigError,
-    ExpertLoad,
-    MergeError,
-    PayloadError,
-    RoutedExperts,
-    RoutedExpertsError,
-    Trajectory,
-    agreement,
-    decode,
-    detect_format,
-    encode,
-    expert_load,
-    from_response,
-    get_max_bytes,
-    group_from_response,
-    merge,
-    merge_response,
-    pack,
-    pack_shard,
-    set_max_bytes,
-    shard,
-)
-from routed_experts._core import (
-    __version__ as __version__,
-)
+from routed_experts import _core
+from routed_experts._core import *  # noqa: F403 (the public API: the extension's `__all__`)
+from routed_experts._core import __version__ as __version__
 
 from . import replay
 
-__all__ = [
-    "Agreement",
-    "ConfigError",
-    "ExpertLoad",
-    "FORMATS",
-    "MergeError",
-    "PayloadError",
-    "RoutedExperts",
-    "RoutedExpertsError",
-    "Trajectory",
-    "agreement",
-    "decode",
-    "detect_format",
-    "encode",
-    "expert_load",
-    "from_response",
-    "get_max_bytes",
-    "group_from_response",
-    "merge",
-    "merge_response",
-    "pack",
-    "pack_shard",
-    "replay",
-    "set_max_bytes",
-    "shard",
-]
+# One list of public names, the extension's (crates/python/src/lib.rs), and `replay`.
+__all__ = ["replay"]
+__all__ += _core.__all__
 
 # `__version__` is the crate's (Cargo.toml's `workspace.package.version`), set by the build.

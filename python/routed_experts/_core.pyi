@@ -8,29 +8,19 @@ import numpy.typing as npt
 
 __version__: str
 
+# The public API, as the extension's `__all__` lists it (its exports but the internal `_`
+# names and the proxy's StreamMerger; stubtest holds the two equal). `routed_experts`
+# re-exports it whole.
 __all__ = [
-    "__version__",
-    "FORMATS",
     "Agreement",
     "ConfigError",
     "ExpertLoad",
+    "FORMATS",
     "MergeError",
     "PayloadError",
     "RoutedExperts",
     "RoutedExpertsError",
-    "StreamMerger",
     "Trajectory",
-    "_ERROR_KINDS",
-    "_ProxyServer",
-    "_check_proxy_settings",
-    "_from_raw",
-    "_proxy_choices",
-    "_proxy_protocol",
-    "_proxy_settings",
-    "_proxy_text_settings",
-    "_replay_ids",
-    "_sniff",
-    "_trajectory_from_payload",
     "agreement",
     "decode",
     "detect_format",

@@ -73,6 +73,15 @@ mod _core {
         base.setattr("kind", m.py().None())?;
         let empty = m.py().import("types")?.getattr("MappingProxyType")?;
         base.setattr("details", empty.call1((pyo3::types::PyDict::new(m.py()),))?)?;
+        // `__all__` is the package's public API, the one list of it (`routed_experts` imports
+        // it whole): what is exported above, but the internal `_` names and the proxy's
+        // `StreamMerger` (`routed_experts.proxy` exports it).
+        let exported: Vec<String> = m.index()?.extract()?;
+        let public: Vec<String> = exported
+            .into_iter()
+            .filter(|n| !n.starts_with('_') && n != "StreamMerger")
+            .collect();
+        m.setattr("__all__", pyo3::types::PyList::new(m.py(), public)?)?;
         Ok(())
     }
 }
