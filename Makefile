@@ -209,8 +209,9 @@ record-vllm: engine-vllm
 	py=$(ENGINE_PY); nice -n 5 $$py tests/real/harness/record.py $(VLLM) tests/real/vllm/$(VLLM) \
 		&& cp "$$(dirname $$(dirname $$py))/environment.txt" tests/real/vllm/$(VLLM)/environment.txt
 
-# Router replay in the trainer's model (rx.replay) against real megatron-core and transformers,
-# in an environment of their own kept under ~/.cache/routed_experts (tests/trainer/trainer_env.py:
+# Router replay in the trainer's model (rx.replay) against real megatron-core, transformers and
+# torchtitan, in an environment of their own kept under ~/.cache/routed_experts
+# (tests/trainer/trainer_env.py:
 # about 2.8 GB to download, 5 GB on disk, 1-3 minutes the first time). The clone's python/ with
 # the extension build-dev built (abi3) is what they import. Warnings are not errors here: the
 # libraries warn of what this CPU lacks (apex, TransformerEngine) and of their own deprecations.

@@ -113,7 +113,7 @@ def _end(proc: subprocess.Popen[str]) -> None:
 @pytest.mark.source_tree
 @pytest.mark.skipif(
     not os.environ.get("RX_TRAINER"),
-    reason="make test-trainer runs it (torch, megatron-core and transformers are there)",
+    reason="make test-trainer runs it (torch, megatron-core, transformers, torchtitan are there)",
 )
 def test_the_trainer_steps_run_on_real_models() -> None:
     """The library guide's two trainer steps as written, on the trainer tests' tiny models, with
@@ -130,8 +130,8 @@ def test_the_trainer_steps_run_on_real_models() -> None:
 
     steps = [b for page in PAGES for b in python_blocks(page) if b.startswith(TRAINER_STEP)]
     assert [s.splitlines()[0].split("(")[1].split(")")[0] for s in steps] == [
-        "Megatron", "transformers"]
-    megatron_step, hf_step = steps
+        "Megatron", "transformers", "torchtitan"]
+    megatron_step, hf_step, torchtitan_step = steps
 
     with tm.megatron_world():
         model = tm.megatron_model()
@@ -181,3 +181,27 @@ def test_the_trainer_steps_run_on_real_models() -> None:
     assert torch.equal(ns["loss"].detach(), own)  # type: ignore[attr-defined]
     assert model.model.layers[1].mlp.gate.weight.grad is not None  # the step's backward ran
     assert ns["stats"].flipped == 0 and ns["stats"].filled == 2 * 2  # type: ignore[attr-defined]
+
+    import test_torchtitan_replay as tt
+
+    model = tt.build("dm")
+    seen = {}
+    hooks = [r.register_forward_hook(lambda _r, _a, out, i=i: seen.__setitem__(i, out[1]))
+             for r, i in rx.replay.torchtitan_routers(model)]
+    with torch.no_grad():
+        own = tt.forward(model)
+    for h in hooks:
+        h.remove()
+    b, s = tt.TOKENS.shape
+    rows = np.zeros((b, s, 2, 8), dtype=np.int64)
+    for i, t in seen.items():
+        rows[:, :, i] = t.numpy()
+    ns = {"rx": rx, "model": model, "tokens": tt.TOKENS, "positions": tt.POSITIONS,
+          "loss_fn": lambda logits, labels: logits.float().logsumexp(-1).mean(),
+          "payloads": [rx.RoutedExperts.from_array(rows[k, : s - 1], num_experts=64)
+                       for k in range(b)]}
+    with torch.no_grad():  # torch's FlexAttention has no backward on a CPU
+        exec(compile(torchtitan_step, "docs/usage.md trainer step (torchtitan)", "exec"), ns)  # noqa: S102
+    # The last token's row was filled; every earlier position's logits are the model's own.
+    assert torch.equal(ns["logits"][:, :-1], own[:, :-1])  # type: ignore[index]
+    assert ns["stats"].flipped == 0 and ns["stats"].filled == b  # type: ignore[attr-defined]

@@ -4,8 +4,10 @@ this rank's routers, forward and backward, cleared.
 - `rx.replay.megatron(model, packed, cu_seqlens, mask)`: Megatron-core's `RouterReplay`.
 - `rx.replay.hf(model, routing, mask)`: Hugging Face transformers MoE models (Qwen3-MoE, OLMoE,
   Mixtral, DeepSeek-V3).
+- `rx.replay.torchtitan(model, routing, mask)`: torchtitan's MoE models (its
+  `TokenChoiceTopKRouter`: Qwen3, DeepSeek-V3, GPT-OSS, Kimi), as torchforge trains them.
 
-Both map payload layers to the model's routers by walking the model, refuse a payload that
+Each maps payload layers to the model's routers by walking the model, refuses a payload that
 does not fit it (layer counts, a dense layer carrying routing, a MoE layer all zero, ids out of
 range, negative or repeated in a row) or a model whose routing would ignore replay, and give
 rows without routing ids spread over the experts, with a mask (`.replayed`, by 0-based decoder
@@ -13,8 +15,8 @@ layer) of the rows that were replayed. The ids are made where the model is (`dev
 GPU, the decoded rows copied once and checked there). `stats()` counts, while the context is
 open, how often each router's own pick differs from the engine's (the router flip rate).
 
-The frameworks' modules are private (`_megatron`, `_hf`): `rx.replay.megatron` and
-`rx.replay.hf` are their contexts (`MegatronReplay`, `HfReplay`), both a `ReplayContext`
+The frameworks' modules are private (`_megatron`, `_hf`, `_torchtitan`): `rx.replay.megatron`,
+`rx.replay.hf` and `rx.replay.torchtitan` are their contexts, each a `ReplayContext`
 (docs/architecture.md, "Adding a trainer framework").
 """
 
@@ -35,6 +37,8 @@ from ._rows import (
     replay_ids,
 )
 from ._stats import LayerStats, ReplayStats
+from ._torchtitan import TorchtitanReplay, torchtitan
+from ._torchtitan import routers as torchtitan_routers
 
 __all__ = [
     "HfReplay",
@@ -43,6 +47,7 @@ __all__ = [
     "ReplayContext",
     "ReplayStats",
     "RouterRows",
+    "TorchtitanReplay",
     "check_layers",
     "cp_sp_positions",
     "fill_ids",
@@ -54,4 +59,6 @@ __all__ = [
     "moe_pattern",
     "payload_layer",
     "replay_ids",
+    "torchtitan",
+    "torchtitan_routers",
 ]

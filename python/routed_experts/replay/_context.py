@@ -5,12 +5,13 @@ replay, described once (`RouterRows`); their ids made where the model is; the ro
 A framework is a subclass that finds its routers and hands them ids (docs/architecture.md,
 "Adding a trainer framework"): it builds a `RouterRows`, calls `ReplayContext.__init__` with
 its routers, and writes `_arm` (set replay on the routers, add hooks through `_hook`) and,
-where arming changed more than hooks, `_disarm`.
+where arming changed more than hooks, `_disarm`; or, for a router whose output can be
+replaced, only `_forward_hook`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from . import _device
@@ -60,7 +61,15 @@ class ReplayContext:
         self._hooks: list[Any] = []
 
     def _arm(self) -> None:
-        """Set replay on every target (the framework's part of `__enter__`)."""
+        """Set replay on every target (the framework's part of `__enter__`): by default a
+        forward hook on each router (`_forward_hook`) that returns its output with the
+        replayed ids."""
+        for t in self._targets:
+            self._hook(t.router.register_forward_hook(self._forward_hook(t)))
+
+    def _forward_hook(self, target: Target) -> Callable[..., Any]:
+        """The forward hook that replays `target` (for frameworks armed by the default
+        `_arm`)."""
         raise NotImplementedError
 
     def _disarm(self) -> None:

@@ -16,11 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from .._core import ConfigError
-from ._context import ReplayContext
-from ._rows import RouterRows, payload_layer
+from ._context import ReplayContext, Target
+from ._rows import batch_first
 
 
 def _softmax_rule(gate: Any, logits: Any, ids: Any) -> Any:
@@ -119,47 +117,16 @@ class HfReplay(ReplayContext):
                 f"`model`: {_model_type(model)!r} has no top-k router in any decoder layer "
                 f"(rx.replay.hf replays mixture-of-experts models: {_FAMILIES})"
             )
-        batch = np.asarray(routing)
-        if batch.ndim != 4:
-            raise ConfigError(f"`routing`: expected [B, S, layers, top_k], got shape {batch.shape}")
-        b, s, layers, top_k = batch.shape
-        valid = None
-        if mask is not None:
-            m = np.asarray(mask, dtype=bool)
-            if m.shape != (b, s):
-                raise ConfigError(f"`mask`: expected shape {(b, s)}, got {m.shape}")
-            valid = m.reshape(-1)
         routed = [(gate, i) for i, gate in enumerate(found) if gate is not None]
-        for gate, i in routed:
-            if top_k != gate.top_k:
-                raise ConfigError(
-                    f"gate of decoder layer {i}: top_k {gate.top_k}, but the payload has {top_k}"
-                )
-        experts = sorted({gate.num_experts for gate, _ in routed})
-        if len(experts) != 1:
-            raise ConfigError(f"`model`: its gates have different expert counts {experts}")
-
-        def name_rows() -> np.ndarray:  # each row's sample and position ([B, S] batch-first)
-            return np.stack([np.repeat(np.arange(b), s), np.tile(np.arange(s), b)], axis=1)
-
-        rows = RouterRows(
-            rows=batch.reshape(b * s, layers, top_k),  # transformers flattens batch-first
-            layers=[payload_layer(i, layers, pattern) for _, i in routed],
-            valid=valid,
-            num_experts=experts[0],
-            places=[f"gate of decoder layer {i}" for _, i in routed],
-            pattern=pattern,
-            name_rows=name_rows,
-        )
+        described = batch_first(routing, mask, [
+            (f"gate of decoder layer {i}", i, gate.top_k, gate.num_experts) for gate, i in routed
+        ], pattern)  # fmt: skip
         target = torch.device(_device_of(routed[0][0]) if device is None else device)
-        super().__init__(routed, rows, device=target, dtype=torch.int64, pin_memory=pin_memory)
+        super().__init__(routed, described, device=target, dtype=torch.int64,
+                         pin_memory=pin_memory)  # fmt: skip
 
-    def _arm(self) -> None:
-        for t in self._targets:
-            self._hook(t.router.register_forward_hook(self._replay(t.ids, t.ordered, t.layer)))
-
-    def _replay(self, ids: Any, ordered: Any, layer: int) -> Any:
-        counter = self._counter
+    def _forward_hook(self, target: Target) -> Any:
+        ids, ordered, layer, counter = target.ids, target.ordered, target.layer, self._counter
 
         def hook(gate: Any, _args: Any, output: Any) -> Any:
             logits, weights, picked = output

@@ -184,3 +184,42 @@ class RouterRows:
     name_rows: Callable[[], np.ndarray | None] = _no_names
     """Each row's (sample, position), `[tokens, 2]`, for the error that names a bad row: called
     only when one is refused (a rank's cut of its batch is not made for every step)."""
+
+
+def batch_first(
+    routing: Any, mask: Any, routers: Sequence[tuple[str, int, int, int]], pattern: Sequence[bool]
+) -> RouterRows:
+    """The rows of routers that flatten tokens batch-first (transformers, torchtitan), from a
+    `[B, S, layers, top_k]` batch (the model's input `[B, S]`) and its `[B, S]` mask (None:
+    every row). `routers`: each one's (name in errors, 0-based decoder layer, top_k, expert
+    count), all held to the payload's top_k and to one expert count (a `ConfigError` naming the
+    first that differs); `pattern`: which decoder layers have a router."""
+    batch = np.asarray(routing)
+    if batch.ndim != 4:
+        raise ConfigError(f"`routing`: expected [B, S, layers, top_k], got shape {batch.shape}")
+    b, s, layers, top_k = batch.shape
+    valid = None
+    if mask is not None:
+        m = np.asarray(mask, dtype=bool)
+        if m.shape != (b, s):
+            raise ConfigError(f"`mask`: expected shape {(b, s)}, got {m.shape}")
+        valid = m.reshape(-1)
+    for name, _, k, _ in routers:
+        if k != top_k:
+            raise ConfigError(f"{name}: top_k {k}, but the payload has {top_k}")
+    experts = sorted({e for _, _, _, e in routers})
+    if len(experts) != 1:
+        raise ConfigError(f"`model`: its routers have different expert counts {experts}")
+
+    def name_rows() -> np.ndarray:
+        return np.stack([np.repeat(np.arange(b), s), np.tile(np.arange(s), b)], axis=1)
+
+    return RouterRows(
+        rows=batch.reshape(b * s, layers, top_k),
+        layers=[payload_layer(layer, layers, pattern) for _, layer, _, _ in routers],
+        valid=valid,
+        num_experts=experts[0],
+        places=[name for name, _, _, _ in routers],
+        pattern=pattern,
+        name_rows=name_rows,
+    )
