@@ -324,7 +324,7 @@ impl<'p> EventMerge<'p> {
         let mut i = 0;
         while i < piece.len() {
             let kept = self.skel.len();
-            i = self.step(piece, i, out).map_err(|s| {
+            i = self.lex_from(piece, i, out).map_err(|s| {
                 // The step's bytes are handed back from `i` on: the skeleton keeps those before.
                 if matches!(s, Stop::Fallback) {
                     self.skel.truncate(kept);
@@ -336,9 +336,9 @@ impl<'p> EventMerge<'p> {
     }
 
     /// Consume from `piece[i..]`; return where to go on.
-    fn step(&mut self, piece: &[u8], i: usize, out: &mut Vec<u8>) -> Flow<usize> {
+    fn lex_from(&mut self, piece: &[u8], i: usize, out: &mut Vec<u8>) -> Flow<usize> {
         match self.lex {
-            Lex::Data => self.data(piece, i, out),
+            Lex::Data => self.routing_data(piece, i, out),
             Lex::NpyHead => self.npy_head(piece, i, out),
             Lex::Str { start, key, esc } => {
                 let rest = &piece[i..];
@@ -463,9 +463,9 @@ impl<'p> EventMerge<'p> {
             (None, _) if !self.skel[..at].iter().all(u8::is_ascii_whitespace) => {
                 return Err(Stop::Fallback); // a second top-level value: the walker refuses it
             }
-            (Some(Role::Choice), b'"') if is_routing => return self.begin(Kind::Npy, at),
+            (Some(Role::Choice), b'"') if is_routing => return self.open_value(Kind::Npy, at),
             (Some(Role::Choice), b'{') if is_routing => {
-                self.begin(Kind::Sidecar, at)?;
+                self.open_value(Kind::Sidecar, at)?;
                 self.stack.push(Frame::new(true, Role::Sidecar, 0));
                 return Ok(());
             }
@@ -554,7 +554,7 @@ impl<'p> EventMerge<'p> {
     }
 
     /// A routing value starts at `skel[at]` in the choice at the top of the stack.
-    fn begin(&mut self, kind: Kind, at: usize) -> Flow {
+    fn open_value(&mut self, kind: Kind, at: usize) -> Flow {
         let o = &self.opts.merge;
         let h = &o.hints;
         // Kept in the engine's format, a `.npy` value streams as `.npy` text; a sidecar is left
@@ -602,9 +602,9 @@ impl<'p> EventMerge<'p> {
         Ok(())
     }
 
-    /// Send the held text before the value, and the merged value's first bytes: prefill's rows
+    /// Send the held text before the value and the merged value's head: prefill's rows
     /// (after the merged `.npy` header, when the value is kept as `.npy` text).
-    fn go(&mut self, out: &mut Vec<u8>) -> Flow {
+    fn send_head(&mut self, out: &mut Vec<u8>) -> Flow {
         let keep = self.opts.merge.keep_format;
         let cur = self.cur.as_mut().expect("a value");
         out.extend_from_slice(&self.skel[self.sent..cur.at]);
@@ -656,7 +656,7 @@ impl<'p> EventMerge<'p> {
         let (header, data_offset) = self.npy_header(&self.head[..need])?;
         self.npy_plan(header, data_offset)?;
         self.lex = Lex::Data;
-        self.go(out)?;
+        self.send_head(out)?;
         let head = std::mem::take(&mut self.head);
         let fed = self.decode_data(&head, out)?;
         debug_assert_eq!(fed, Fed::More);
@@ -769,12 +769,12 @@ impl<'p> EventMerge<'p> {
         cur.start = start;
         cur.dtype = dtype;
         self.lex = Lex::Data;
-        self.go(out)?;
+        self.send_head(out)?;
         Ok(())
     }
 
     /// Base64 content: decoded, prefill's rows cut off, encoded after what was sent.
-    fn data(&mut self, piece: &[u8], i: usize, out: &mut Vec<u8>) -> Flow<usize> {
+    fn routing_data(&mut self, piece: &[u8], i: usize, out: &mut Vec<u8>) -> Flow<usize> {
         match self.decode_data(&piece[i..], out)? {
             Fed::More => Ok(piece.len()),
             Fed::End(j) => {
