@@ -149,3 +149,25 @@ def test_what_does_not_fit_is_refused() -> None:
             forward(model)
     with pytest.raises(rx.ConfigError, match="no TokenChoiceTopKRouter"):
         rx.replay.torchtitan(build("d"), good)
+
+
+def test_the_device_path_makes_the_host_paths_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a GPU the narrow rows are copied once and checked there (`_device.ids_on`); here the
+    # same code runs on CPU tensors and must make the host path's ids, the mask's fill included.
+    from routed_experts.replay import _device
+
+    model = build("dm")
+    routed, _, hooks = capture(model)
+    with torch.no_grad():
+        forward(model)
+    for h in hooks:
+        h.remove()
+    routing = payload(routed, 2).astype(np.uint8)
+    mask = np.ones((BATCH, SEQ), dtype=bool)
+    mask[0, -2:] = False
+    host = rx.replay.torchtitan(model, routing, mask)
+    monkeypatch.setattr(_device, "wanted", lambda device, rows: _device.supported(rows))
+    device = rx.replay.torchtitan(model, routing, mask)
+    for a, b in zip(host._targets, device._targets):
+        assert torch.equal(a.ids, b.ids) and a.layer == b.layer
+    assert all(torch.equal(host.replayed[k], device.replayed[k]) for k in host.replayed)
