@@ -68,7 +68,7 @@ def test_errors_say_what_was_given_and_what_to_call() -> None:
 
 def test_public_names_are_the_api() -> None:
     public = {n for n in dir(rx) if not n.startswith("_")}
-    modules = {"baselines", "bench", "cli", "proxy", "synthetic", "stand_in_engine"}
+    modules = {"baselines", "bench", "cli", "proxy", "synthetic", "stand_in_engine", "vllm_plugin"}
     assert public - set(rx.__all__) <= modules, public
     assert "annotations" not in dir(rx)
     for name in rx.__all__:

@@ -2,6 +2,7 @@
 //! read within the budget; a plain answer's routing merged by absolute position (`run`), a
 //! stream's decode opened and handed to a [`Relay`] (`stream`).
 
+use std::borrow::Cow;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
@@ -21,7 +22,7 @@ use super::answer::Answer;
 use super::blocking::{blocking_if, BLOCKING_BYTES};
 use super::budget::Share;
 use super::buffered_stream::merged_events;
-use super::config::RoutingFormat;
+use super::config::{RoutingFormat, VllmPlugin};
 use super::fault::{encoded_fault, merge_fault, status_fault, Blame, Fault};
 use super::metrics::Phase;
 use super::parts::{shared_parts, Held, Part, PartsBody};
@@ -29,7 +30,7 @@ use super::pool::{Lease, Outcome, Side};
 use super::proxy::{Proxy, Slot};
 use super::record::Exchange;
 use super::relay::{AbortOnDrop, ChannelBody, Head, Relay, STREAM_QUEUE};
-use super::request::{decode_start, ClientBody};
+use super::request::{decode_start, marked_kv_transfer_params, ClientBody};
 use super::responses::Body;
 use super::stream_merger::{StreamMerger, SAMPLE_ROWS};
 
@@ -98,11 +99,10 @@ impl Call {
     ) -> Result<Response<Body>, Fault> {
         let (read, decode_start) =
             self.read_prefill(&prefill.body, prefill.runs.as_ref(), body.start)?;
+        let kv = self.decode_kv(read.kv_transfer_params)?;
         let decode_json = match answer {
-            Answer::EventsFromPlain => {
-                body.plain_decode_request(read.kv_transfer_params, decode_start)
-            }
-            _ => body.decode_request(read.kv_transfer_params, decode_start),
+            Answer::EventsFromPlain => body.plain_decode_request(kv.as_deref(), decode_start),
+            _ => body.decode_request(kv.as_deref(), decode_start),
         };
         let lease = lease.take();
         ex.decode = lease.upstream.url.clone();
@@ -169,6 +169,15 @@ impl Call {
             _ => shared_parts(&mut spliced, &[prefill_body, m.decode]).map_err(merge_fault)?,
         };
         Ok((parts, seen))
+    }
+
+    /// The `kv_transfer_params` decode is sent: prefill's as they are, or with the vLLM
+    /// plugin's marker (`--vllm-plugin mark`).
+    fn decode_kv<'b>(&self, prefill: Option<&'b [u8]>) -> Result<Option<Cow<'b, [u8]>>, Fault> {
+        Ok(match self.proxy.config.vllm_plugin {
+            VllmPlugin::Off => prefill.map(Cow::Borrowed),
+            VllmPlugin::Mark => Some(Cow::Owned(marked_kv_transfer_params(prefill)?)),
+        })
     }
 
     /// `start`: the client's prompt start, for prefill's values; `decode_start`: where decode
@@ -402,7 +411,15 @@ impl Call {
                     return;
                 }
             };
-        let decode_json = body.decode_request(read.kv_transfer_params, decode_start);
+        let kv = match self.decode_kv(read.kv_transfer_params) {
+            Ok(kv) => kv,
+            Err(fault) => {
+                let _ = head_tx.send(Err(fault));
+                return;
+            }
+        };
+        let decode_json = body.decode_request(kv.as_deref(), decode_start);
+        drop(kv);
         let opts = self.merge_options(body.start, decode_start);
         drop(body);
         let lease = lease.take();

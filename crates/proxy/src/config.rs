@@ -91,6 +91,8 @@ macro_rules! settings {
             pub stream_routing: StreamRouting,
             /// How a plain answer carries its choices' prompt rows (default: in every choice).
             pub prompt_routing: PromptRouting,
+            /// Whether decode requests carry the project's vLLM plugin's marker (default: off).
+            pub vllm_plugin: VllmPlugin,
             $(
                 #[doc = $help]
                 pub $name: settings!(@type $unit),
@@ -110,6 +112,7 @@ macro_rules! settings {
                     routing_format: RoutingFormat::Engine,
                     stream_routing: StreamRouting::Buffered,
                     prompt_routing: PromptRouting::PerChoice,
+                    vllm_plugin: VllmPlugin::Off,
                     $( $name: settings!(@default $unit, $default), )*
                 }
             }
@@ -342,6 +345,35 @@ impl PromptRouting {
     }
 }
 
+/// Whether the proxy marks its decode requests for the project's vLLM plugin (`vllm_plugin`;
+/// `routed_experts/vllm_plugin.py`: a vLLM 0.33 decode server with routing on then loads
+/// prefill's KV instead of computing the prompt again).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VllmPlugin {
+    /// Decode is asked as vLLM is by any router.
+    Off,
+    /// Every decode request's `kv_transfer_params` carries `"routed_experts_plugin": true`.
+    Mark,
+}
+
+impl VllmPlugin {
+    /// Every choice, in the order the help lists them.
+    pub const ALL: [VllmPlugin; 2] = [VllmPlugin::Off, VllmPlugin::Mark];
+
+    /// Its name in the settings.
+    pub fn name(self) -> &'static str {
+        match self {
+            VllmPlugin::Off => "off",
+            VllmPlugin::Mark => "mark",
+        }
+    }
+
+    /// The choice `name` names; `Err` lists the names.
+    pub fn parse(name: &str) -> Result<Self, String> {
+        super::config_error::parse_named(&Self::ALL, Self::name, name)
+    }
+}
+
 /// The settings that take text, beside [`SETTINGS`]: `(name, default, help)`.
 pub const TEXT_SETTINGS: &[(&str, Option<&str>, &str)] = &[
     (
@@ -393,6 +425,14 @@ pub const TEXT_SETTINGS: &[(&str, Option<&str>, &str)] = &[
          request's routed_experts_prompt_routing chooses for itself",
     ),
     (
+        "vllm_plugin",
+        Some("off"),
+        "off (the default) or mark: every decode request's kv_transfer_params carries \
+         routed_experts_plugin=true, with which a vLLM 0.33 decode server running the \
+         project's plugin (ROUTED_EXPERTS_VLLM_PLUGIN=1) loads prefill's KV with routing on \
+         instead of computing the prompt again",
+    ),
+    (
         "upstreams_file",
         None,
         "a file listing the servers, `prefill URL` or `decode URL` a line (# comments), read \
@@ -433,6 +473,10 @@ impl Config {
             }
             "prompt_routing" => {
                 self.prompt_routing = PromptRouting::parse(value)
+                    .map_err(|e| ConfigError::new(name, format!("{name}: {e}")))?
+            }
+            "vllm_plugin" => {
+                self.vllm_plugin = VllmPlugin::parse(value)
                     .map_err(|e| ConfigError::new(name, format!("{name}: {e}")))?
             }
             _ => {

@@ -276,6 +276,29 @@ impl ClientBody {
     }
 }
 
+/// The key the project's vLLM plugin reads in a decode request's `kv_transfer_params`
+/// (`routed_experts/vllm_plugin.py`'s `MARKER`).
+pub const PLUGIN_MARKER: &str = "routed_experts_plugin";
+
+/// Prefill's `kv_transfer_params` (raw JSON text; none or `null` when it returned none) with
+/// [`PLUGIN_MARKER`] set to `true`, for decode. Anything but an object or `null` is prefill's
+/// fault: the marker has nowhere to go.
+pub fn marked_kv_transfer_params(kv: Option<&[u8]>) -> Result<Vec<u8>, Fault> {
+    let mut fields: IndexMap<String, Box<RawValue>> = IndexMap::new();
+    if let Some(text) = kv.filter(|t| t.trim_ascii() != b"null") {
+        fields = serde_json::from_slice(text).map_err(|_| {
+            Fault::new(
+                Blame::Prefill,
+                502,
+                "prefill's kv_transfer_params is not a JSON object: decode cannot be marked \
+                 for the vLLM plugin (--vllm-plugin mark)",
+            )
+        })?;
+    }
+    fields.insert(PLUGIN_MARKER.into(), raw("true"));
+    Ok(write_object(fields.iter()))
+}
+
 /// Where decode is asked to start its routing, for a prompt of `prompt` tokens whose routing the
 /// client wants from `start` (0 if not given): `max(start, prompt - 1)`. Decode computes at least
 /// the prompt's last position itself (an engine always recomputes it, for the first token's

@@ -130,10 +130,11 @@ pub fn _proxy_text_settings() -> Vec<(&'static str, Option<&'static str>, &'stat
 }
 
 /// The text settings that take one of a few names, with those names as Rust declares them
-/// (the policies, `routing_format`, `stream_routing`, `prompt_routing`): the command's choices.
+/// (the policies, `routing_format`, `stream_routing`, `prompt_routing`, `vllm_plugin`): the
+/// command's choices.
 #[pyfunction]
 pub fn _proxy_choices() -> Vec<(&'static str, Vec<&'static str>)> {
-    use routed_experts_proxy::config::{PromptRouting, RoutingFormat, StreamRouting};
+    use routed_experts_proxy::config::{PromptRouting, RoutingFormat, StreamRouting, VllmPlugin};
     use routed_experts_proxy::Policy;
     let policies: Vec<&'static str> = Policy::ALL.iter().map(|p| p.name()).collect();
     vec![
@@ -150,6 +151,10 @@ pub fn _proxy_choices() -> Vec<(&'static str, Vec<&'static str>)> {
         (
             "prompt_routing",
             PromptRouting::ALL.iter().map(|f| f.name()).collect(),
+        ),
+        (
+            "vllm_plugin",
+            VllmPlugin::ALL.iter().map(|f| f.name()).collect(),
         ),
     ]
 }

@@ -66,6 +66,7 @@ class ProxyConfig:
     routing_format: str = _word("routing_format")
     stream_routing: str = _word("stream_routing")
     prompt_routing: str = _word("prompt_routing")
+    vllm_plugin: str = _word("vllm_plugin")
     header_timeout: float = _seconds("header_timeout")
     max_header_bytes: int = _count("max_header_bytes")
     max_connections: int = _count("max_connections")

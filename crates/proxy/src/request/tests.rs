@@ -243,3 +243,29 @@ fn request_ids() {
     assert!(!acceptable_request_id(b"x y"));
     assert!(!acceptable_request_id("é".as_bytes()));
 }
+
+#[test]
+fn decode_is_marked_for_the_vllm_plugin_beside_prefills_params() {
+    let marked = |kv: Option<&[u8]>| {
+        let text = marked_kv_transfer_params(kv).unwrap();
+        serde_json::from_slice::<serde_json::Value>(&text).unwrap()
+    };
+    let alone = serde_json::json!({"routed_experts_plugin": true});
+    assert_eq!(marked(None), alone);
+    assert_eq!(marked(Some(b" null ")), alone);
+    assert_eq!(
+        marked(Some(
+            br#"{"remote_host": "h", "routed_experts_plugin": false}"#
+        )),
+        serde_json::json!({"remote_host": "h", "routed_experts_plugin": true})
+    );
+    for bad in [&b"[1]"[..], b"\"x\"", b"{", b"7"] {
+        let fault = marked_kv_transfer_params(Some(bad)).unwrap_err();
+        assert_eq!((fault.status, fault.side), (502, Blame::Prefill));
+        assert!(
+            fault.message.contains("--vllm-plugin mark"),
+            "{}",
+            fault.message
+        );
+    }
+}
