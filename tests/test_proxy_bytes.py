@@ -150,6 +150,7 @@ def _choice(i: int, value: str) -> str:
             f'"finish_reason": "length", "logprobs": null}}')
 
 
+@pytest.mark.slow_under_emulation  # 27 s under qemu (its kernels: test_base64_kernel, kept)
 @settings(max_examples=60, deadline=None)
 @given(x=exchanges())
 def test_a_plain_reply_is_decodes_body_with_each_value_the_merge(
@@ -168,6 +169,7 @@ def test_a_plain_reply_is_decodes_body_with_each_value_the_merge(
     assert r.content == expected
 
 
+@pytest.mark.slow_under_emulation  # 27 s under qemu, as above
 @settings(max_examples=60, deadline=None)
 @given(x=exchanges(), cuts=st.lists(st.integers(1, 10_000), max_size=12))
 def test_a_stream_is_decodes_events_with_each_routing_event_the_merge(

@@ -105,6 +105,7 @@ def events(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     return [json.loads(e) for e in lines[:-1]]
 
 
+@pytest.mark.slow_under_emulation  # 24 s under qemu; natively seconds
 @settings(max_examples=12, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(

@@ -169,17 +169,24 @@ def test_through_the_proxy_marking_decode_the_answer_is_one_servers(
     from routed_experts.proxy import ProxyConfig, ProxyServer
 
     prefill, decode, _ = servers
-    prompt = "delta " + LONG
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0,
-            "return_token_ids": True}  # fmt: skip
     with ProxyServer([prefill.url], [decode.url], ProxyConfig(vllm_plugin="mark")) as proxy:
-        status, raw, _ = engine.post(proxy.url + "/v1/completions", body)
-    assert status == 200, raw[:2000]
-    answer = json.loads(raw)
-    alone = ask(prefill, prompt, max_tokens=5)
-    got = rx.from_response(raw)
-    assert got is not None
-    np.testing.assert_array_equal(got.to_numpy(), rows(alone))
-    assert answer["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
-    assert cached(answer) == 64, answer.get("usage")
+        for n, prompt in [(1, "delta " + LONG), (2, "epsilon " + LONG)]:
+            # Sampled with a seed (vLLM takes no greedy n > 1): one server given the same
+            # request answers the same choices.
+            sampling = {"max_tokens": 5, "n": n, "temperature": 1.0, "seed": 7}
+            body = {"model": "tiny", "prompt": prompt, "return_token_ids": True, **sampling}
+            status, raw, _ = engine.post(proxy.url + "/v1/completions", body)
+            assert status == 200, raw[:2000]
+            answer = json.loads(raw)
+            alone_raw = engine.post(prefill.url + "/v1/completions", body)[1]
+            alone = json.loads(alone_raw)
+            assert len(answer["choices"]) == n
+            for choice in range(n):
+                got, want = rx.from_response(raw, choice=choice), rx.from_response(alone_raw,
+                                                                                   choice=choice)
+                assert got is not None and want is not None
+                np.testing.assert_array_equal(got.to_numpy(), want.to_numpy())
+                tokens = answer["choices"][choice]["token_ids"]
+                assert tokens == alone["choices"][choice]["token_ids"]
+            assert cached(answer) >= 64, answer.get("usage")
     assert decode.alive()
