@@ -279,7 +279,7 @@ record-sglang: engine-sglang
 # library (tests/real/test_live_sglang.py; about 3 minutes).
 test-engines: build-dev $(VENV)/.test-deps engine-vllm engine-sglang
 	RX_VLLM_PYTHON=$(ENGINE_PY) RX_VLLM_RELEASE=$(VLLM) $(PY) -m pytest -q -p no:cacheprovider \
-		tests/real/test_live_vllm.py tests/real/test_live_vllm_r3.py tests/real/test_live_vllm_plugin.py
+		tests/real/test_live_vllm.py tests/real/test_live_vllm_r3.py
 	RX_SGLANG_PYTHON=$(SGLANG_PY) RX_SGLANG_RELEASE=$(SGLANG) OMP_NUM_THREADS=1 $(PY) -m pytest \
 		-q -p no:cacheprovider tests/real/test_live_sglang.py
 

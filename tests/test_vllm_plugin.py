@@ -3,7 +3,7 @@ it wraps, modelled on vLLM 0.33.0's (a hit counts the blocks the server holds, c
 last token): a marked request takes prefill's KV only before its routing start, and a later
 request never reuses a block without routing where it needs routing. Off unless enabled; another
 release is refused by name. The plugin in a real vLLM 0.33 decode server: make test-engines
-(tests/real/test_live_vllm_plugin.py)."""
+(tests/real/test_live_vllm.py, its last tests)."""
 
 from __future__ import annotations
 

@@ -33,7 +33,9 @@ sys.path.insert(0, str(HARNESS))
 
 import engine  # noqa: E402
 import tiny_model  # noqa: E402
-from pd_stack import Stack  # noqa: E402
+from pd_stack import Stack, plugin_env  # noqa: E402
+
+from routed_experts import vllm_plugin  # noqa: E402
 
 PYTHON = Path(os.environ["RX_VLLM_PYTHON"])
 RELEASE = os.environ["RX_VLLM_RELEASE"]
@@ -43,8 +45,12 @@ LONG = " ".join(tiny_model.WORDS[i % 24] for i in range(66))
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
+    # On the release the project's vLLM plugin is for, decode runs with it enabled: every test
+    # here asks decode as any router does (unmarked), which the plugin leaves as vLLM answers
+    # it; the plugin's own tests, last in this file, mark their requests.
     with tempfile.TemporaryDirectory(prefix="rx-live-") as tmp:
-        s = Stack(PYTHON, RELEASE, Path(tmp))
+        env = plugin_env(Path(tmp) / "plugin") if RELEASE.startswith(vllm_plugin.RELEASE) else None
+        s = Stack(PYTHON, RELEASE, Path(tmp), decode_env=env)
         try:
             s.start()
             yield s
@@ -324,4 +330,109 @@ def down_then_taken_back(stack: Stack, server: engine.Server, side: str) -> None
     server.start()
     server.wait_ready()
     check_reply(stack, answered_again(stack, COMPLETION, side))
+    both_alive(stack)
+
+
+# The project's vLLM plugin (routed_experts/vllm_plugin.py), enabled on this stack's decode on
+# the release it is for: these tests, last, mark their requests as the proxy's --vllm-plugin
+# mark does. Their prompts start with words no other test's prompt starts with, so decode holds
+# none of their blocks from before. The plugin's rules without vLLM: tests/test_vllm_plugin.py.
+on_plugin_release = pytest.mark.skipif(
+    not RELEASE.startswith(vllm_plugin.RELEASE), reason=f"the plugin is not for vLLM {RELEASE}"
+)
+
+
+def _ask(server: engine.Server, prompt: str, **body: Any) -> dict[str, Any]:
+    status, raw, _ = engine.post(server.url + "/v1/completions", {
+        "model": "tiny", "prompt": prompt, "temperature": 0, "return_token_ids": True, **body})
+    assert status == 200, raw[:2000]
+    return dict(json.loads(raw))
+
+
+def _rows(answer: dict[str, Any]) -> np.ndarray:
+    text = answer["choices"][0]["routed_experts"]
+    return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+
+
+def _cached(answer: dict[str, Any]) -> int:
+    details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+def _prompt_length(answer: dict[str, Any]) -> int:
+    return len(answer["choices"][0].get("prompt_token_ids") or answer["prompt_token_ids"])
+
+
+@on_plugin_release
+def test_plugin_a_marked_decode_loads_prefills_kv_and_answers_as_one_server(stack: Stack) -> None:
+    prefill, decode = stack.prefill, stack.decode
+    log = (stack.work / "decode.log").read_text(errors="replace")
+    plugin_lines = [line for line in log.splitlines() if "plugin" in line.lower()]
+    assert any("routed_experts vLLM plugin active" in line for line in plugin_lines), plugin_lines
+    for prompt in ["alpha " + LONG + " one", "alpha " + LONG + " two"]:
+        # Prefill saves the prompt's KV (as the proxy asks it: one token, remote decode).
+        first = _ask(prefill, prompt, max_tokens=1,
+                     kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+        p = _prompt_length(first)
+        blocks = (p - 2) // 32 * 32  # ExampleConnector's hit: whole blocks before P - 1
+        assert blocks == 64, p
+        # The oracle: the prefill server answers the prompt alone, from 0 (a producer never
+        # loads KV).
+        alone = _ask(prefill, prompt, max_tokens=5)
+        # Decode, marked and asked from P - 1 as the proxy asks: the blocks before it load (the
+        # second prompt finds the first's, shared, on decode already).
+        params = {**(first.get("kv_transfer_params") or {}), vllm_plugin.MARKER: True}
+        got = _ask(decode, prompt, max_tokens=5, routed_experts_prompt_start=p - 1,
+                   kv_transfer_params=params)  # fmt: skip
+        assert _cached(got) == blocks, got.get("usage")
+        assert got["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+        np.testing.assert_array_equal(_rows(got), _rows(alone)[p - 1 :])
+        # The same prompt again, unmarked: from P - 1 the loaded blocks may serve (their routing
+        # is not asked); from 0 they may not, and the prompt is computed, exactly.
+        again = _ask(decode, prompt, max_tokens=5, routed_experts_prompt_start=p - 1)
+        np.testing.assert_array_equal(_rows(again), _rows(alone)[p - 1 :])
+        whole = _ask(decode, prompt, max_tokens=5)
+        assert _cached(whole) == 0, whole.get("usage")
+        np.testing.assert_array_equal(_rows(whole), _rows(alone))
+        assert whole["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+        both_alive(stack)
+    # Unmarked, a prompt whose KV prefill saved (a prefix decode has not seen) is recomputed,
+    # as vLLM 0.33 does on its own.
+    prompt = "gamma " + LONG
+    first = _ask(prefill, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    p = _prompt_length(first)
+    plain = _ask(decode, prompt, max_tokens=5, routed_experts_prompt_start=p - 1,
+                 kv_transfer_params=first.get("kv_transfer_params"))  # fmt: skip
+    assert _cached(plain) == 0, plain.get("usage")
+    # The prefill server, without the plugin, is left as it is.
+    assert "routed_experts vLLM plugin" not in (stack.work / "prefill.log").read_text(
+        errors="replace")
+
+
+@on_plugin_release
+def test_plugin_through_the_proxy_marking_decode_the_answer_is_one_servers(stack: Stack) -> None:
+    # The proxy with --vllm-plugin mark: prefill asked for one token, decode marked and asked
+    # from P - 1; the merged answer is the prefill server's own to the same request, and
+    # decode's usage says it loaded the prompt.
+    prefill, decode = stack.prefill, stack.decode
+    with ProxyServer([prefill.url], [decode.url], ProxyConfig(vllm_plugin="mark")) as proxy:
+        for n, prompt in [(1, "delta " + LONG), (2, "epsilon " + LONG)]:
+            # Sampled with a seed (vLLM takes no greedy n > 1): one server given the same
+            # request answers the same choices.
+            sampling = {"max_tokens": 5, "n": n, "temperature": 1.0, "seed": 7}
+            body = {"model": "tiny", "prompt": prompt, "return_token_ids": True, **sampling}
+            status, raw, _ = engine.post(proxy.url + "/v1/completions", body)
+            assert status == 200, raw[:2000]
+            answer = json.loads(raw)
+            alone_raw = engine.post(prefill.url + "/v1/completions", body)[1]
+            alone = json.loads(alone_raw)
+            assert len(answer["choices"]) == n
+            for choice in range(n):
+                got = rx.from_response(raw, choice=choice)
+                want = rx.from_response(alone_raw, choice=choice)
+                assert got is not None and want is not None
+                np.testing.assert_array_equal(got.to_numpy(), want.to_numpy())
+                tokens = answer["choices"][choice]["token_ids"]
+                assert tokens == alone["choices"][choice]["token_ids"]
+            assert _cached(answer) >= 64, answer.get("usage")
     both_alive(stack)

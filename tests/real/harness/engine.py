@@ -162,8 +162,10 @@ class Server:
         kv_share: Path | None = None,
         kv_role: str = "kv_both",
         port: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.python, self.release, self.model, self.log = python, release, model, log
+        self.env = dict(env or {})  # more of the server's environment; PYTHONPATH goes first
         self.port = port or free_port()
         self.args = [*SERVE_FLAGS, *release_flags(release), *(extra or [])]
         if kv_share is not None:
@@ -193,7 +195,11 @@ class Server:
         return [str(self.python), "-m", server, "--model", str(self.model), *where, *self.args]
 
     def environment(self) -> dict[str, str]:
-        return serve_env(self.release)
+        env = serve_env(self.release)
+        for key, value in self.env.items():
+            before = env.get(key, "") if key == "PYTHONPATH" else ""
+            env[key] = os.pathsep.join(p for p in (value, before) if p)
+        return env
 
     def start(self) -> Server:
         self.log.parent.mkdir(parents=True, exist_ok=True)

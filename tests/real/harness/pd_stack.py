@@ -23,13 +23,28 @@ HARNESS = Path(__file__).resolve().parent
 REPO = HARNESS.parents[2]
 
 
+def plugin_env(folder: Path) -> dict[str, str]:
+    """A server environment that finds the project's vLLM plugin by its entry point (a
+    `.dist-info` folder in `folder`, as an installed wheel's metadata has it, beside the
+    clone's python/) and enables it."""
+    info = folder / "routed_experts_vllm_plugin-0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: routed-experts-vllm-plugin\n"
+                                   "Version: 0\n")  # fmt: skip
+    (info / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nrouted_experts = routed_experts.vllm_plugin:register\n"
+    )
+    return {"PYTHONPATH": os.pathsep.join([str(folder), str(REPO / "python")]),
+            "ROUTED_EXPERTS_VLLM_PLUGIN": "1"}  # fmt: skip
+
+
 class Stack:
     """The tiny model made in `work` (`model_args`: tiny_model.py's flags), served by a prefill
     and a decode server (`serve_args`: more vLLM flags, such as another `--dtype`)."""
 
     def __init__(
         self, python: Path, release: str, work: Path, model_args: list[str] | None = None,
-        serve_args: list[str] | None = None,
+        serve_args: list[str] | None = None, decode_env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
         self.work = work
         self.python = python
@@ -43,7 +58,8 @@ class Stack:
         self.prefill = engine.Server(python, release, self.model, work / "prefill.log",
                                      extra=extra, kv_share=kv, kv_role="kv_producer")  # fmt: skip
         self.decode = engine.Server(python, release, self.model, work / "decode.log",
-                                    extra=extra, kv_share=kv, kv_role="kv_consumer")  # fmt: skip
+                                    extra=extra, kv_share=kv, kv_role="kv_consumer",
+                                    env=decode_env)  # fmt: skip
         self.proxy: ProxyServer | None = None
 
     def start(self) -> None:
