@@ -133,10 +133,9 @@ def _forget_unreachable(conn: Any) -> None:
     (neither cached on the device, nor held by the connector, nor being loaded): such a block
     comes back only computed (with routing) or loaded again (marked again)."""
     unrouted = _unrouted(conn)
-    if len(unrouted) <= getattr(conn, "_capacity", 0):
+    if len(unrouted) <= conn._capacity:
         return
-    loading = set().union(*getattr(conn, "_loading", {}).values())
-    held = getattr(conn, "_kv_cached", {})
+    loading = set().union(*conn._loading.values())
     for block, keys in list(unrouted.items()):
-        if block not in held and block not in loading and not conn._gpu_cached(keys[-1]):
+        if block not in conn._kv_cached and block not in loading and not conn._gpu_cached(keys[-1]):
             del unrouted[block]
