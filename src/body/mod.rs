@@ -16,6 +16,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::formats::sidecar::{self, SidecarFields};
 pub use crate::formats::Place;
 use crate::kernels::jsonscan::{Scanner, Watch};
+use crate::kernels::predecoded::Predecoded;
 use crate::payload::dtype::DType;
 
 /// One routing value found in a body: the choice it belongs to and where its bytes are.
@@ -205,7 +206,16 @@ pub fn find_routing(body: &[u8]) -> Result<Vec<Found<'_>>> {
 /// Everything [`find_routing`] finds, and vLLM 0.21's prompt rows, each choice's token counts
 /// and any routing weights, in the same one walk.
 pub fn read_body(body: &[u8]) -> Result<BodyRouting<'_>> {
-    walk(body, false, None, None)
+    walk(body, false, None, None, None)
+}
+
+/// [`read_body`] of the skeleton a [`BodyReader`](crate::response::BodyReader) kept: each
+/// compact sidecar's `data` placeholder read as the bytes `predecoded` holds for it.
+pub(crate) fn read_body_predecoded<'a>(
+    skeleton: &'a [u8],
+    predecoded: &'a Predecoded,
+) -> Result<BodyRouting<'a>> {
+    walk(skeleton, false, None, None, Some(predecoded))
 }
 
 /// [`read_body`], and the first routing value of choice `index`, when it is a compact sidecar,
@@ -216,20 +226,22 @@ pub(crate) fn read_body_decoding(
     index: u64,
     max_bytes: usize,
 ) -> Result<BodyRouting<'_>> {
-    walk(body, false, Some(Wanted { index, max_bytes }), None)
+    walk(body, false, Some(Wanted { index, max_bytes }), None, None)
 }
 
 /// Walk a body; `want_kv` also reads (and polices) top-level `kv_transfer_params`; `runs`, the
-/// body's base64 runs found as it arrived.
+/// body's base64 runs found as it arrived; `predecoded`, the strings a reader decoded as it did.
 fn walk<'a>(
     body: &'a [u8],
     want_kv: bool,
     decode: Option<Wanted>,
     runs: Option<&Base64Runs>,
+    predecoded: Option<&'a Predecoded>,
 ) -> Result<BodyRouting<'a>> {
     let mut s = Scanner::new(body, "response body")
         .watch(ROUTING_WATCH)
-        .with_runs(runs);
+        .with_runs(runs)
+        .with_predecoded(predecoded);
     let mut w = BodyRouting {
         decode,
         ..BodyRouting::default()
@@ -356,7 +368,7 @@ pub fn read_prefill_scanned<'a>(
     body: &'a [u8],
     runs: Option<&Base64Runs>,
 ) -> Result<PrefillBody<'a>> {
-    let w = walk(body, true, None, runs)?;
+    let w = walk(body, true, None, runs, None)?;
     let kv_transfer_params = w
         .kv_transfer_params
         .clone()

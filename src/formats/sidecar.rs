@@ -50,6 +50,9 @@ pub struct SidecarFields<'a> {
     /// saw (`jsonscan::Scanner::base64_text`): a merge that copies
     /// it as it is need not check it again. `false`: nothing is known of it.
     pub data_base64: bool,
+    /// `data` was strict base64 decoded as the body arrived (a `BodyReader`'s): its text is not
+    /// kept (`data` is empty), `decoded` holds its bytes.
+    pub predecoded: bool,
 }
 
 /// The keys a compact sidecar is made of, and the only ones a merge writes (format.md §3.1).
@@ -135,7 +138,12 @@ fn read_with<'a>(s: &mut Scanner<'a>, decode_up_to: Option<usize>) -> Result<Sid
             if fields.data.is_some() {
                 return Err(duplicate());
             }
-            fields.data = Some(if s.peek() == Some(b'"') {
+            fields.data = Some(if let Some(bytes) = s.predecoded_string()? {
+                // Decoded as the body arrived (`BodyReader`): the text is gone, its bytes are
+                // strict base64's, whose length `validate` checks as it would the text's.
+                (fields.decoded, fields.predecoded) = (Some(bytes), true);
+                DataField::Base64(Cow::Borrowed(b""))
+            } else if s.peek() == Some(b'"') {
                 let st = match decode_up_to {
                     Some(max_bytes) => {
                         let (st, decoded) = read_decoding(s, max_bytes)?;
@@ -335,6 +343,20 @@ pub fn validate(mut fields: SidecarFields<'_>, max_bytes: usize) -> Result<Sidec
         None => return Err(Error::field("data", "a base64 string", "no `data` key")),
     };
     limits::check_shape(shape, dtype, max_bytes)?;
+    if fields.predecoded {
+        // The reader reads the whole text again for any error, so this one is never shown.
+        let (want, have) = (shape.nbytes(dtype)?, decoded.as_ref().map_or(0, |d| d.len()));
+        if want != have {
+            let want = format!("{want} bytes for shape {shape} of {dtype}");
+            return Err(Error::field("data", want, format!("{have} bytes")));
+        }
+        return Ok(SidecarText {
+            header: Header::new(start, shape, dtype)?,
+            data,
+            decoded,
+            data_base64: true,
+        });
+    }
     check_length(&data, shape, dtype, max_bytes, "data").map_err(|e| {
         match fields
             .dtype

@@ -10,7 +10,9 @@ use std::borrow::Cow;
 use std::mem::MaybeUninit;
 use std::ops::Range;
 
+use super::buffer::AlignedBytes;
 use super::runs::Base64Runs;
+use super::predecoded::Predecoded;
 use crate::error::{Error, ErrorKind, Result};
 use crate::kernels::b64::Streamed;
 
@@ -30,6 +32,8 @@ pub(crate) struct Scanner<'a> {
     /// scan them again.
     /// (A copy: a few ranges, so the walk's result borrows the body alone.)
     runs: Option<Base64Runs>,
+    /// Strings of `buf` held decoded by a reader of the body as it arrived (`with_predecoded`).
+    predecoded: Option<&'a Predecoded>,
 }
 
 /// Keys a caller reads only at places it walks itself: `matches` picks them out, `what` names
@@ -68,7 +72,29 @@ impl<'a> Scanner<'a> {
             path: Vec::new(),
             watched: None,
             runs: None,
+            predecoded: None,
         }
+    }
+
+    /// Take the strings a [`BodyReader`](crate::response::BodyReader) decoded as the body
+    /// arrived: [`Scanner::predecoded_string`] hands them out where their placeholders are.
+    pub(crate) fn with_predecoded(mut self, predecoded: Option<&'a Predecoded>) -> Self {
+        self.predecoded = predecoded;
+        self
+    }
+
+    /// The bytes of the decoded string whose placeholder is next, read past it; `None` (nothing
+    /// read) where the next value is not one.
+    pub(crate) fn predecoded_string(&mut self) -> Result<Option<AlignedBytes>> {
+        let Some(bytes) = self.predecoded.and_then(|p| p.at(self.pos)) else {
+            return Ok(None);
+        };
+        // A placeholder is a quote, a raw control byte (so no JSON text can be one), digits
+        // and a quote: stepped over, not read as JSON.
+        let close = memchr::memchr(b'"', &self.buf[self.pos + 1..])
+            .ok_or_else(|| self.error("a placeholder's closing quote"))?;
+        self.pos += close + 2;
+        Ok(Some(bytes))
     }
 
     /// Take the base64 runs found in `buf` as it arrived: `base64_text` ends a string whose run

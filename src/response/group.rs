@@ -42,7 +42,11 @@ pub struct GroupChoice {
 /// held whole. A choice without routing beside choices with it is `RowsLost`; a body without
 /// routing is an empty group.
 pub fn group_from_response(body: &[u8], hints: &Hints, max_bytes: usize) -> Result<Group> {
-    let found = read_body(body)?;
+    group_of(read_body(body)?, hints, max_bytes)
+}
+
+/// [`group_from_response`] of a body already walked.
+pub(crate) fn group_of(found: BodyRouting, hints: &Hints, max_bytes: usize) -> Result<Group> {
     if let Some(prompt) = found.prompt.as_ref().filter(|p| p.fields.is_some()) {
         return shared_answer(&found, prompt, hints, max_bytes);
     }

@@ -5,9 +5,10 @@
 //! `.npy` by copying its text, `npy_text`; decode's start derived from the body's counts when
 //! none is given, `decode_start`); and merging one event of a stream as it passes
 //! (`streaming`, with prefill's rows held decoded in `prefill_rows`). Beside them: a group read
-//! once (`group`), the shared-prompt answer (`shared_prompt`), and what a whole file handed to
-//! a tool is (`sniff`).
+//! once (`group`), or as its body arrives (`body_reader`), the shared-prompt answer
+//! (`shared_prompt`), and what a whole file handed to a tool is (`sniff`).
 
+mod body_reader;
 mod decode_start;
 mod group;
 mod merge;
@@ -23,6 +24,7 @@ mod streaming;
 mod streaming_tests;
 mod suspects;
 
+pub use body_reader::{BodyReader, DECODE_FROM};
 pub use group::{group_from_response, Group, GroupChoice};
 pub use merge::{merge_response, merge_response_found, merge_response_pieces};
 pub use options::MergeOptions;

@@ -277,6 +277,7 @@ fn in_text<'b>(f: &Found<'b>, hints: &Hints, max_bytes: usize) -> Option<Prefill
             extra_key: fields.extra_key.clone(),
             decoded: None,
             data_base64: fields.data_base64,
+            predecoded: false,
         };
         let header = sidecar::validate(fields, max_bytes).ok()?.header;
         check_hints(Format::Compact, &header, hints).ok()?;

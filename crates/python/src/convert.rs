@@ -208,6 +208,7 @@ fn dict_fields<'a>(
         extra_key,
         decoded: None,
         data_base64: false,
+        predecoded: false,
     })
 }
 
