@@ -9,8 +9,9 @@ packed into one batch, then each rank's share: context parallel x pipeline stage
 Three ways side by side, each in a fresh process so its peak memory is its own:
 
 - `library, engine answer`: the proxy's default answer (vLLM's `.npy` text, the prompt's rows
-  in every choice), read with `rx.group_from_response` (the prompt's rows held once, shared by
-  the choices' samples), packed with `rx.pack` (int32), shared out with `rx.shard` (in the
+  in every choice), fed to an `rx.BodyReader` as it arrives and read as a group (the prompt's
+  rows held once, shared by the choices' samples; the reader holds the compact sidecars' base64
+  decoded, the `.npy` text as text), packed with `rx.pack` (int32), shared out with `rx.shard` (in the
   process, and with `--ray` by trainer ranks that read the batch from Ray's object store, each
   only its share), and each rank's share written straight from the samples with
   `rx.pack_shard` into one reused buffer, no batch at all (`direct`);
@@ -102,17 +103,26 @@ def child(args: argparse.Namespace) -> None:
     if way == "library, shared answer":
         body["routed_experts_prompt_routing"] = "shared"
 
-    # Hop 1: the groups' answers over HTTP from the proxy.
-    base, began, answers = _resident(), time.perf_counter(), []
+    # Hop 1: the groups' answers over HTTP from the proxy: the glue takes each whole, the
+    # library feeds each chunk to a reader as it arrives (long base64 strings held decoded).
+    base, began, answers, readers, wire = _resident(), time.perf_counter(), [], [], 0
     with httpx.Client(timeout=600) as client:
         for g in range(args.groups):
-            reply = client.post(args.proxy + "/v1/completions",
-                                json={**body, "prompt": [g + 1, *prompt[1:]]})  # fmt: skip
-            if reply.status_code != 200:
-                raise SystemExit(f"{way}: {reply.status_code} {reply.text[:300]}")
-            answers.append(reply.content)
+            request = {**body, "prompt": [g + 1, *prompt[1:]]}
+            with client.stream("POST", args.proxy + "/v1/completions", json=request) as reply:
+                if reply.status_code != 200:
+                    raise SystemExit(f"{way}: {reply.status_code} {reply.read()[:300]!r}")
+                if way == "glue":
+                    answers.append(reply.read())
+                    wire += len(answers[-1])
+                    continue
+                reader = rx.BodyReader()
+                for chunk in reply.iter_raw(1 << 16):
+                    reader.feed(chunk)
+                    wire += len(chunk)
+                readers.append(reader)
     hops["wire"] = {"seconds": time.perf_counter() - began, "peak": _peak_above(base),
-                    "bytes": sum(len(a) for a in answers)}  # fmt: skip
+                    "bytes": wire}  # fmt: skip
 
     # Hop 2: the rollout side collects each choice's routing.
     began = time.perf_counter()
@@ -123,8 +133,9 @@ def child(args: argparse.Namespace) -> None:
                 raw = base64.b64decode(c["routed_experts"])
                 samples.append(np.load(io.BytesIO(raw), allow_pickle=False))
     else:  # each group once: its prompt's rows shared by its choices' samples
-        for a in answers:
-            samples.extend(rx.group_from_response(a))
+        for r in readers:
+            samples.extend(r.group())
+        readers.clear()
     hops["collect"] = {"seconds": time.perf_counter() - began, "peak": _peak_above(base)}
     answers.clear()
     # What the group holds: prompt rows once and each choice's own, in the engine's dtype.

@@ -18,6 +18,12 @@ P = rx.RoutedExperts.from_array(np.arange(12).reshape(6, 1, 2) % 7)
 BODY = b'{"choices":[{"index":0,"routed_experts":' + P.to_json() + b"}]}"
 
 
+def _fed() -> rx.BodyReader:
+    reader = rx.BodyReader()
+    reader.feed(BODY)
+    return reader
+
+
 def trajectory() -> rx.Trajectory:
     t = rx.Trajectory()
     t.append(P)
@@ -39,6 +45,11 @@ CALLS: list[tuple[str, str, Callable[[Any], Any]]] = [
     ("group_from_response", "num_layers", lambda v: rx.group_from_response(BODY, num_layers=v)),
     ("group_from_response", "top_k", lambda v: rx.group_from_response(BODY, top_k=v)),
     ("group_from_response", "max_bytes", lambda v: rx.group_from_response(BODY, max_bytes=v)),
+    ("BodyReader", "max_bytes", lambda v: rx.BodyReader(max_bytes=v)),
+    ("BodyReader.group", "start", lambda v: _fed().group(start=v)),
+    ("BodyReader.group", "num_layers", lambda v: _fed().group(num_layers=v)),
+    ("BodyReader.group", "top_k", lambda v: _fed().group(top_k=v)),
+    ("BodyReader.group", "max_bytes", lambda v: _fed().group(max_bytes=v)),
     ("merge_response", "start", lambda v: rx.merge_response(BODY, BODY, start=v)),
     ("merge_response", "decode_start", lambda v: rx.merge_response(BODY, BODY, decode_start=v)),
     ("merge_response", "num_layers", lambda v: rx.merge_response(BODY, BODY, num_layers=v)),
@@ -124,6 +135,9 @@ VALID: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {
     "expert_load": (rx.expert_load, {"routing": P, "num_experts": 8}),
     "from_response": (rx.from_response, {"body": BODY}),
     "group_from_response": (rx.group_from_response, {"body": BODY}),
+    "BodyReader": (rx.BodyReader, {}),
+    "BodyReader.feed": (lambda **kw: rx.BodyReader().feed(**kw), {"chunk": BODY}),
+    "BodyReader.group": (lambda **kw: _fed().group(**kw), {}),
     "merge": (rx.merge, {"prefill": P, "decode": P}),
     "merge_response": (rx.merge_response, {"prefill_body": BODY, "decode_body": BODY}),
     "pack": (rx.pack, {"samples": [P]}),
@@ -196,7 +210,7 @@ def test_the_sweep_covers_every_public_callable() -> None:
 SWEEP = [(name, arg) for name, obj in _public().items() if name in VALID for arg in _params(obj)]
 # Values of the right type whose content is read later (a stream's pieces), so a str is taken.
 TEXT_TAKEN = {("StreamMerger", "prefill_body"), ("StreamMerger.feed", "chunk"),
-              ("StreamMerger.line", "line")}
+              ("StreamMerger.line", "line"), ("BodyReader.feed", "chunk")}
 
 
 @pytest.mark.parametrize(("name", "arg"), SWEEP, ids=[f"{n}-{a}" for n, a in SWEEP])

@@ -13,6 +13,7 @@ __version__: str
 # re-exports it whole.
 __all__ = [
     "Agreement",
+    "BodyReader",
     "ConfigError",
     "ExpertLoad",
     "FORMATS",
@@ -254,6 +255,27 @@ def group_from_response(
     dtype: _DTypeLike | None = None,
     max_bytes: int | None = None,
 ) -> list[tuple[RoutedExperts, RoutedExperts] | tuple[RoutedExperts]]: ...
+@final
+class BodyReader:
+    """A response body read as it arrives: `feed` each chunk, then `group()` reads it as
+    `group_from_response` reads the whole body, each long base64 `data` string held decoded."""
+
+    def __new__(cls, *, max_bytes: int | None = None) -> BodyReader: ...
+    def feed(self, chunk: bytes | bytearray | memoryview | str) -> None: ...
+    def group(
+        self,
+        *,
+        start: int | None = None,
+        num_layers: int | None = None,
+        top_k: int | None = None,
+        dtype: _DTypeLike | None = None,
+        max_bytes: int | None = None,
+    ) -> list[tuple[RoutedExperts, RoutedExperts] | tuple[RoutedExperts]]: ...
+    @property
+    def text_bytes(self) -> int: ...
+    @property
+    def decoded_bytes(self) -> int: ...
+
 def merge_response(
     prefill_body: _Body,
     decode_body: _Body,

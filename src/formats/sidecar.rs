@@ -345,7 +345,10 @@ pub fn validate(mut fields: SidecarFields<'_>, max_bytes: usize) -> Result<Sidec
     limits::check_shape(shape, dtype, max_bytes)?;
     if fields.predecoded {
         // The reader reads the whole text again for any error, so this one is never shown.
-        let (want, have) = (shape.nbytes(dtype)?, decoded.as_ref().map_or(0, |d| d.len()));
+        let (want, have) = (
+            shape.nbytes(dtype)?,
+            decoded.as_ref().map_or(0, |d| d.len()),
+        );
         if want != have {
             let want = format!("{want} bytes for shape {shape} of {dtype}");
             return Err(Error::field("data", want, format!("{have} bytes")));

@@ -11,8 +11,8 @@ use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use super::buffer::AlignedBytes;
-use super::runs::Base64Runs;
 use super::predecoded::Predecoded;
+use super::runs::Base64Runs;
 use crate::error::{Error, ErrorKind, Result};
 use crate::kernels::b64::Streamed;
 

@@ -186,9 +186,11 @@ impl BodyReader {
         // A candidate is looked at no later than at `decode_from` characters, however large the
         // chunk.
         let window = match candidate && !escaped {
-            true => chunk
-                .len()
-                .min((start + self.decode_from).saturating_sub(self.skeleton.len()).max(1)),
+            true => chunk.len().min(
+                (start + self.decode_from)
+                    .saturating_sub(self.skeleton.len())
+                    .max(1),
+            ),
             false => chunk.len(),
         };
         let mut i = 0;
@@ -266,9 +268,16 @@ impl BodyReader {
     ) -> &'c [u8] {
         let quote = memchr::memchr(b'"', chunk);
         let segment = &chunk[..quote.unwrap_or(chunk.len())];
-        if !push(&mut out, &mut tail, segment, quote.is_some(), self.max_bytes) {
+        if !push(
+            &mut out,
+            &mut tail,
+            segment,
+            quote.is_some(),
+            self.max_bytes,
+        ) {
             // Whole quanta without padding re-encode to the characters they came from.
-            self.skeleton.extend_from_slice(&b64::encode(out.as_bytes()));
+            self.skeleton
+                .extend_from_slice(&b64::encode(out.as_bytes()));
             self.skeleton.extend_from_slice(&tail);
             self.lex = Lex::Text {
                 start,
@@ -298,7 +307,10 @@ impl BodyReader {
         out.as_bytes().hash(&mut h);
         let key = (out.len(), h.finish());
         let ids = self.by_content.entry(key).or_default();
-        let id = match ids.iter().find(|&&i| self.ids[i].as_bytes() == out.as_bytes()) {
+        let id = match ids
+            .iter()
+            .find(|&&i| self.ids[i].as_bytes() == out.as_bytes())
+        {
             Some(&i) => i,
             None => {
                 self.ids.push(Arc::new(out));
@@ -308,8 +320,7 @@ impl BodyReader {
         };
         self.predecoded.insert(start - 1, self.ids[id].clone());
         self.skeleton.push(MARK);
-        self.skeleton
-            .extend_from_slice(id.to_string().as_bytes());
+        self.skeleton.extend_from_slice(id.to_string().as_bytes());
         self.skeleton.push(b'"');
     }
 
@@ -338,7 +349,8 @@ impl BodyReader {
             std::mem::replace(&mut self.lex, Lex::Between { key: DataKey::None })
         {
             self.skeleton.truncate(start);
-            self.skeleton.extend_from_slice(&b64::encode(out.as_bytes()));
+            self.skeleton
+                .extend_from_slice(&b64::encode(out.as_bytes()));
             self.skeleton.extend_from_slice(&tail);
         }
         let at = self.predecoded.in_order();
@@ -429,7 +441,11 @@ fn push_text(
 /// Decode whole quanta without padding (every character of the alphabet, else `false`).
 fn whole_quanta(out: &mut AlignedBytes, text: &[u8], max_bytes: usize) -> bool {
     let n = text.len() / 4 * 3;
-    if out.len().checked_add(n).is_none_or(|total| total > max_bytes) {
+    if out
+        .len()
+        .checked_add(n)
+        .is_none_or(|total| total > max_bytes)
+    {
         return false;
     }
     let before = out.len();

@@ -49,7 +49,7 @@ pub fn merge(
     Ok(RoutedExperts::new(py.detach(|| core_merge::merge(&p, &d))?))
 }
 
-fn hints(
+pub(crate) fn hints(
     start: Option<u64>,
     num_layers: Option<usize>,
     top_k: Option<usize>,
@@ -122,7 +122,16 @@ pub fn group_from_response<'py>(
     let text = convert::body_arg(body, "body")?;
     let hints = hints(start, num_layers, top_k, dtype)?;
     let limit = max_bytes.unwrap_or_else(crate::limits::max_bytes);
-    let mut group = py.detach(|| response::group_from_response(&text, &hints, limit))?;
+    let group = py.detach(|| response::group_from_response(&text, &hints, limit))?;
+    group_samples(py, group)
+}
+
+/// A group as `pack`'s samples, ordered by choice index: (shared, own) or (whole,) tuples, the
+/// shared rows one object in every tuple.
+pub(crate) fn group_samples(
+    py: Python<'_>,
+    mut group: response::Group,
+) -> PyResult<Vec<Bound<'_, PyTuple>>> {
     group.choices.sort_by_key(|c| c.index);
     let shared = group
         .shared

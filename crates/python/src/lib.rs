@@ -9,6 +9,7 @@
 // PyO3's generated wrappers are the documentation Python sees (`__doc__`), not rustdoc.
 #![allow(missing_docs)]
 
+pub mod body_reader;
 pub mod bytes_out;
 pub mod convert;
 pub mod errors;
@@ -25,6 +26,8 @@ pub mod trajectory;
 mod _core {
     use pyo3::prelude::*;
 
+    #[pymodule_export]
+    use crate::body_reader::BodyReader;
     #[pymodule_export]
     use crate::errors::{ConfigError, MergeError, PayloadError, RoutedExpertsError};
     #[pymodule_export]

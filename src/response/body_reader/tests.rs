@@ -97,7 +97,10 @@ fn decoded_rows_are_views_of_the_readers_bytes() {
     let mut r = BodyReader::decoding_from(16, DEFAULT_MAX_BYTES);
     r.feed(&answer);
     let g = r.group(&Hints::default(), DEFAULT_MAX_BYTES).unwrap();
-    assert!(g.shared.unwrap().into_data().is_shared(), "no copy of the prompt's rows");
+    assert!(
+        g.shared.unwrap().into_data().is_shared(),
+        "no copy of the prompt's rows"
+    );
 }
 
 #[test]
@@ -195,10 +198,11 @@ fn random_bodies_and_mutations_read_as_the_whole_body() {
             let at = next() as usize % b.len();
             b[at] = b"AZaz09+/=\"\\ {}[],:x\x01"[next() as usize % 20];
         }
-        let mut cuts: Vec<usize> = (0..(next() % 6)).map(|_| next() as usize % b.len()).collect();
+        let mut cuts: Vec<usize> = (0..(next() % 6))
+            .map(|_| next() as usize % b.len())
+            .collect();
         cuts.sort_unstable();
         let (_, got) = read_in(&b, &cuts, 4 + next() as usize % 40);
         same_as_whole(&b, &got);
     }
 }
-
