@@ -10,9 +10,9 @@ Three ways side by side, each in a fresh process so its peak memory is its own:
 
 - `library, engine answer`: the proxy's default answer (vLLM's `.npy` text, the prompt's rows
   in every choice), fed to an `rx.BodyReader` as it arrives and read as a group (the prompt's
-  rows held once, shared by the choices' samples; the reader holds the compact sidecars' base64
-  decoded, the `.npy` text as text), packed with `rx.pack` (int32), shared out with `rx.shard` (in the
-  process, and with `--ray` by trainer ranks that read the batch from Ray's object store, each
+  rows held once, shared by the choices' samples; the reader holds compact sidecars' base64
+  decoded, `.npy` text as text), packed with `rx.pack` (int32), shared out with `rx.shard` (in
+  the process, and with `--ray` by trainer ranks that read the batch from Ray's object store, each
   only its share), and each rank's share written straight from the samples with
   `rx.pack_shard` into one reused buffer, no batch at all (`direct`);
 - `library, shared answer`: the same with `"routed_experts_prompt_routing": "shared"` (the
@@ -369,9 +369,10 @@ def main() -> None:
 
 def _check(rows: list[dict[str, Any]]) -> list[str]:
     """What CI holds a short round to: every way ran every hop (a failed request or read
-    stops the run before this), the shared answer is smaller on the wire than the engine's,
-    and the proxy's peak stays within its idle size and a few times one choice's answer (it
-    never holds a group's answer), and within twice the group's rows above its idle size.
+    stops the run before this), the shared answer is smaller on the wire than the engine's and
+    held by the rollout at about its rows' size, and the proxy's peak stays within its idle
+    size and a few times one choice's answer (it never holds a group's answer), and within
+    twice the group's rows above its idle size.
     Speed is reported, not asserted."""
     failures = []
     for model in dict.fromkeys(r["model"] for r in rows):
@@ -379,6 +380,13 @@ def _check(rows: list[dict[str, Any]]) -> list[str]:
         engine, shared = by[WAYS[0]], by[WAYS[1]]
         if shared["hops"]["wire"]["bytes"] >= engine["hops"]["wire"]["bytes"]:
             failures.append(f"{model}: the shared answer is not smaller on the wire")
+        # Read as it arrives, the shared answer is held as its rows (1.0x), not its text and its
+        # rows (2.3x and more): 1.52-2.28x here with 5 MB of fixed cost (BENCHMARKS.md), so
+        # 1.2x and 8 MB is a bound the old read would fail at Kimi K2.
+        held = shared["hops"]["collect"]["peak"]
+        if held > 1.2 * shared["information"] + (8 << 20):
+            failures.append(f"{model}: the rollout held {_mb(held)} MB for a shared answer of "
+                            f"{_mb(shared['information'])} MB of rows")
         # One choice's answer is about the prompt's rows once, which the proxy holds (as the
         # prefill body), with its idle size beside it; n choices' worth is what it never holds.
         one_choice = engine["hops"]["wire"]["bytes"] / engine["choices"]

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_group import PATHS, choice_truth, decode_body, npy_body
-from test_group import group_stack  # noqa: F401 (the proxy stack the last test reads from)
+from test_group import decode_body, npy_body
 
 import routed_experts as rx
 from routed_experts.stand_in_engine import routing_of
@@ -104,33 +102,17 @@ def test_a_shared_answer_is_held_as_its_rows() -> None:
 
 def test_a_reader_reads_one_body_and_names_what_it_was_given() -> None:
     reader = rx.BodyReader()
-    with pytest.raises(rx.PayloadError, match="`chunk`: expected a piece of the body: bytes, bytearray, memoryview or str, got an int"):
+    said = "`chunk`: expected a piece of the body: bytes, bytearray, memoryview or str, got an int"
+    with pytest.raises(rx.PayloadError, match=said):
         reader.feed(5)  # type: ignore[arg-type]
     reader.feed(b'{"choices": [{"index": 0, "text": "x"}]}')
     assert reader.group() == []
     for again in (reader.group, lambda: reader.feed(b"{}"), lambda: reader.text_bytes):
-        with pytest.raises(rx.PayloadError, match="`BodyReader`: expected a reader not yet read .* got one whose group"):
+        spent = "`BodyReader`: expected a reader not yet read .* got one whose group"
+        with pytest.raises(rx.PayloadError, match=spent):
             again()
     with pytest.raises(rx.PayloadError, match="invalid JSON"):
         r = rx.BodyReader()
         r.feed(b'{"choices": [')
         r.group()
-
-
-def test_the_proxys_answer_read_from_the_socket(group_stack: dict[str, Any]) -> None:
-    # A prompt whose rows' text passes 4,096 characters, so the reader holds it decoded.
-    body = {"model": "moe", "prompt": [(i * 37) % 251 + 1 for i in range(2000)], "n": 6,
-            "max_tokens": 5, "routed_experts_prompt_routing": "shared"}  # fmt: skip
-    reader = rx.BodyReader()
-    with httpx.stream("POST", group_stack["url"] + PATHS["completions"], json=body,
-                      timeout=30) as reply:  # fmt: skip
-        assert reply.status_code == 200
-        for chunk in reply.iter_raw(4096):
-            reader.feed(chunk)
-    assert reader.decoded_bytes > 0
-    group = reader.group()
-    assert len(group) == 6 and all(s[0] is group[0][0] for s in group)
-    for i, (prompt_rows, own) in enumerate(group):
-        np.testing.assert_array_equal(
-            np.concatenate([prompt_rows.array, own.array]), choice_truth(body, i))
 

@@ -265,3 +265,22 @@ def test_the_proxys_answers_read_as_one_group(group_stack: dict[str, Any]) -> No
     for i, (prompt_rows, own) in enumerate(group):
         np.testing.assert_array_equal(
             np.concatenate([prompt_rows.array, own.array]), choice_truth(body, i))
+
+
+def test_the_proxys_answer_read_from_the_socket(group_stack: dict[str, Any]) -> None:
+    # A prompt whose rows' text passes 4,096 characters, so the reader holds it decoded.
+    body = {"model": "moe", "prompt": [(i * 37) % 251 + 1 for i in range(2000)], "n": 6,
+            "max_tokens": 5, "routed_experts_prompt_routing": "shared"}  # fmt: skip
+    reader = rx.BodyReader()  # read as the socket gives it (format.md §4.1)
+    with httpx.stream("POST", group_stack["url"] + PATHS["completions"], json=body,
+                      timeout=30) as reply:  # fmt: skip
+        assert reply.status_code == 200
+        for chunk in reply.iter_raw(4096):
+            reader.feed(chunk)
+    assert reader.decoded_bytes > 0
+    group = reader.group()
+    assert len(group) == 6 and all(s[0] is group[0][0] for s in group)
+    for i, (prompt_rows, own) in enumerate(group):
+        np.testing.assert_array_equal(
+            np.concatenate([prompt_rows.array, own.array]), choice_truth(body, i))
+
