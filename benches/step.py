@@ -53,6 +53,10 @@ def _status_kb(field: str, pid: str = "self") -> int:
 
 
 def _resident() -> int:
+    """This process's resident size now, its peak so far reset to it (Linux's `clear_refs` 5),
+    so that a peak read later is of what came after, not of imports and set-up before."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     return _status_kb("VmRSS") * 1024
 
 
@@ -105,8 +109,12 @@ def child(args: argparse.Namespace) -> None:
 
     # Hop 1: the groups' answers over HTTP from the proxy: the glue takes each whole, the
     # library feeds each chunk to a reader as it arrives (long base64 strings held decoded).
-    base, began, answers, readers, wire = _resident(), time.perf_counter(), [], [], 0
+    # The client's first request (its connection, the modules it loads) comes before the base:
+    # the peaks are of the groups, not of an HTTP client's set-up.
     with httpx.Client(timeout=600) as client:
+        client.get(args.proxy + "/health").raise_for_status()
+        base, began, answers, readers = _resident(), time.perf_counter(), [], []
+        wire, feeding = 0, 0.0  # bytes, and seconds inside `BodyReader.feed`
         for g in range(args.groups):
             request = {**body, "prompt": [g + 1, *prompt[1:]]}
             with client.stream("POST", args.proxy + "/v1/completions", json=request) as reply:
@@ -118,11 +126,13 @@ def child(args: argparse.Namespace) -> None:
                     continue
                 reader = rx.BodyReader()
                 for chunk in reply.iter_raw(1 << 16):
+                    fed = time.perf_counter()
                     reader.feed(chunk)
+                    feeding += time.perf_counter() - fed
                     wire += len(chunk)
                 readers.append(reader)
     hops["wire"] = {"seconds": time.perf_counter() - began, "peak": _peak_above(base),
-                    "bytes": wire}  # fmt: skip
+                    "bytes": wire, "feed_seconds": feeding}  # fmt: skip
 
     # Hop 2: the rollout side collects each choice's routing.
     began = time.perf_counter()
@@ -310,7 +320,8 @@ def _line(row: dict[str, Any], args: argparse.Namespace) -> str:
     h = row["hops"]
     return (
         f"{row['model']:16} {row['way']:24} wire {_mb(h['wire']['bytes']):>8} MB "
-        f"{h['wire']['seconds']:6.2f} s | collect {h['collect']['seconds']:5.2f} s, rollout "
+        f"{h['wire']['seconds']:6.2f} s (fed {h['wire'].get('feed_seconds', 0):4.2f} s) | "
+        f"collect {h['collect']['seconds']:5.2f} s, rollout "
         f"peak {_mb(h['collect']['peak']):>7} MB (information {_mb(row['information'])} MB) | "
         f"pack {h['pack']['seconds']:5.2f} s {_mb(h['pack']['bytes']):>8} MB | shard "
         f"x{h['shard']['ranks']} {h['shard']['seconds']:5.2f} s | step peak "

@@ -4,6 +4,7 @@ long base64 `data` string held decoded, never as text and rows at once."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -64,11 +65,15 @@ def same(got: Any, body: bytes, **kw: Any) -> None:
     shared=st.booleans(),
     compact=st.booleans(),
     cuts=st.lists(st.integers(0, 10**6), max_size=8),
+    pretty=st.booleans(),
 )
 def test_a_body_fed_in_any_chunks_reads_as_the_whole_body(
-    prompt: int, generated: int, n: int, shared: bool, compact: bool, cuts: list[int]
+    prompt: int, generated: int, n: int, shared: bool, compact: bool, cuts: list[int],
+    pretty: bool,
 ) -> None:
     body = answer(prompt, generated, n, shared, compact)
+    if pretty:  # white space about every value, as json.dumps(indent=...) writes it
+        body = json.dumps(json.loads(body), indent=1).encode()
     _, got = read(body, [c % (len(body) + 1) for c in cuts])
     same(got, body)
 

@@ -86,7 +86,11 @@ impl<'a> Scanner<'a> {
     /// The bytes of the decoded string whose placeholder is next, read past it; `None` (nothing
     /// read) where the next value is not one.
     pub(crate) fn predecoded_string(&mut self) -> Result<Option<AlignedBytes>> {
-        let Some(bytes) = self.predecoded.and_then(|p| p.at(self.pos)) else {
+        let Some(predecoded) = self.predecoded else {
+            return Ok(None);
+        };
+        self.ws(); // the quote a placeholder is found by comes after any white space
+        let Some(bytes) = predecoded.at(self.pos) else {
             return Ok(None);
         };
         // A placeholder is a quote, a raw control byte (so no JSON text can be one), digits
