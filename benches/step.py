@@ -391,9 +391,9 @@ def _check(rows: list[dict[str, Any]]) -> list[str]:
         engine, shared = by[WAYS[0]], by[WAYS[1]]
         if shared["hops"]["wire"]["bytes"] >= engine["hops"]["wire"]["bytes"]:
             failures.append(f"{model}: the shared answer is not smaller on the wire")
-        # Read as it arrives, the shared answer is held as its rows (1.0x), not its text and its
-        # rows (2.3x and more): 1.52-2.28x here with 5 MB of fixed cost (BENCHMARKS.md), so
-        # 1.2x and 8 MB is a bound the old read would fail at Kimi K2.
+        # Read as it arrives, the shared answer is held as its rows (1.0x), not as its text and
+        # its rows (2.3x and more): here 1.29-1.79x, about 3 MB of it fixed (BENCHMARKS.md);
+        # 1.2x and 8 MB is a generous bound that reading the whole text would fail.
         held = shared["hops"]["collect"]["peak"]
         if held > 1.2 * shared["information"] + (8 << 20):
             failures.append(f"{model}: the rollout held {_mb(held)} MB for a shared answer of "
