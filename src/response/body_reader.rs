@@ -11,7 +11,7 @@
 //! included.
 
 use std::collections::HashMap;
-use std::hash::{DefaultHasher, Hash, Hasher};
+use std::hash::{BuildHasher, RandomState};
 use std::mem::MaybeUninit;
 use std::sync::Arc;
 
@@ -76,9 +76,11 @@ pub struct BodyReader {
     skeleton: Vec<u8>,
     predecoded: Predecoded,
     /// The placeholders' ids by (length, hash) of their bytes: equal strings share one
-    /// placeholder, so values that are the same text stay the same text.
+    /// placeholder, so values that are the same text stay the same text. The hash is keyed at
+    /// random, so no body can be made of strings that all collide.
     by_content: HashMap<(usize, u64), Vec<usize>>,
-    /// Each placeholder id's bytes and the offsets its placeholders are at.
+    hasher: RandomState,
+    /// Each placeholder id's bytes.
     ids: Vec<Arc<AlignedBytes>>,
     lex: Lex,
     /// A `data` string kept as text starts with [`MARK`]: the skeleton is not read.
@@ -101,6 +103,7 @@ impl BodyReader {
             skeleton: Vec::new(),
             predecoded: Predecoded::default(),
             by_content: HashMap::new(),
+            hasher: RandomState::new(),
             ids: Vec::new(),
             lex: Lex::Between { key: DataKey::None },
             marked_text: false,
@@ -303,9 +306,7 @@ impl BodyReader {
     /// Write the placeholder of a decoded string (its opening quote at `start - 1`) and close
     /// it; equal bytes share an id, so equal texts stay equal.
     fn placeholder(&mut self, start: usize, out: AlignedBytes) {
-        let mut h = DefaultHasher::new();
-        out.as_bytes().hash(&mut h);
-        let key = (out.len(), h.finish());
+        let key = (out.len(), self.hasher.hash_one(out.as_bytes()));
         let ids = self.by_content.entry(key).or_default();
         let id = match ids
             .iter()
@@ -358,8 +359,9 @@ impl BodyReader {
         let mut from = 0;
         for (quote, bytes) in at {
             let content = quote + 1;
-            let end = content
-                + memchr::memchr(b'"', &self.skeleton[content..]).expect("a placeholder is closed");
+            // `placeholder` closes every one it writes.
+            let end = memchr::memchr(b'"', &self.skeleton[content..])
+                .map_or(self.skeleton.len(), |n| content + n);
             whole.extend_from_slice(&self.skeleton[from..content]);
             whole.extend_from_slice(&b64::encode(bytes.as_bytes()));
             from = end;
@@ -397,7 +399,11 @@ fn push_text(
     max_bytes: usize,
 ) -> bool {
     if !tail.is_empty() {
-        let take = (4 - tail.len() % 4).min(segment.len()) % 4;
+        // A part quantum is completed; a whole one (padding held back) takes nothing.
+        let take = match tail.len() % 4 {
+            0 => 0,
+            part => (4 - part).min(segment.len()),
+        };
         tail.extend_from_slice(&segment[..take]);
         segment = &segment[take..];
         if tail.len() % 4 != 0 {
