@@ -20,16 +20,19 @@ pub struct BodyReader {
     inner: Option<response::BodyReader>,
 }
 
+/// The error for a reader whose group was read.
+fn spent() -> crate::errors::Failure {
+    routed_experts::Error::field(
+        "BodyReader",
+        "a reader not yet read (a reader reads one body)",
+        "one whose group() was read",
+    )
+    .into()
+}
+
 impl BodyReader {
     fn unread(&mut self) -> PyResult<&mut response::BodyReader> {
-        self.inner.as_mut().ok_or_else(|| {
-            routed_experts::Error::field(
-                "BodyReader",
-                "a reader not yet read (a reader reads one body)",
-                "one whose group() was read",
-            )
-            .into()
-        })
+        self.inner.as_mut().ok_or_else(spent)
     }
 }
 
@@ -79,8 +82,7 @@ impl BodyReader {
     ) -> PyResult<Vec<Bound<'py, PyTuple>>> {
         let hints = hints(start, num_layers, top_k, dtype)?;
         let limit = max_bytes.unwrap_or_else(crate::limits::max_bytes);
-        self.unread()?;
-        let reader = self.inner.take().expect("checked just above");
+        let reader = self.inner.take().ok_or_else(spent)?;
         let group = py.detach(|| reader.group(&hints, limit))?;
         group_samples(py, group)
     }
