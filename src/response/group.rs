@@ -165,7 +165,7 @@ fn check_every_choice(found: &BodyRouting, group: &Group) -> Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::formats::{encode_json, Format};
     use crate::limits::DEFAULT_MAX_BYTES;
@@ -186,19 +186,43 @@ mod tests {
         Payload::from_values(&values, shape, start, DTypeChoice::Compact).unwrap()
     }
 
-    fn body(values: &[Payload], format: Format, prompt: Option<u64>) -> Vec<u8> {
+    /// A body of one choice per value, in `format`, stating `prompt` when given (each choice's
+    /// text holds an escaped quote, for readers that lex it).
+    pub(in crate::response) fn body(
+        values: &[Payload],
+        format: Format,
+        prompt: Option<u64>,
+    ) -> Vec<u8> {
         let choices: Vec<String> = values
             .iter()
             .enumerate()
             .map(|(i, p)| {
                 let v = String::from_utf8(encode_json(p, format).unwrap()).unwrap();
-                format!(r#"{{"index":{i},"routed_experts":{v}}}"#)
+                format!(r#"{{"index":{i},"text":"a\"b","routed_experts":{v}}}"#)
             })
             .collect();
         let usage = prompt.map_or(String::new(), |p| {
             format!(r#","usage":{{"prompt_tokens":{p}}}"#)
         });
-        format!(r#"{{"choices":[{}]{usage}}}"#, choices.join(",")).into_bytes()
+        format!(r#"{{"id":"x","choices":[{}]{usage}}}"#, choices.join(",")).into_bytes()
+    }
+
+    /// The shared-prompt answer of `n` choices over `prompt` tokens, 3 generated each, their
+    /// rows made by `rows(start, stop, prompt, choice)`.
+    pub(in crate::response) fn shared_answer(
+        rows: fn(u64, u64, u64, u64) -> Payload,
+        prompt: u64,
+        n: u64,
+    ) -> Vec<u8> {
+        let prefill = body(&[rows(0, prompt, prompt, 0)], Format::Compact, Some(prompt));
+        let decode: Vec<Payload> = (0..n)
+            .map(|c| rows(prompt - 1, prompt + 3, prompt, c))
+            .collect();
+        let opts = MergeOptions {
+            shared_prompt: true,
+            ..MergeOptions::new(DEFAULT_MAX_BYTES)
+        };
+        merge_response(&prefill, &body(&decode, Format::Compact, None), opts).unwrap()
     }
 
     /// The group packed from its parts equals the choices packed whole (from_response).
@@ -249,15 +273,7 @@ mod tests {
             packs_as_whole(&engine, &g);
         }
         // The shared-prompt answer of the same group.
-        let prefill = body(&[rows(0, prompt, prompt, 0)], Format::Compact, Some(prompt));
-        let decode: Vec<Payload> = (0..n)
-            .map(|c| rows(prompt - 1, prompt + 3, prompt, c))
-            .collect();
-        let opts = MergeOptions {
-            shared_prompt: true,
-            ..MergeOptions::new(DEFAULT_MAX_BYTES)
-        };
-        let answer = merge_response(&prefill, &body(&decode, Format::Compact, None), opts).unwrap();
+        let answer = shared_answer(rows, prompt, n);
         let g = group_from_response(&answer, &Hints::default(), DEFAULT_MAX_BYTES).unwrap();
         assert_eq!(g.shared.as_ref().map(Payload::stop), Some(prompt));
         assert_eq!(g.choices.len(), n as usize);

@@ -2,7 +2,7 @@ use super::*;
 use crate::formats::{encode_json, Format};
 use crate::limits::DEFAULT_MAX_BYTES;
 use crate::payload::{DTypeChoice, Payload, Shape};
-use crate::response::{merge_response, MergeOptions};
+use crate::response::group::tests::{self as group_tests, body};
 use crate::test_rng::xorshift;
 
 /// Rows `[start, stop)` of 3 layers, top 2: alike in every choice before `prompt`.
@@ -17,32 +17,9 @@ fn rows(start: u64, stop: u64, prompt: u64, choice: u64) -> Payload {
     Payload::from_values(&values, shape, start, DTypeChoice::Compact).unwrap()
 }
 
-fn body(values: &[Payload], format: Format, prompt: Option<u64>) -> Vec<u8> {
-    let choices: Vec<String> = values
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            let v = String::from_utf8(encode_json(p, format).unwrap()).unwrap();
-            format!(r#"{{"index":{i},"text":"a\"b","routed_experts":{v}}}"#)
-        })
-        .collect();
-    let usage = prompt.map_or(String::new(), |p| {
-        format!(r#","usage":{{"prompt_tokens":{p}}}"#)
-    });
-    format!(r#"{{"id":"x","choices":[{}]{usage}}}"#, choices.join(",")).into_bytes()
-}
-
 /// A shared-prompt answer of `n` choices over `prompt` tokens, 3 generated each.
 fn shared_answer(prompt: u64, n: u64) -> Vec<u8> {
-    let prefill = body(&[rows(0, prompt, prompt, 0)], Format::Compact, Some(prompt));
-    let decode: Vec<Payload> = (0..n)
-        .map(|c| rows(prompt - 1, prompt + 3, prompt, c))
-        .collect();
-    let opts = MergeOptions {
-        shared_prompt: true,
-        ..MergeOptions::new(DEFAULT_MAX_BYTES)
-    };
-    merge_response(&prefill, &body(&decode, Format::Compact, None), opts).unwrap()
+    group_tests::shared_answer(rows, prompt, n)
 }
 
 /// `body` fed in chunks cut at `cuts`, read as a group; what the reader held before (text,
