@@ -326,8 +326,6 @@ pub fn merge_response(data: &[u8]) {
     }
 }
 
-/// A group read once (`group_from_response`): each choice's parts join to what
-/// `from_response` reads of it, wherever both read the body.
 /// A body fed to a `BodyReader` in pieces of a size the flags choose, its `data` strings
 /// decoded from a few characters on: the group `group_from_response` reads, or its error.
 fn read_as_it_arrives(body: &[u8], flags: u8) {
@@ -340,22 +338,11 @@ fn read_as_it_arrives(body: &[u8], flags: u8) {
     assert!(reader.text_bytes() + reader.decoded_bytes() <= body.len() * 3 / 2 + 64);
     let got = reader.group(&hints(flags), LIMIT);
     let want = response::group_from_response(body, &hints(flags), LIMIT);
-    match (&got, &want) {
-        (Ok(a), Ok(b)) => {
-            assert_eq!(a.shared, b.shared, "the reader's shared rows differ");
-            let parts = |g: &response::Group| -> Vec<_> {
-                g.choices
-                    .iter()
-                    .map(|c| (c.index, c.shares, c.own.clone()))
-                    .collect()
-            };
-            assert_eq!(parts(a), parts(b), "the reader's choices differ");
-        }
-        (Err(a), Err(b)) => assert_eq!(format!("{a:?}"), format!("{b:?}"), "different errors"),
-        _ => panic!("the reader read {got:?}, the whole body {want:?}"),
-    }
+    same_outcome(got, want, "the body read as it arrived");
 }
 
+/// A group read once (`group_from_response`): each choice's parts join to what
+/// `from_response` reads of it, wherever both read the body.
 fn group_reads_as_its_choices(body: &[u8], flags: u8) {
     let Ok(group) = response::group_from_response(body, &hints(flags), LIMIT) else {
         return;

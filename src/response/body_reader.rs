@@ -188,7 +188,8 @@ impl BodyReader {
     ) -> &'c [u8] {
         // A candidate is looked at no later than at `decode_from` characters, however large the
         // chunk.
-        let window = match candidate && !escaped {
+        let plain = candidate && !escaped;
+        let window = match plain {
             true => chunk.len().min(
                 (start + self.decode_from)
                     .saturating_sub(self.skeleton.len())
@@ -232,13 +233,17 @@ impl BodyReader {
             return &chunk[q + 1..];
         }
         let rest = &chunk[upto..];
-        if candidate && !escaped && self.skeleton.len() - start >= self.decode_from {
+        // Still a candidate while plain text (no escape, in this chunk either) short of
+        // `decode_from`; at it, decoded from here or never.
+        let long = self.skeleton.len() - start >= self.decode_from;
+        let plain = candidate && !escaped;
+        if plain && long {
             if let Some(lex) = self.begin_decoding(start) {
                 self.lex = lex;
                 return rest;
             }
         }
-        let candidate = candidate && !escaped && self.skeleton.len() - start < self.decode_from;
+        let candidate = plain && !long;
         self.lex = Lex::Text {
             start,
             candidate,
@@ -278,10 +283,7 @@ impl BodyReader {
             quote.is_some(),
             self.max_bytes,
         ) {
-            // Whole quanta without padding re-encode to the characters they came from.
-            self.skeleton
-                .extend_from_slice(&b64::encode(out.as_bytes()));
-            self.skeleton.extend_from_slice(&tail);
+            self.back_to_text(start, &out, &tail);
             self.lex = Lex::Text {
                 start,
                 candidate: false,
@@ -301,6 +303,16 @@ impl BodyReader {
                 &chunk[q + 1..]
             }
         }
+    }
+
+    /// The text of a string being decoded, from its content's `start`, back as it was sent:
+    /// whole quanta without padding (all `out` holds) re-encode to the characters they came
+    /// from, and `tail` is characters not yet decoded.
+    fn back_to_text(&mut self, start: usize, out: &AlignedBytes, tail: &[u8]) {
+        self.skeleton.truncate(start);
+        self.skeleton
+            .extend_from_slice(&b64::encode(out.as_bytes()));
+        self.skeleton.extend_from_slice(tail);
     }
 
     /// Write the placeholder of a decoded string (its opening quote at `start - 1`) and close
@@ -349,10 +361,7 @@ impl BodyReader {
         if let Lex::Base64 { start, out, tail } =
             std::mem::replace(&mut self.lex, Lex::Between { key: DataKey::None })
         {
-            self.skeleton.truncate(start);
-            self.skeleton
-                .extend_from_slice(&b64::encode(out.as_bytes()));
-            self.skeleton.extend_from_slice(&tail);
+            self.back_to_text(start, &out, &tail);
         }
         let at = self.predecoded.in_order();
         let mut whole = Vec::with_capacity(self.skeleton.len());
@@ -454,17 +463,12 @@ fn whole_quanta(out: &mut AlignedBytes, text: &[u8], max_bytes: usize) -> bool {
     {
         return false;
     }
-    let before = out.len();
     let dst = out.grow(n);
     // SAFETY: `u8` and `MaybeUninit<u8>` have one layout, and the decoder writes only bytes.
     let dst = unsafe { &mut *(std::ptr::from_mut::<[u8]>(dst) as *mut [MaybeUninit<u8>]) };
     // The decoder skips white space and stops at padding: a count short of 3 per 4 characters
-    // says the text was not all alphabet.
-    let ok = b64::decode_piece(text, dst) == Some(n);
-    if !ok {
-        out.truncate(before);
-    }
-    ok
+    // says the text was not all alphabet (`push` then takes back what was grown).
+    b64::decode_piece(text, dst) == Some(n)
 }
 
 /// Decode a string's last quantum, padding allowed, when it is canonical (it re-encodes to

@@ -13,7 +13,7 @@ use crate::payload::Payload;
 use super::read::decode_found;
 
 /// A response body's choices as parts: what they share, and what is each one's own.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, PartialEq)]
 pub struct Group {
     /// The rows the choices that share them hold in common: the prompt's (a shared-prompt
     /// answer's `prompt_routed_experts`, or, in an answer whose choices each hold their whole
@@ -24,7 +24,7 @@ pub struct Group {
 }
 
 /// One choice of a [`Group`].
-#[derive(Debug)]
+#[derive(Debug, PartialEq)]
 pub struct GroupChoice {
     /// The choice's index.
     pub index: u64,
