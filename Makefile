@@ -107,9 +107,13 @@ test-wheel: wheel-aarch64
 check-wheels: $(VENV)/.run-deps
 	$(PY) tests/wheel_contents.py $(DIST)/routed_experts-*.whl
 	$(PY) tests/emulated_wheel_check.py $(DIST) > $(DIST)/emulated.log 2>&1 & emulated=$$!; \
-	$(NATIVE_FIRST) $(PY) tests/wheel_check.py $(DIST); native=$$?; \
-	wait $$emulated; arm=$$?; cat $(DIST)/emulated.log; \
+	{ $(NATIVE_FIRST) $(PY) tests/wheel_check.py $(DIST); } > $(DIST)/native.log 2>&1; native=$$?; \
+	wait $$emulated; arm=$$?; cat $(DIST)/native.log $(DIST)/emulated.log; \
 	echo "make: x86_64 wheel check exit $$native, aarch64 (emulated) exit $$arm"; \
+	for log in native emulated; do \
+	    grep -E "^(FAILED|ERROR) |^[0-9]+ (passed|failed)|[0-9]+ failed" $(DIST)/$$log.log \
+	        | sed "s/^/make: $$log: /"; \
+	done; \
 	test $$native = 0 && test $$arm = 0
 
 lint: build-dev $(VENV)/.test-deps $(VENV)/.lint-deps

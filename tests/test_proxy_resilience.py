@@ -115,7 +115,11 @@ def test_a_decode_server_that_holds_a_request_does_not_starve_the_other() -> Non
 
 def test_a_hung_decode_server_times_out_and_is_ejected() -> None:
     hung, healthy = Engine(fail="hang"), Engine()
-    with stack([Engine()], [hung, healthy], read_timeout=1.0, eject_after=2) as url:
+    # Ejected for 300 s: on a loaded machine (CI runs this beside a qemu emulation) the ten
+    # requests below have taken over ten seconds, and the default ejection was over before
+    # /health was read.
+    settings = {"read_timeout": 1.0, "eject_after": 2, "eject_seconds": 300}
+    with stack([Engine()], [hung, healthy], **settings) as url:
         # Least load takes turns between idle servers: the hung one's turns time out (504),
         # the other's are served; its second timeout in a row takes it out of rotation, and
         # from then on every request succeeds.
@@ -133,9 +137,10 @@ def test_a_hung_decode_server_times_out_and_is_ejected() -> None:
 
 def test_an_ejected_server_gets_a_trial_after_eject_seconds_and_rejoins() -> None:
     flaky = Engine(fail="500")
-    with stack([Engine()], [flaky], eject_after=2, eject_seconds=2.0) as url:
+    # Four seconds of ejection: the request below comes within them even on a loaded machine.
+    with stack([Engine()], [flaky], eject_after=2, eject_seconds=4.0) as url:
         assert [post(url).status_code for _ in range(2)] == [502, 502]
-        r = post(url)  # well within the two seconds of ejection
+        r = post(url)  # well within the seconds of ejection
         assert r.status_code == 503 and r.json()["error"]["side"] == "proxy"
         assert int(r.headers["retry-after"]) >= 1
         assert "no decode server is in rotation" in r.json()["error"]["message"]
@@ -144,7 +149,7 @@ def test_an_ejected_server_gets_a_trial_after_eject_seconds_and_rejoins() -> Non
         assert len(flaky.requests) == 2  # the ejected server was not called
         flaky.fail = None
         # /health says when its ejection is over; then the next request is its trial.
-        wait_for(lambda: _decode_health(url)["retry_in_s"] == 0)
+        wait_for(lambda: _decode_health(url)["retry_in_s"] == 0, seconds=20)
         assert post(url).status_code == 200  # the trial request
         assert httpx.get(url + "/health", timeout=10).status_code == 200
         metrics = httpx.get(url + "/metrics", timeout=10).text
@@ -176,13 +181,20 @@ def test_the_last_decode_server_is_probed_not_shut_out_and_no_prefill_runs_witho
         decode.health_checks = 0
         assert [post(url).status_code for _ in range(2)] == [502, 502]
         prefills = len(prefill.requests)
+        probing = time.monotonic()  # before the request that probes
         r = post(url)
         assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
         assert "none answered a health probe" in r.json()["error"]["message"]
         assert len(prefill.requests) == prefills  # refused before any prefill
         assert decode.health_checks == 1 and len(decode.requests) == 2
-        r = post(url)  # within a second of the last probe: refused without another
-        assert r.status_code == 503 and decode.health_checks == 1
+        r = post(url)
+        assert r.status_code == 503
+        # Within a second of the last probe it is refused without another. A loaded machine
+        # (CI beside a qemu emulation) can take longer than that over one request, and then a
+        # second probe is due: the rule's own test is pool.rs's, on a clock it controls.
+        if time.monotonic() - probing < 1.0:
+            assert decode.health_checks == 1
+        probes = decode.health_checks
         decode.fail = None
         # Refused without a probe until a second has passed since the last; then one probe
         # finds it answering and the request is served.
@@ -191,7 +203,7 @@ def test_the_last_decode_server_is_probed_not_shut_out_and_no_prefill_runs_witho
         assert {a.status_code for a in answers[:-1]} <= {503}
         r = answers[-1]
         assert rx.from_response(r.content) == expected(COMPLETION)
-        assert decode.health_checks == 2
+        assert decode.health_checks == probes + 1  # one probe found it answering
         assert httpx.get(url + "/health", timeout=10).status_code == 200  # back in rotation
 
 
