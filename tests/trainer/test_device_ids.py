@@ -104,6 +104,24 @@ def test_a_ranks_share_is_written_into_a_host_tensor_reused_from_step_to_step() 
         assert buf.is_pinned() == pin
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs a GPU")
+def test_rows_already_in_pinned_memory_are_copied_from_there(monkeypatch: Any) -> None:
+    # pack_shard's `out` in a pinned tensor: the device path copies the rows from it, with no
+    # second staging copy (pin_memory refused here), and makes the host's ids.
+    buf = torch.zeros(6 * 2 * 2, dtype=torch.uint8, pin_memory=True)
+    rows = buf.numpy().reshape(6, 2, 2)
+    rows[:] = np.arange(24).reshape(6, 2, 2) % 8
+    want = replay_ids(rows, [0, 1], None, 8, ["a", "b"], np.int64)
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("rows already pinned were staged again")
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", refuse)
+    ids, replayed = _device.ids_on(RouterRows(rows, [0, 1], None, 8, ["a", "b"]), device="cuda")
+    np.testing.assert_array_equal(ids.cpu().numpy(), want[0])
+    np.testing.assert_array_equal(replayed.cpu().numpy(), want[1])
+
+
 @pytest.mark.parametrize("on_device", [False, True])
 def test_rows_are_named_only_when_one_is_refused(on_device: bool) -> None:
     # A rank's cut of its batch into (sample, position) is made for the error alone: a step

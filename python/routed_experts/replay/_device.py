@@ -69,7 +69,8 @@ def ids_on(
     """`replay_ids` on `device`: each router's `[tokens, top_k]` ids (one `[routers, tokens,
     top_k]` tensor, each router's part contiguous) and `[routers, tokens]` bool, the rows
     replayed, both on `device`. With `r.pattern` (the model's MoE layers), `check_layers` runs
-    there too. `pin_memory`: stage the copy in page-locked memory (a GPU only)."""
+    there too. `pin_memory`: stage the copy in page-locked memory (a GPU only; rows already
+    there are copied as they are)."""
     import torch
 
     dtype = torch.int64 if dtype is None else dtype
@@ -89,7 +90,10 @@ def ids_on(
     with warnings.catch_warnings():  # a decoded payload's rows are read-only; never written
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         host = torch.from_numpy(batch.view(np.int16) if wide_from_u16 else batch)
-    if pin_memory and device.type == "cuda":
+    # Rows already in page-locked memory (`pack_shard`'s `out` in a pinned tensor, reused from
+    # step to step) are copied from where they are: pinning them again is a second host copy.
+    # They may be rewritten once this returns: the `.cpu()` below waits for the copy.
+    if pin_memory and device.type == "cuda" and not host.is_pinned():
         host = host.pin_memory()
     narrow = host.to(device, non_blocking=True)
     if wide_from_u16:
