@@ -114,6 +114,7 @@ check-wheels: $(VENV)/.run-deps
 	    grep -E "^(FAILED|ERROR) |^[0-9]+ (passed|failed)|[0-9]+ failed" $(DIST)/$$log.log \
 	        | sed "s/^/make: $$log: /"; \
 	done; \
+	test $$native = 0 || tail -n 15 $(DIST)/native.log | sed "s/^/make: native, its end: /"; \
 	test $$native = 0 && test $$arm = 0
 
 lint: build-dev $(VENV)/.test-deps $(VENV)/.lint-deps
