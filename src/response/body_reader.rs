@@ -188,8 +188,7 @@ impl BodyReader {
     ) -> &'c [u8] {
         // A candidate is looked at no later than at `decode_from` characters, however large the
         // chunk.
-        let plain = candidate && !escaped;
-        let window = match plain {
+        let window = match candidate && !escaped {
             true => chunk.len().min(
                 (start + self.decode_from)
                     .saturating_sub(self.skeleton.len())
