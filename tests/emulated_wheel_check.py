@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+import network_retry
+
 # The same pytest settings and the same list of compilers a wheel must never need.
 from wheel_check import COMPILERS, PYTEST_INI
 
@@ -37,9 +39,13 @@ PLATFORMS = ("manylinux2014_aarch64", "manylinux_2_17_aarch64", "manylinux_2_28_
 BINFMT = Path("/proc/sys/fs/binfmt_misc")
 
 
-def run(cmd: list[str], **kw: object) -> None:
+def run(cmd: list[str], downloads: bool = False, **kw: object) -> None:
+    """`downloads`: a try the network drops is made again after a pause (network_retry.py)."""
     print("emulated_wheel_check: $", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, **kw)  # type: ignore[call-overload]
+    if downloads:
+        network_retry.run(cmd, **kw)  # type: ignore[arg-type]
+    else:
+        subprocess.run(cmd, check=True, **kw)  # type: ignore[call-overload]
 
 
 def install_tools() -> None:
@@ -47,9 +53,9 @@ def install_tools() -> None:
     if shutil.which("qemu-aarch64-static") and shutil.which("debootstrap"):
         return
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    run(["apt-get", "update", "-q"], env=env, stdout=subprocess.DEVNULL)
-    run(["apt-get", "install", "-y", "-q", "qemu-user-static", "debootstrap"], env=env,
-        stdout=subprocess.DEVNULL)
+    run(["apt-get", "update", "-q"], downloads=True, env=env, stdout=subprocess.DEVNULL)
+    run(["apt-get", "install", "-y", "-q", "qemu-user-static", "debootstrap"], downloads=True,
+        env=env, stdout=subprocess.DEVNULL)
 
 
 def register_binfmt() -> None:
@@ -72,7 +78,8 @@ def arm64_root() -> Path:
     shutil.rmtree(building, ignore_errors=True)
     building.parent.mkdir(parents=True, exist_ok=True)
     run(["debootstrap", "--arch=arm64", "--variant=minbase", "--include=python3,python3-venv",
-         "bookworm", str(building), MIRROR], stdout=subprocess.DEVNULL)
+         "bookworm", str(building), MIRROR], downloads=True, stdout=subprocess.DEVNULL,
+        before_again=lambda: shutil.rmtree(building, ignore_errors=True))
     building.rename(ROOT)
     return ROOT
 
@@ -142,7 +149,8 @@ def main() -> None:
     ]
     (suite / "requirements.txt").write_text("\n".join(wanted) + "\n")
     run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", *platforms,
-         f"--python-version={PYTHON}", "-d", str(house), "-r", str(suite / "requirements.txt")])
+         f"--python-version={PYTHON}", "-d", str(house), "-r", str(suite / "requirements.txt")],
+        downloads=True)
     compilers = " ".join(COMPILERS)
     in_root(root, f"""
         for c in {compilers}; do

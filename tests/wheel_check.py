@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import network_retry
+
 TESTS = Path(__file__).resolve().parent
 # Tools a wheel install must never need: if one ran, the wheel was not what got installed.
 COMPILERS = ("cargo", "rustc", "rustup", "cc", "c++", "gcc", "g++", "clang", "clang++", "zig")
@@ -75,10 +77,11 @@ def check(python: str, wheel: Path, work: Path, clean_bin: Path) -> None:
     assert not missing, f"compilers still on PATH: {missing}"
     py = str(venv / "bin" / "python")
     # Binary wheels only: nothing may be built on the way in.
+    # A download the network drops is tried again after a pause (network_retry.py).
     pip = [py, "-m", "pip", "install", "-q", "--only-binary=:all:"]
-    run([py, "-m", "pip", "install", "-q", "--upgrade", "pip"], env)
-    run([*pip, str(wheel)], env)
-    run([*pip, "-r", str(TESTS / "requirements.txt")], env)
+    network_retry.run([py, "-m", "pip", "install", "-q", "--upgrade", "pip"], env)
+    network_retry.run([*pip, str(wheel)], env)
+    network_retry.run([*pip, "-r", str(TESTS / "requirements.txt")], env)
     suite = work / "tests"
     shutil.copytree(TESTS, suite, ignore=shutil.ignore_patterns("__pycache__", "wheel_check.py"))
     # The benchmark harness its tests run (not in the wheel): beside the suite, as in a clone.

@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "real" / "harness"))
+sys.path[:0] = [str(HERE.parent), str(HERE.parent / "real" / "harness")]
+import network_retry  # noqa: E402  (a dropped download is tried again)
 from engine_env import python312  # noqa: E402  (one way to find CPython 3.12)
 
 PINS = HERE / "environment.txt"
@@ -46,11 +47,10 @@ def main() -> None:
               file=sys.stderr, flush=True)  # fmt: skip
         shutil.rmtree(env, ignore_errors=True)
         subprocess.run([python312(), "-m", "venv", str(env)], check=True)
-        pip = [str(python), "-m", "pip", "--disable-pip-version-check", "-q"]
-        subprocess.run([*pip, "install", "--upgrade", "pip"], check=True)
-        subprocess.run([*pip, "install", "-c", str(PINS), *WANTED], check=True)
-        subprocess.run([*pip, "install", "--no-deps", "-c", str(PINS), *WITHOUT_DEPENDENCIES],
-                       check=True)  # fmt: skip
+        pip = [str(python), "-m", "pip", "-q", "install"]
+        network_retry.run([*pip, "--upgrade", "pip"])
+        network_retry.run([*pip, "-c", str(PINS), *WANTED])
+        network_retry.run([*pip, "--no-deps", "-c", str(PINS), *WITHOUT_DEPENDENCIES])
         (env / ".ready").write_text("")
     print(python)
 

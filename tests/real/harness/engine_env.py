@@ -55,6 +55,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REAL = HERE.parent
+NETWORK_RETRY = REAL.parent / "network_retry.py"
 CACHE = Path(
     os.environ.get("RX_ENGINE_CACHE", Path.home() / ".cache" / "routed_experts" / "engines")
 )
@@ -186,7 +187,9 @@ def make(engine: str, release: str) -> Path:
     CACHE.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(env, ignore_errors=True)
     run(python312(), "-m", "venv", str(env))
-    pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
+    # pip through tests/network_retry.py: a download the network drops is tried again after a
+    # pause.
+    pip = [sys.executable, str(NETWORK_RETRY), str(python), "-m", "pip"]
     run(*pip, "install", "-q", "--upgrade", "pip")
     lock = REAL / engine / release / "environment.txt"
     pinned = ["-c", str(lock)] if lock.exists() else []
