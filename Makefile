@@ -93,7 +93,7 @@ wheel-x86_64: $(VENV)/.wheel-deps
 wheel-aarch64: $(VENV)/.wheel-deps
 	@echo "make: building the abi3 $(WHEEL_TAG) aarch64 wheel into $(DIST)/ (3 minutes from clean)"
 	rm -f $(DIST)/routed_experts-*aarch64.whl
-	rustup target add $(AARCH64)
+	$(PY) tests/network_retry.py rustup target add $(AARCH64)
 	CARGO_TARGET_DIR=$(abspath target/wheel-aarch64) maturin build --release --zig --target $(AARCH64) --compatibility $(WHEEL_TAG) -o $(DIST) -q 2>&1 | { grep -v "^Ignoring .*: markers" || test $$? = 1; }
 	auditwheel show $(DIST)/routed_experts-*aarch64.whl
 	$(PY) tests/wheel_contents.py $(DIST)/routed_experts-*aarch64.whl
