@@ -1,4 +1,4 @@
-"""A command that downloads (pip, debootstrap, apt-get), run again after a pause when the
+"""A command that downloads (pip, debootstrap, apt-get, rustup), run again after a pause when the
 network drops it.
 
 Every environment the project makes (the Makefile's venv, the engines', the trainer's, the
