@@ -276,6 +276,50 @@ impl AlignedBytes {
         &mut self.as_mut_bytes()[old..]
     }
 
+    /// Lengthen by the bytes `fill` writes into `n` bytes of room past the end, nothing zeroed
+    /// first (a decoder's output is written once, not zeroed then overwritten): `fill` returns
+    /// how many it wrote, and only those are kept. Capacity grows as [`AlignedBytes::grow`]'s.
+    ///
+    /// # Safety
+    /// `fill` must have initialised the first `w` bytes of the room it is given when it returns
+    /// `w`, and `w` must not exceed `n`.
+    pub(crate) unsafe fn append_written(
+        &mut self,
+        n: usize,
+        fill: impl FnOnce(&mut [MaybeUninit<u8>]) -> usize,
+    ) -> usize {
+        self.own();
+        let old = self.len;
+        let end = old
+            .checked_add(n)
+            .expect("append_written: a length past usize");
+        let need_words = end.div_ceil(8);
+        if need_words > self.words.capacity() {
+            let target = need_words.max(self.words.capacity() * 2);
+            self.words.reserve_exact(target - self.words.len());
+        }
+        let base = self.words.as_mut_ptr().cast::<MaybeUninit<u8>>();
+        // SAFETY: the allocation holds `need_words` words, so bytes [old, old + n) lie inside
+        // it; `MaybeUninit<u8>` has no alignment or validity requirement; nothing else borrows
+        // `self.words` while the slice lives.
+        let room = unsafe { std::slice::from_raw_parts_mut(base.add(old), n) };
+        let written = fill(room);
+        assert!(written <= n, "append_written: wrote past its room");
+        let len = old + written;
+        let words = len.div_ceil(8);
+        if words > self.words.len() {
+            // SAFETY: bytes [old, len) were written by `fill` (its contract), and every word
+            // before `self.words.len()` was already initialised; the last new word's bytes past
+            // `len` are zeroed here, so the first `words` words are all initialised.
+            unsafe {
+                std::ptr::write_bytes(base.add(len), 0, words * 8 - len);
+                self.words.set_len(words);
+            }
+        }
+        self.len = len;
+        written
+    }
+
     /// Shorten to `len` bytes (keeps the allocation).
     pub fn truncate(&mut self, len: usize) {
         if len < self.len {
@@ -312,6 +356,37 @@ mod tests {
         b.extend_from_slice(&[10]);
         assert_eq!(b.as_bytes(), &[1, 2, 3, 4, 10]);
         assert_eq!(b.as_bytes().as_ptr() as usize % 8, 0);
+    }
+
+    #[test]
+    fn appends_only_the_bytes_written() {
+        let mut b = AlignedBytes::default();
+        b.extend_from_slice(&[1, 2, 3]);
+        for (room, wrote) in [(13, 13), (20, 5), (9, 0), (1, 1)] {
+            let before = b.as_bytes().to_vec();
+            // SAFETY: the closure writes the first `wrote` bytes of its room.
+            let n = unsafe {
+                b.append_written(room, |r| {
+                    assert_eq!(r.len(), room);
+                    for (i, x) in r[..wrote].iter_mut().enumerate() {
+                        x.write(100 + i as u8);
+                    }
+                    wrote
+                })
+            };
+            assert_eq!(n, wrote);
+            let want: Vec<u8> = before
+                .iter()
+                .copied()
+                .chain((0..wrote).map(|i| 100 + i as u8))
+                .collect();
+            assert_eq!(b.as_bytes(), &want[..]);
+            assert_eq!(b.words.len(), b.len().div_ceil(8));
+            assert_eq!(b.as_bytes().as_ptr() as usize % 8, 0);
+        }
+        b.truncate(2);
+        b.extend_from_slice(&[7]);
+        assert_eq!(b.as_bytes(), &[1, 2, 7]);
     }
 
     #[test]

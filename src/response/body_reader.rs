@@ -15,6 +15,8 @@ use std::hash::{BuildHasher, RandomState};
 use std::mem::MaybeUninit;
 use std::sync::Arc;
 
+use xxhash_rust::xxh3::Xxh3;
+
 use crate::body::read_body_predecoded;
 use crate::error::Result;
 use crate::formats::Hints;
@@ -27,6 +29,10 @@ use super::group::{group_from_response, group_of, Group};
 /// A `data` string is decoded as it arrives once it is this long (shorter ones stay text: they
 /// cost little, and most short strings are not routing).
 pub const DECODE_FROM: usize = 4096;
+
+/// At most this many distinct decoded strings are compared with a new one that shares their
+/// length and hash.
+const SAME_KEY_MAX: usize = 8;
 
 /// The first byte of a placeholder's content: a raw control byte, which no JSON text may hold
 /// in a string (RFC 8259 §7); a body that does anyway is read from its text alone.
@@ -54,7 +60,18 @@ enum Lex {
         /// Characters not yet decoded: part of a quantum, or a quantum with padding, whose
         /// string must end next.
         tail: Vec<u8>,
+        /// `out`'s hash so far, taken as each piece is decoded (while it is in the cache).
+        hash: Hasher,
     },
+}
+
+/// A decoded string's hash so far (boxed: the hasher's state is half a kB).
+struct Hasher(Box<Xxh3>);
+
+impl std::fmt::Debug for Hasher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Hasher(xxh3)")
+    }
 }
 
 /// The `"data":` key before a value.
@@ -76,15 +93,21 @@ pub struct BodyReader {
     skeleton: Vec<u8>,
     predecoded: Predecoded,
     /// The placeholders' ids by (length, hash) of their bytes: equal strings share one
-    /// placeholder, so values that are the same text stay the same text. The hash is keyed at
-    /// random, so no body can be made of strings that all collide.
+    /// placeholder, so values that are the same text stay the same text. The hash (XXH3, at
+    /// memory speed where SipHash took twice the decode's time) is seeded at random, and at
+    /// most [`SAME_KEY_MAX`] strings are compared under one key, so no body can make the
+    /// comparisons quadratic.
     by_content: HashMap<(usize, u64), Vec<usize>>,
-    hasher: RandomState,
+    seed: u64,
+    /// Every hash is 0 (a test's way to make strings share keys).
+    #[cfg(test)]
+    colliding: bool,
     /// Each placeholder id's bytes.
     ids: Vec<Arc<AlignedBytes>>,
     lex: Lex,
-    /// A `data` string kept as text starts with [`MARK`]: the skeleton is not read.
-    marked_text: bool,
+    /// The skeleton is not read, the whole text is: a `data` string kept as text starts with
+    /// [`MARK`], or more than [`SAME_KEY_MAX`] decoded strings share a key.
+    read_as_text: bool,
     decode_from: usize,
     max_bytes: usize,
 }
@@ -103,10 +126,12 @@ impl BodyReader {
             skeleton: Vec::new(),
             predecoded: Predecoded::default(),
             by_content: HashMap::new(),
-            hasher: RandomState::new(),
+            seed: RandomState::new().hash_one(0x5eed_u64),
+            #[cfg(test)]
+            colliding: false,
             ids: Vec::new(),
             lex: Lex::Between { key: DataKey::None },
-            marked_text: false,
+            read_as_text: false,
             decode_from: decode_from.max(4),
             max_bytes,
         }
@@ -141,7 +166,12 @@ impl BodyReader {
                     escaping,
                     escaped,
                 } => self.text(chunk, start, candidate, escaping, escaped),
-                Lex::Base64 { start, out, tail } => self.base64(chunk, start, out, tail),
+                Lex::Base64 {
+                    start,
+                    out,
+                    tail,
+                    hash,
+                } => self.base64(chunk, start, out, tail, hash),
             };
         }
     }
@@ -221,7 +251,7 @@ impl BodyReader {
         if let Some(q) = close {
             let content = &self.skeleton[start..];
             if candidate && content.first() == Some(&MARK) {
-                self.marked_text = true;
+                self.read_as_text = true;
             }
             let key = match !escaped && content == b"data" {
                 true => DataKey::Key,
@@ -259,7 +289,14 @@ impl BodyReader {
         let text = &self.skeleton[start..];
         push(&mut out, &mut tail, text, false, self.max_bytes).then(|| {
             self.skeleton.truncate(start);
-            Lex::Base64 { start, out, tail }
+            let mut hash = Hasher(Box::new(Xxh3::with_seed(self.seed)));
+            hash.0.update(out.as_bytes());
+            Lex::Base64 {
+                start,
+                out,
+                tail,
+                hash,
+            }
         })
     }
 
@@ -272,9 +309,11 @@ impl BodyReader {
         start: usize,
         mut out: AlignedBytes,
         mut tail: Vec<u8>,
+        mut hash: Hasher,
     ) -> &'c [u8] {
         let quote = memchr::memchr(b'"', chunk);
         let segment = &chunk[..quote.unwrap_or(chunk.len())];
+        let before = out.len();
         if !push(
             &mut out,
             &mut tail,
@@ -291,13 +330,20 @@ impl BodyReader {
             };
             return chunk; // read again as text, from the segment's start
         }
+        hash.0.update(&out.as_bytes()[before..]);
         match quote {
             None => {
-                self.lex = Lex::Base64 { start, out, tail };
+                self.lex = Lex::Base64 {
+                    start,
+                    out,
+                    tail,
+                    hash,
+                };
                 &[]
             }
             Some(q) => {
-                self.placeholder(start, out);
+                let hash = self.content_hash(&hash.0);
+                self.placeholder(start, out, hash);
                 self.lex = Lex::Between { key: DataKey::None };
                 &chunk[q + 1..]
             }
@@ -316,24 +362,40 @@ impl BodyReader {
 
     /// Write the placeholder of a decoded string (its opening quote at `start - 1`) and close
     /// it; equal bytes share an id, so equal texts stay equal.
-    fn placeholder(&mut self, start: usize, out: AlignedBytes) {
-        let key = (out.len(), self.hasher.hash_one(out.as_bytes()));
+    fn placeholder(&mut self, start: usize, out: AlignedBytes, hash: u64) {
+        let key = (out.len(), hash);
         let ids = self.by_content.entry(key).or_default();
-        let id = match ids
+        let same = ids
             .iter()
             .find(|&&i| self.ids[i].as_bytes() == out.as_bytes())
-        {
-            Some(&i) => i,
+            .copied();
+        let id = match same {
+            Some(i) => i,
             None => {
                 self.ids.push(Arc::new(out));
-                ids.push(self.ids.len() - 1);
-                self.ids.len() - 1
+                let id = self.ids.len() - 1;
+                match ids.len() < SAME_KEY_MAX {
+                    true => ids.push(id),
+                    // Distinct strings made to share a key: one equal to this string may now
+                    // get a placeholder of its own, so the whole text is read instead.
+                    false => self.read_as_text = true,
+                }
+                id
             }
         };
         self.predecoded.insert(start - 1, self.ids[id].clone());
         self.skeleton.push(MARK);
         self.skeleton.extend_from_slice(id.to_string().as_bytes());
         self.skeleton.push(b'"');
+    }
+
+    /// The key's hash of a decoded string's bytes, from its hasher.
+    fn content_hash(&self, hash: &Xxh3) -> u64 {
+        #[cfg(test)]
+        if self.colliding {
+            return 0;
+        }
+        hash.digest()
     }
 
     /// The body fed, read as [`group_from_response`] reads it (the same group, or the same
@@ -343,7 +405,7 @@ impl BodyReader {
             // A body that ends inside a string: the whole text says how.
             return group_from_response(&self.whole_text(), hints, max_bytes);
         }
-        if !self.marked_text {
+        if !self.read_as_text {
             let skeleton = std::mem::take(&mut self.skeleton);
             let read = read_body_predecoded(&skeleton, &self.predecoded)
                 .and_then(|found| group_of(found, hints, max_bytes));
@@ -357,8 +419,9 @@ impl BodyReader {
 
     /// The body as fed: each placeholder back to the base64 text it was decoded from.
     fn whole_text(&mut self) -> Vec<u8> {
-        if let Lex::Base64 { start, out, tail } =
-            std::mem::replace(&mut self.lex, Lex::Between { key: DataKey::None })
+        if let Lex::Base64 {
+            start, out, tail, ..
+        } = std::mem::replace(&mut self.lex, Lex::Between { key: DataKey::None })
         {
             self.back_to_text(start, &out, &tail);
         }
@@ -462,12 +525,13 @@ fn whole_quanta(out: &mut AlignedBytes, text: &[u8], max_bytes: usize) -> bool {
     {
         return false;
     }
-    let dst = out.grow(n);
-    // SAFETY: `u8` and `MaybeUninit<u8>` have one layout, and the decoder writes only bytes.
-    let dst = unsafe { &mut *(std::ptr::from_mut::<[u8]>(dst) as *mut [MaybeUninit<u8>]) };
     // The decoder skips white space and stops at padding: a count short of 3 per 4 characters
-    // says the text was not all alphabet (`push` then takes back what was grown).
-    b64::decode_piece(text, dst) == Some(n)
+    // says the text was not all alphabet (`push` then takes back what was kept).
+    // SAFETY: `decode_piece` returns the count it wrote (at most the room's length), having
+    // initialised exactly those bytes; nothing is kept when it refuses the text.
+    let written =
+        unsafe { out.append_written(n, |room| b64::decode_piece(text, room).unwrap_or(0)) };
+    written == n
 }
 
 /// Decode a string's last quantum, padding allowed, when it is canonical (it re-encodes to

@@ -163,6 +163,39 @@ fn equal_strings_share_one_placeholder_and_differing_ones_do_not() {
 }
 
 #[test]
+fn strings_made_to_share_a_key_are_compared_a_bounded_number_of_times() {
+    // Distinct strings of one length before an equal pair (Dynamo's nvext pair): with every
+    // hash equal, past `SAME_KEY_MAX` of them the pair may not share a placeholder, and the
+    // body is read from its whole text instead, to the same answer.
+    let text = |rows: &Payload| String::from_utf8(encode_json(rows, Format::Compact).unwrap());
+    let v = text(&rows(0, 30, 30, 0)).unwrap();
+    for distinct in [2, SAME_KEY_MAX + 3] {
+        let pad: Vec<String> = (1..=distinct as u64)
+            .map(|c| text(&rows(0, 30, 3, c)).unwrap())
+            .collect();
+        let body = format!(
+            r#"{{"choices":[{{"index":0}}],"pad":[{}],"nvext":{{"routed_experts":{v},"engine_data":{{"routed_experts":{v}}}}}}}"#,
+            pad.join(",")
+        );
+        for colliding in [false, true] {
+            let mut r = BodyReader::decoding_from(16, DEFAULT_MAX_BYTES);
+            r.colliding = colliding;
+            r.feed(body.as_bytes());
+            assert!(r.decoded_bytes() > 0);
+            let whole_read = colliding && distinct > SAME_KEY_MAX;
+            assert_eq!(
+                r.read_as_text, whole_read,
+                "{distinct} distinct, {colliding}"
+            );
+            assert!(r.by_content.values().all(|ids| ids.len() <= SAME_KEY_MAX));
+            let got = r.group(&Hints::default(), DEFAULT_MAX_BYTES);
+            same_as_whole(body.as_bytes(), &got);
+            assert!(got.is_ok(), "{got:?}");
+        }
+    }
+}
+
+#[test]
 fn a_string_past_the_limit_stays_text_and_gives_the_limits_error() {
     let answer = shared_answer(40, 2);
     let mut r = BodyReader::decoding_from(16, 100);
