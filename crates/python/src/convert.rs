@@ -4,6 +4,7 @@ use std::borrow::Cow;
 
 use numpy::{PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
 
 use crate::errors::{Failure, PyResult};
 
@@ -18,16 +19,16 @@ use routed_experts::{DType, DTypeChoice, Payload, Shape};
 
 /// A response body: JSON text as `text_arg` takes it, or a body already parsed into a dict (or
 /// a list, for SGLang batches), written back to JSON text first.
-pub fn body_arg<'a>(value: &'a Bound<'_, PyAny>, name: &str) -> PyResult<Cow<'a, [u8]>> {
+pub fn body_arg<'a>(value: &'a Bound<'_, PyAny>, name: &str) -> PyResult<Text<'a>> {
     if value.is_instance_of::<PyDict>() || value.is_instance_of::<PyList>() {
-        return Ok(Cow::Owned(json_text(
+        return Ok(Text::Owned(json_text(
             value,
             name,
             "a JSON-serialisable dict",
         )?));
     }
     if let Some(text) = model_json(value, name)? {
-        return Ok(Cow::Owned(text));
+        return Ok(Text::Owned(text));
     }
     text_arg(value, name)
 }
@@ -85,22 +86,44 @@ pub fn json_text(value: &Bound<'_, PyAny>, field: &str, expected: &str) -> PyRes
         .to_vec())
 }
 
-/// Text that JSON can be parsed from: borrowed from `bytes`/`str`, copied from mutable buffers
-/// (a `bytearray` could change while the GIL is released). Anything else is a `PayloadError`
-/// naming the argument `name`.
-pub fn text_arg<'a>(value: &'a Bound<'_, PyAny>, name: &str) -> PyResult<Cow<'a, [u8]>> {
+/// An argument's text: borrowed from a `bytes` or `str`, or copied once from a buffer that
+/// could change while the GIL is released (a `memoryview`'s into the `bytes` it makes, a
+/// `bytearray`'s), or written by the call (JSON of a dict).
+pub enum Text<'a> {
+    Borrowed(&'a [u8]),
+    Bytes(PyBackedBytes),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Text<'_> {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Text::Borrowed(b) => b,
+            Text::Bytes(b) => b,
+            Text::Owned(v) => v,
+        }
+    }
+}
+
+/// Text that JSON can be parsed from: borrowed from `bytes`/`str`, copied once from mutable
+/// buffers (a `bytearray` or what a `memoryview` shows could change while the GIL is
+/// released). Anything else is a `PayloadError` naming the argument `name`.
+pub fn text_arg<'a>(value: &'a Bound<'_, PyAny>, name: &str) -> PyResult<Text<'a>> {
     if let Ok(b) = value.cast::<PyBytes>() {
-        return Ok(Cow::Borrowed(b.as_bytes()));
+        return Ok(Text::Borrowed(b.as_bytes()));
     }
     if let Ok(s) = value.cast::<PyString>() {
-        return Ok(Cow::Borrowed(str_utf8(s, name)?.as_bytes()));
+        return Ok(Text::Borrowed(str_utf8(s, name)?.as_bytes()));
     }
     if let Ok(b) = value.cast::<PyByteArray>() {
-        return Ok(Cow::Owned(b.to_vec()));
+        return Ok(Text::Owned(b.to_vec()));
     }
     if value.is_instance_of::<PyMemoryView>() {
-        let bytes = value.call_method0("tobytes")?;
-        return Ok(Cow::Owned(bytes.cast::<PyBytes>()?.as_bytes().to_vec()));
+        // `tobytes` is the one copy (what the view shows, in order); the `bytes` is kept as is.
+        let bytes = value.call_method0("tobytes")?.cast_into::<PyBytes>()?;
+        return Ok(Text::Bytes(PyBackedBytes::from(bytes)));
     }
     let kind = py_type_name(value);
     if kind != NOT_JSON {
