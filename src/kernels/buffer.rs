@@ -112,6 +112,34 @@ impl AlignedBytes {
         })
     }
 
+    /// The bytes before `at` and from it, as two views of this memory that both keep it alive
+    /// (no copy). `at` must be a multiple of 8 (a view starts aligned) and at most the length.
+    pub(crate) fn split_views(self, at: usize) -> (AlignedBytes, AlignedBytes) {
+        assert!(
+            at % 8 == 0 && at <= self.len,
+            "split_views: {at} of {} bytes",
+            self.len
+        );
+        let (ptr, owner): (*const u8, Arc<dyn Send + Sync>) = match self.shared {
+            Some(s) => (s.ptr, s._owner),
+            None => {
+                // Moving the words into the `Arc` leaves their heap memory where it is.
+                let words = Arc::new(self.words);
+                (words.as_ptr().cast::<u8>(), words)
+            }
+        };
+        let view = |from: usize, len: usize, owner: Arc<dyn Send + Sync>| {
+            // SAFETY: [ptr + from, ptr + from + len) lies inside the memory `owner` keeps alive
+            // and never changes (an `Arc`'d `Vec` that nothing mutates, or the owner of a view,
+            // under `from_shared`'s contract); `ptr` is 8-aligned (words, or a view's start)
+            // and `from` a multiple of 8, so the view's start is too.
+            let v = unsafe { AlignedBytes::from_shared(ptr.wrapping_add(from), len, owner) };
+            v.expect("split_views: an aligned start")
+        };
+        let len = self.len;
+        (view(0, at, owner.clone()), view(at, len - at, owner))
+    }
+
     /// Whether the bytes are a view of someone else's memory (no copy was made).
     pub fn is_shared(&self) -> bool {
         self.shared.is_some()
@@ -387,6 +415,29 @@ mod tests {
         b.truncate(2);
         b.extend_from_slice(&[7]);
         assert_eq!(b.as_bytes(), &[1, 2, 7]);
+    }
+
+    #[test]
+    fn splits_into_views_of_one_memory() {
+        let mut owned = AlignedBytes::default();
+        owned.extend_from_slice(&(0..21).collect::<Vec<u8>>());
+        let at_ptr = owned.as_bytes().as_ptr();
+        let (head, tail) = owned.split_views(16);
+        assert!(head.is_shared() && tail.is_shared());
+        assert_eq!(head.as_bytes(), &(0..16).collect::<Vec<u8>>()[..]);
+        assert_eq!(tail.as_bytes(), &[16, 17, 18, 19, 20]);
+        assert_eq!(head.as_bytes().as_ptr(), at_ptr, "no copy");
+        assert_eq!(tail.as_bytes().as_ptr(), at_ptr.wrapping_add(16));
+        drop(head); // the tail keeps the memory alive
+        let (a, b) = tail.split_views(0);
+        assert!(a.is_empty() && b.as_bytes() == [16, 17, 18, 19, 20]);
+        let (c, d) = b.split_views(0);
+        let mut c = c;
+        c.extend_from_slice(&[9]); // a write copies first
+        assert_eq!(
+            (c.as_bytes(), d.as_bytes()),
+            (&[9u8][..], &[16u8, 17, 18, 19, 20][..])
+        );
     }
 
     #[test]

@@ -303,6 +303,33 @@ impl Payload {
         )
     }
 
+    /// Rows before absolute position `at` and rows from it (`at` inside this payload's
+    /// positions): views of its memory, which both keep alive (no copy), where the rows before
+    /// `at` fill whole 8-byte words (a view starts aligned); else copies.
+    pub(crate) fn split_at(self, at: u64) -> Result<(Payload, Payload)> {
+        let inside = self.start <= at && at <= self.stop();
+        let tokens = at.saturating_sub(self.start) as usize;
+        let head_bytes = tokens * self.row_bytes();
+        if !inside || head_bytes % 8 != 0 {
+            return Ok((self.slice(self.start, at)?, self.slice(at, self.stop())?));
+        }
+        let (start, shape, dtype) = (self.start, self.shape, self.dtype);
+        let (head, tail) = self.data.split_views(head_bytes);
+        let rest = shape.tokens - tokens;
+        Ok((
+            Payload::new(start, Shape { tokens, ..shape }, dtype, head)?,
+            Payload::new(
+                at,
+                Shape {
+                    tokens: rest,
+                    ..shape
+                },
+                dtype,
+                tail,
+            )?,
+        ))
+    }
+
     /// The same values in another dtype; a value that does not fit is an error.
     pub fn astype(&self, dtype: DType) -> Result<Payload> {
         if dtype == self.dtype {

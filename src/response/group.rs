@@ -99,7 +99,17 @@ fn split_off(
     };
     let held = (p - rows.start()) as usize;
     match shared {
-        None => *shared = Some(rows.slice(rows.start(), p)?),
+        None => {
+            // The first choice's rows become the shared ones and its own, views of its one
+            // buffer (which holds just those): no copy.
+            let (prompt_rows, own) = rows.split_at(p)?;
+            *shared = Some(prompt_rows);
+            return Ok(GroupChoice {
+                index,
+                shares: true,
+                own,
+            });
+        }
         Some(s) => {
             let alike = s.start() == rows.start()
                 && s.num_tokens() == held
@@ -278,6 +288,33 @@ pub(super) mod tests {
         assert_eq!(g.shared.as_ref().map(Payload::stop), Some(prompt));
         assert_eq!(g.choices.len(), n as usize);
         packs_as_whole(&answer, &g);
+    }
+
+    #[test]
+    fn the_first_choice_lends_its_buffer_and_the_others_keep_only_their_own_rows() {
+        // 2 bytes a row: a 12-row prompt ends on a whole 8-byte word (views), 13 does not.
+        for prompt in [12u64, 13] {
+            let values: Vec<Payload> = (0..3).map(|c| rows(0, prompt + 3, prompt, c)).collect();
+            let b = body(&values, Format::Compact, Some(prompt));
+            let g = group_from_response(&b, &Hints::default(), DEFAULT_MAX_BYTES).unwrap();
+            let shared = g.shared.clone().unwrap();
+            let first = &g.choices[0].own;
+            let viewed = prompt == 12;
+            assert_eq!(shared.clone().into_data().is_shared(), viewed);
+            assert_eq!(first.clone().into_data().is_shared(), viewed);
+            if viewed {
+                let end = shared.bytes().as_ptr().wrapping_add(shared.bytes().len());
+                assert_eq!(first.bytes().as_ptr(), end, "one buffer, no copy");
+            }
+            for c in &g.choices[1..] {
+                assert!(
+                    c.shares && !c.own.clone().into_data().is_shared(),
+                    "own rows only"
+                );
+                assert_eq!(c.own.num_tokens(), 3);
+            }
+            packs_as_whole(&b, &g);
+        }
     }
 
     #[test]
