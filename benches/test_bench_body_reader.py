@@ -1,7 +1,8 @@
 """A 32k-token Qwen3-235B answer read as it arrives, in the socket's 64 KB chunks: the
 library's `BodyReader` (decoded while fed), beside joining the chunks and reading the whole body
-(`rx.from_response`, or the glue's `orjson` + `pybase64`), and beside the floor, appending the
-chunks to one buffer (the copy every HTTP client makes of a body it hands over whole)."""
+(`rx.from_response`, or the glue's `orjson` + `pybase64`), and beside two floors: appending the
+chunks to one buffer (the copy every HTTP client makes of a body it hands over whole), and one
+copy of the joined body."""
 
 from __future__ import annotations
 
@@ -74,3 +75,10 @@ def test_join_then_orjson_pybase64(
 @pytest.mark.benchmark(group=GROUP)
 def test_append_chunks_memcpy(benchmark, chunks: list[bytes]) -> None:
     assert len(benchmark(append_chunks, chunks)) == sum(map(len, chunks))
+
+
+@pytest.mark.benchmark(group=GROUP)
+def test_memcpy_of_body(benchmark, chunks: list[bytes]) -> None:
+    """The floor: one copy of the whole body's bytes, already joined."""
+    whole = b"".join(chunks)
+    assert len(benchmark(baselines.memcpy, whole)) == len(whole)
