@@ -308,9 +308,10 @@ impl Payload {
     /// `at` fill whole 8-byte words (a view starts aligned); else copies.
     pub(crate) fn split_at(self, at: u64) -> Result<(Payload, Payload)> {
         let inside = self.start <= at && at <= self.stop();
+        // Inside, the rows before `at` are some of this payload's, so their size fits.
         let tokens = at.saturating_sub(self.start) as usize;
-        let head_bytes = tokens * self.row_bytes();
-        if !inside || head_bytes % 8 != 0 {
+        let head_bytes = if inside { tokens * self.row_bytes() } else { 1 };
+        if head_bytes % 8 != 0 {
             return Ok((self.slice(self.start, at)?, self.slice(at, self.stop())?));
         }
         let (start, shape, dtype) = (self.start, self.shape, self.dtype);
@@ -525,6 +526,26 @@ mod tests {
         let err = Payload::from_values(&[3i64, 300], shape, 10, DTypeChoice::Exact(DType::U8));
         let msg = err.unwrap_err().to_string();
         assert!(msg.contains("300 at position 11, layer 0"), "{msg}");
+    }
+
+    #[test]
+    fn split_at_views_or_copies_and_refuses_outside() {
+        // 8 bytes a row: views; 2 bytes a row: views where the head fills whole words.
+        let values: Vec<i64> = (0..24).collect();
+        for (rows, at, viewed) in [(3, 11, true), (12, 14, true), (12, 13, false)] {
+            let a = p(&values, rows, 10);
+            let (head, tail) = a.clone().split_at(at).unwrap();
+            assert_eq!((head.start(), head.stop(), tail.start()), (10, at, at));
+            assert_eq!([head.bytes(), tail.bytes()].concat(), a.bytes());
+            assert_eq!(head.into_data().is_shared(), viewed, "{rows} rows, at {at}");
+            assert_eq!(tail.into_data().is_shared(), viewed);
+        }
+        let a = p(&values, 3, 10);
+        for at in [9, 14, u64::MAX] {
+            assert!(a.clone().split_at(at).is_err(), "{at}");
+        }
+        let (head, tail) = a.clone().split_at(13).unwrap();
+        assert!(head.bytes() == a.bytes() && tail.num_tokens() == 0);
     }
 
     #[test]
