@@ -286,6 +286,15 @@ impl AlignedBytes {
         self.grow(bytes.len()).copy_from_slice(bytes);
     }
 
+    /// Room for `need_words` words of owned memory: capacity at least doubles when it runs out,
+    /// so a run of appends costs about one copy of the final size.
+    fn reserve_words(&mut self, need_words: usize) {
+        if need_words > self.words.capacity() {
+            let target = need_words.max(self.words.capacity() * 2);
+            self.words.reserve_exact(target - self.words.len());
+        }
+    }
+
     /// Lengthen by `n` bytes and return them for the caller to overwrite in full (their previous
     /// contents are unspecified). Capacity at least doubles when it runs out, so a run of
     /// appends costs about one copy of the final size.
@@ -294,10 +303,7 @@ impl AlignedBytes {
         let old = self.len;
         let need_words = (old + n).div_ceil(8);
         if need_words > self.words.len() {
-            if need_words > self.words.capacity() {
-                let target = need_words.max(self.words.capacity() * 2);
-                self.words.reserve_exact(target - self.words.len());
-            }
+            self.reserve_words(need_words);
             self.words.resize(need_words, 0);
         }
         self.len = old + n;
@@ -322,10 +328,7 @@ impl AlignedBytes {
             .checked_add(n)
             .expect("append_written: a length past usize");
         let need_words = end.div_ceil(8);
-        if need_words > self.words.capacity() {
-            let target = need_words.max(self.words.capacity() * 2);
-            self.words.reserve_exact(target - self.words.len());
-        }
+        self.reserve_words(need_words);
         let base = self.words.as_mut_ptr().cast::<MaybeUninit<u8>>();
         // SAFETY: the allocation holds `need_words` words, so bytes [old, old + n) lie inside
         // it; `MaybeUninit<u8>` has no alignment or validity requirement; nothing else borrows

@@ -307,13 +307,13 @@ impl Payload {
     /// positions): views of its memory, which both keep alive (no copy), where the rows before
     /// `at` fill whole 8-byte words (a view starts aligned); else copies.
     pub(crate) fn split_at(self, at: u64) -> Result<(Payload, Payload)> {
-        let inside = self.start <= at && at <= self.stop();
         // Inside, the rows before `at` are some of this payload's, so their size fits.
         let tokens = at.saturating_sub(self.start) as usize;
-        let head_bytes = if inside { tokens * self.row_bytes() } else { 1 };
-        if head_bytes % 8 != 0 {
+        let head_bytes = (self.start <= at && at <= self.stop()).then(|| tokens * self.row_bytes());
+        let Some(head_bytes) = head_bytes.filter(|b| b % 8 == 0) else {
+            // Outside (refused by `slice`), or a head that ends inside a word: copies.
             return Ok((self.slice(self.start, at)?, self.slice(at, self.stop())?));
-        }
+        };
         let (start, shape, dtype) = (self.start, self.shape, self.dtype);
         let (head, tail) = self.data.split_views(head_bytes);
         let rest = shape.tokens - tokens;
